@@ -1,0 +1,86 @@
+"""Continuous Kafka to PostgreSQL APPEND through the runner, against the raw consume-COPY-commit loop.
+
+Both read the 4-partition topic ``raw.kafka_to_pg`` reads. ``stream.kafka_to_pg`` is the whole product
+path (lease, begin, read through the pipeline, seal, commit with the per-partition watermark, certificate
+in a SQLite state store, offsets committed to the group) with JSON payloads parsed into typed columns
+``(i, name, score)``; ``stream.kafka_to_pg_text`` hands the payload through as text (format ``text``:
+columns key, value, headers, timestamp, topic, partition, offset), like the raw loop does. Each checks
+the row count afterwards.
+"""
+
+import asyncio
+import tempfile
+import time
+from typing import Literal
+
+import psycopg
+from faucet_kafka.config import KafkaSourceConfig
+from faucet_kafka.source import KafkaStreamSource
+from faucet_postgres.config import PostgresStreamingSinkConfig
+from faucet_postgres.stream_sink import PostgresStreamingSink
+from psycopg import sql
+
+from bench import data
+from bench.context import BenchContext
+from bench.registry import Measurement, scenario
+from faucet_dagster.pipeline import ResourceSchema
+from faucet_dagster.protocol import ReadLimits
+from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
+from faucet_dagster.state import StateStore
+
+EPOCH_MESSAGES = 50_000
+COLUMNS = {"i": "int64", "name": "string", "score": "float64"}
+
+
+def _run(ctx: BenchContext, fmt: Literal["json", "text"]) -> Measurement:
+    topic, table = data.kafka_source_topic(ctx), ctx.unique("kstream_pg")
+    folder = tempfile.mkdtemp(prefix="faucet-bench-")
+    store = StateStore(f"sqlite:///{folder}/state.db")
+    source = KafkaStreamSource(
+        KafkaSourceConfig(
+            bootstrap_servers=ctx.kafka_bootstrap, topics=(topic,), group_id=ctx.unique("g"), format=fmt
+        )
+    )
+    spec = StreamSpec(
+        name=table,
+        source=source,
+        sink=PostgresStreamingSink(PostgresStreamingSinkConfig(url=ctx.postgres_url, table=table)),
+        resources=(topic,),
+        schemas={topic: ResourceSchema.from_columns(COLUMNS)} if fmt == "json" else {},
+        limits=ReadLimits(records=EPOCH_MESSAGES, bytes=None, idle=1.0, age=None),
+    )
+
+    async def run() -> tuple[float, int]:
+        runner = StreamRunner(spec, store)
+        epochs = rows = 0
+        start = time.perf_counter()
+        try:
+            while rows < ctx.rows:
+                certificate = await runner.run_epoch()
+                if certificate is None:
+                    raise RuntimeError(f"the stream ended after {rows} of {ctx.rows} rows")
+                epochs += 1
+                rows += sum(certificate.row_counts.values())
+            return time.perf_counter() - start, epochs
+        finally:
+            await runner.close()
+
+    seconds, epochs = asyncio.run(run())
+    store.close()
+    with psycopg.connect(ctx.postgres_url) as conn:
+        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
+    if row is None or row[0] != ctx.rows:
+        raise RuntimeError(f"{table} holds {row and row[0]} rows, expected {ctx.rows}")
+    return Measurement(ctx.rows, seconds, {"epochs": epochs})
+
+
+@scenario("stream.kafka_to_pg", baseline="raw.kafka_to_pg")
+def kafka_to_pg(ctx: BenchContext) -> Measurement:
+    """The continuous runner, Kafka JSON to typed PostgreSQL columns, APPEND, epochs of 50,000."""
+    return _run(ctx, "json")
+
+
+@scenario("stream.kafka_to_pg_text", baseline="raw.kafka_to_pg")
+def kafka_to_pg_text(ctx: BenchContext) -> Measurement:
+    """The continuous runner, Kafka payloads as text columns into PostgreSQL, APPEND, epochs of 50,000."""
+    return _run(ctx, "text")

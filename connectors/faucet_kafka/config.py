@@ -1,0 +1,80 @@
+"""Configuration of the Kafka source (no client import: capabilities and schemas are read offline)."""
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth
+
+ENFORCED_PROPERTIES = frozenset(
+    {
+        "bootstrap.servers",
+        "group.id",
+        "enable.auto.commit",
+        "enable.auto.offset.store",
+        "isolation.level",
+        "auto.offset.reset",
+        "enable.partition.eof",
+        "security.protocol",
+        "sasl.mechanism",
+        "sasl.mechanisms",
+        "sasl.username",
+        "sasl.password",
+    }
+)
+"""librdkafka properties the source sets itself: its guarantees depend on them."""
+
+
+class KafkaSourceConfig(ConnectorConfig):
+    """How to reach a Kafka-protocol cluster and read its topics.
+
+    ``topics`` are the resources a stream may select; the continuous session reads the ones the
+    runner selects, the bounded source reads all of them. ``group_id`` names the consumer group that
+    acknowledgements commit to (offset = last certified offset + 1); the source never joins the
+    group: it assigns the partitions its membership owns and never rebalances.
+
+    ``format``: ``json`` hands each record's value, a JSON object, to the pipeline as a row (its
+    schema and the bad-row policy for wrong types are the pipeline's); ``bytes`` and ``text`` hand the
+    columns ``key``, ``value``, ``headers``, ``timestamp``, ``topic``, ``partition``, ``offset`` (key
+    and value as binary, or as UTF-8 strings). ``on_malformed`` decides what happens to a payload that
+    cannot become a row (not JSON, not an object, not UTF-8): ``halt`` raises a DataError naming
+    topic, partition and offset; ``dead_letter`` hands the raw payload to the pipeline's dead-letter
+    route (``StreamRecordSink.reject``) and reads on.
+    """
+
+    bootstrap_servers: str = Field(min_length=1)
+    topics: tuple[str, ...] = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    source_name: str = Field(default="kafka", min_length=1)
+    format: Literal["json", "bytes", "text"] = "json"
+    on_malformed: Literal["halt", "dead_letter"] = "halt"
+    auth: Auth = NoAuth()
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    batch_size: int = Field(default=10_000, ge=1)
+    """Messages taken from the client per call: large batches keep the per-message cost low."""
+    poll_timeout: float = Field(default=0.5, gt=0)
+    """Seconds one client call waits for messages (cancellation is noticed between calls)."""
+    request_timeout: float = Field(default=10.0, gt=0)
+    """Seconds a metadata, watermark or commit request may take before ConnectionFailed."""
+    verify_offset_gaps: bool = True
+    """Re-read the offsets a read skipped to prove the broker, not the client, left them out."""
+    client_properties: dict[str, str] = Field(default_factory=dict)
+    """Extra librdkafka properties (``fetch.max.bytes``...); the enforced ones cannot be overridden."""
+
+    @field_validator("topics")
+    @classmethod
+    def _distinct_topics(cls, topics: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(topics)) != len(topics) or any(not topic for topic in topics):
+            raise ValueError("topics must be distinct, non-empty names")
+        return topics
+
+    @field_validator("client_properties")
+    @classmethod
+    def _not_enforced(cls, properties: dict[str, str]) -> dict[str, str]:
+        overridden = sorted(set(properties) & ENFORCED_PROPERTIES)
+        if overridden:
+            raise ValueError(
+                f"the source sets {', '.join(overridden)} itself; remove them from client_properties"
+            )
+        return properties

@@ -1,0 +1,588 @@
+"""A JetStream push consumer read through a plain subscription, with proof that nothing was skipped.
+
+:class:`PushConsumer` (re)creates its consumer at a given stream sequence, delivering to a private
+inbox, and turns what arrives into ordered :class:`Chunk` values. Everything per message is done in
+bulk with Arrow; the subscription callback only appends.
+
+Why nothing is skipped, and how it is checked (for every chunk, before any of it is handed on):
+
+* deliveries: a fresh consumer numbers its deliveries 1, 2, 3, ... (the consumer sequence, also for
+  redeliveries). Every delivery number must arrive, in order; a missing one (a message lost between
+  server and client) fails the read (:class:`IntegrityError`, retryable: a reopen recreates the
+  consumer at the certified position). Idle heartbeats name the last delivery number, so a loss at
+  the tail is caught too.
+* stream sequences: a message whose stream sequence is above every one seen is new data; one at or
+  below is a redelivery of something already held and is suppressed. Between two consecutive new
+  messages (and between the start position and the first one), stream sequences may be absent only
+  because those messages do not match the subject filter or were deleted. That is proven from the
+  stream itself, not assumed: one ``STREAM.MSG.GET`` with ``next_by_subj`` per gap must answer the
+  next delivered sequence (or nothing). A matching message inside a gap fails the read.
+
+Acknowledgement is cumulative (``AckAll``) and confirmed (the double ack: the server answers), sent
+only by :meth:`PushConsumer.acknowledge`, after the caller's authority check. A background task keeps
+every delivered, unacknowledged message alive with ``+WPI`` long before ``ack_wait`` runs out, so a
+slow sink never causes a redelivery.
+"""
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import pyarrow as pa
+import pyarrow.compute as pc
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from faucet_dagster.protocol import (
+    ConnectionFailed,
+    FaucetError,
+    IncarnationChanged,
+    IntegrityError,
+    OwnershipLost,
+    WorkerIdentity,
+)
+from faucet_nats.config import NatsSourceConfig
+from faucet_nats.jetstream import JetStreamApi, StreamFacts, stream_missing
+
+ACK_PREFIX = "$JS.ACK."
+_ACK = b"+ACK"
+_PROGRESS = b"+WPI"
+_PROOF_CONCURRENCY = 256
+_NANOS = 1_000_000_000
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Consecutive new messages of one consumer, in stream order, with what was parsed from them.
+
+    Compared by identity: a chunk is tracked as one object moving between ready, reading and covered.
+
+    ``seqs`` are their stream sequences (strictly increasing), ``positions`` the same as canonical
+    strings, ``stamps`` the server timestamps in nanoseconds (when parsed). ``gaps`` lists the
+    ``(after, before)`` pairs of stream sequences whose absence is not proven yet. ``touched`` is
+    when the server last heard about these messages (delivery or ``+WPI``), on the monotonic clock.
+    """
+
+    msgs: list[Msg]
+    seqs: pa.Int64Array
+    positions: list[str]
+    stamps: pa.Int64Array | None
+    touched: float
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.msgs)
+
+    @property
+    def first(self) -> int:
+        return int(self.seqs[0].as_py())
+
+    @property
+    def last(self) -> int:
+        return int(self.seqs[-1].as_py())
+
+    def split(self, count: int) -> tuple["Chunk", "Chunk"]:
+        """The first ``count`` messages and the rest (each keeps the gaps that precede its messages)."""
+        cut = self.first - 1 if count == 0 else int(self.seqs[count - 1].as_py())
+        head = Chunk(
+            self.msgs[:count],
+            self.seqs.slice(0, count),
+            self.positions[:count],
+            None if self.stamps is None else self.stamps.slice(0, count),
+            self.touched,
+            [gap for gap in self.gaps if gap[1] <= cut],
+        )
+        tail = Chunk(
+            self.msgs[count:],
+            self.seqs.slice(count),
+            self.positions[count:],
+            None if self.stamps is None else self.stamps.slice(count),
+            self.touched,
+            [gap for gap in self.gaps if gap[1] > cut],
+        )
+        return head, tail
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """The fields of a run of acknowledgement subjects, column-wise."""
+
+    seqs: pa.Int64Array
+    deliveries: pa.Int64Array
+    seq_text: pa.StringArray
+    stamps: pa.Int64Array | None
+
+
+def _strictly_increasing(values: pa.Int64Array) -> bool:
+    if len(values) < 2:
+        return True
+    return bool(pc.all(pc.greater(values.slice(1), values.slice(0, len(values) - 1))).as_py())
+
+
+class PushConsumer:
+    """One JetStream push consumer of one stream, delivering to this session's private inbox.
+
+    Not safe for concurrent ``take``/``acknowledge`` calls (the session serializes them); the
+    subscription callback and the keep-alive task run beside them on the same event loop.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        api: JetStreamApi,
+        config: NatsSourceConfig,
+        facts: StreamFacts,
+        *,
+        start_after: int,
+        durable: bool,
+        worker: WorkerIdentity | None,
+        where: str,
+    ) -> None:
+        self._client = client
+        self._api = api
+        self._config = config
+        self.facts = facts
+        self.where = where
+        self._durable = durable
+        self._worker = worker
+        self.name = config.consumer_name if durable else ""
+        self._inbox = client.new_inbox()
+        self._subscription: Subscription | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        # What arrived, not parsed yet (appended by the subscription callback).
+        self._incoming: list[Msg] = []
+        self._incoming_since = 0.0
+        self._arrived = asyncio.Event()
+        self.activity = time.monotonic()
+        self.failure: FaucetError | None = None
+        self._prefix: str | None = None
+        # Delivery bookkeeping: the last consumer sequence seen, the highest stream sequence seen.
+        self._last_delivery = 0
+        self.max_seen = start_after
+        self.acked = start_after
+        self.suppressed = 0
+        self._stale_reply: tuple[int, str] | None = None
+        # Parsed chunks: ready (not read), reading (handed on by the current read), covered (read to
+        # a boundary, not acknowledged). Together with _incoming: every message the server counts as
+        # delivered and not acknowledged.
+        self.ready: deque[Chunk] = deque()
+        self.reading: list[Chunk] = []
+        self.covered: deque[Chunk] = deque()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Subscribe, then (re)create the consumer at ``start_after + 1``; start the keep-alive."""
+        config = self._config
+        try:
+            self._subscription = await self._client.subscribe(
+                self._inbox, cb=self._on_message, pending_msgs_limit=0, pending_bytes_limit=0
+            )
+        except (nats.errors.Error, OSError) as exc:
+            raise ConnectionFailed(f"cannot subscribe: {type(exc).__name__}", where=self.where) from exc
+        consumer: dict[str, Any] = {
+            "deliver_subject": self._inbox,
+            "deliver_policy": "by_start_sequence",
+            "opt_start_seq": self.max_seen + 1,
+            "ack_policy": "all",
+            "ack_wait": int(config.ack_wait * _NANOS),
+            "max_deliver": -1,
+            "max_ack_pending": config.max_ack_pending,
+            "replay_policy": "instant",
+            "flow_control": True,
+            "idle_heartbeat": int(config.idle_heartbeat * _NANOS),
+            "description": "faucet stream source",
+        }
+        if config.subject:
+            consumer["filter_subject"] = config.subject
+        if self._worker is not None:
+            consumer["metadata"] = {
+                "faucet_worker": self._worker.worker_id,
+                "faucet_fencing_token": str(self._worker.fencing_token),
+            }
+        if self._durable:
+            consumer["durable_name"] = self.name
+            # The certified position, not the consumer's memory, says where to resume: a consumer
+            # left by an earlier session is replaced, and its unacknowledged deliveries with it.
+            await self._api.delete_consumer(self.facts.name, self.name)
+            await self._api.create_consumer(self.facts.name, consumer, durable=self.name)
+        else:
+            consumer["inactive_threshold"] = int(max(30.0, 4 * config.idle_heartbeat) * _NANOS)
+            answer = await self._api.request(
+                f"CONSUMER.CREATE.{self.facts.name}",
+                {"stream_name": self.facts.name, "config": consumer},
+                where=self.where,
+            )
+            self.name = str(answer.get("name", ""))
+        self._keeper = asyncio.create_task(self._keep_alive(), name=f"faucet-nats-keepalive-{self.name}")
+
+    async def close(self) -> None:
+        """Stop the keep-alive and the subscription; an ephemeral consumer is deleted.
+
+        Unacknowledged messages stay with the server: a durable consumer redelivers them (and the
+        next session recreates it at its certified position anyway).
+        """
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None and not self._client.is_closed:
+            try:
+                await subscription.unsubscribe()
+            except (nats.errors.Error, OSError) as exc:
+                raise ConnectionFailed(f"cannot unsubscribe: {type(exc).__name__}", where=self.where) from exc
+        if not self._durable and self.name and not self._client.is_closed:
+            await self._api.delete_consumer(self.facts.name, self.name)
+
+    # -- arrival (subscription callback) -----------------------------------------------------------
+
+    async def _on_message(self, msg: Msg) -> None:
+        if msg.reply.startswith(ACK_PREFIX):
+            if not self._incoming:
+                self._incoming_since = time.monotonic()
+            self._incoming.append(msg)
+            self._arrived.set()
+            return
+        try:
+            await self._on_status(msg)
+        except FaucetError as exc:
+            self.failure = self.failure or exc
+        except (nats.errors.Error, OSError) as exc:
+            self.failure = self.failure or ConnectionFailed(
+                f"cannot answer the server's flow control: {type(exc).__name__}", where=self.where
+            )
+        self._arrived.set()
+
+    async def _on_status(self, msg: Msg) -> None:
+        """Flow control, idle heartbeats and consumer status messages."""
+        self.activity = time.monotonic()
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status == "100":
+            if msg.reply:
+                await self._client.publish(msg.reply, b"")
+            stalled = headers.get("Nats-Consumer-Stalled")
+            if stalled:
+                await self._client.publish(stalled, b"")
+            last = headers.get("Nats-Last-Consumer")
+            if last is not None and int(last) > self._received_delivery():
+                raise IntegrityError(
+                    f"the server delivered up to delivery {last}, this session received up to "
+                    f"{self._received_delivery()}: deliveries were lost in transit",
+                    where=self.where,
+                    retryable=True,
+                )
+            return
+        description = headers.get("Description", "")
+        raise ConnectionFailed(
+            f"the consumer reported status {status} {description}".strip(), where=self.where
+        )
+
+    def _received_delivery(self) -> int:
+        """The consumer sequence of the last message received (parsed or not)."""
+        if self._incoming:
+            tokens = self._incoming[-1].reply.split(".")
+            # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>... or the 12-token domain form.
+            return int(tokens[6] if len(tokens) == 9 else tokens[8])
+        return self._last_delivery
+
+    # -- intake ----------------------------------------------------------------------------------
+
+    @property
+    def has_incoming(self) -> bool:
+        return bool(self._incoming)
+
+    @property
+    def max_ack_pending(self) -> int:
+        return self._config.max_ack_pending
+
+    @property
+    def held(self) -> int:
+        """Messages delivered and not acknowledged that this session holds (not counting arrivals)."""
+        return sum(map(len, itertools.chain(self.ready, self.reading, self.covered))) + len(self._incoming)
+
+    async def wait(self, timeout: float) -> None:
+        """Return when something arrived (a message or a status), or after ``timeout`` seconds."""
+        if self._incoming or self.failure is not None:
+            return
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout)
+        except TimeoutError:
+            return
+
+    def intake(self, *, with_stamps: bool) -> None:
+        """Parse what arrived into a chunk of new messages (redeliveries of held ones are suppressed).
+
+        Raises :class:`IntegrityError` when a delivery is missing.
+        """
+        if self.failure is not None:
+            raise self.failure
+        msgs = self._incoming
+        if not msgs:
+            return
+        since = self._incoming_since
+        self._incoming = []
+        self.activity = time.monotonic()
+        parsed = self._parse([msg.reply for msg in msgs], with_stamps=with_stamps)
+        count = len(msgs)
+        deliveries = parsed.deliveries
+        first_delivery = int(deliveries[0].as_py())
+        last_delivery = int(deliveries[-1].as_py())
+        if (
+            first_delivery != self._last_delivery + 1
+            or last_delivery - first_delivery != count - 1
+            or not _strictly_increasing(deliveries)
+        ):
+            raise IntegrityError(
+                f"deliveries {self._last_delivery + 1} to {last_delivery} arrived incomplete or out of "
+                "order: messages were lost in transit",
+                where=self.where,
+                retryable=True,
+            )
+        self._last_delivery = last_delivery
+        seqs = parsed.seqs
+        if int(seqs[0].as_py()) > self.max_seen and _strictly_increasing(seqs):
+            keep: list[int] | None = None
+        else:
+            keep = self._new_indices(seqs.to_pylist(), msgs)
+            if not keep:
+                return
+        if keep is not None:
+            indices = pa.array(keep, pa.int64())
+            msgs = [msgs[index] for index in keep]
+            seqs = seqs.take(indices)
+            seq_text = parsed.seq_text.take(indices)
+            stamps = None if parsed.stamps is None else parsed.stamps.take(indices)
+        else:
+            seq_text, stamps = parsed.seq_text, parsed.stamps
+        chunk = Chunk(msgs, seqs, seq_text.to_pylist(), stamps, since, self._gaps(seqs))
+        self.max_seen = chunk.last
+        self.ready.append(chunk)
+
+    def _new_indices(self, seqs: list[int], msgs: list[Msg]) -> list[int]:
+        """Indices of the new messages; redeliveries of held (or acknowledged) ones are suppressed."""
+        keep: list[int] = []
+        highest = self.max_seen
+        for index, seq in enumerate(seqs):
+            if seq > highest:
+                keep.append(index)
+                highest = seq
+                continue
+            self.suppressed += 1
+            if seq <= self.acked and (self._stale_reply is None or seq > self._stale_reply[0]):
+                # Already certified and acknowledged, yet redelivered: acknowledged again by the
+                # next ``acknowledge``, after its authority check.
+                self._stale_reply = (seq, msgs[index].reply)
+        return keep
+
+    def _gaps(self, seqs: pa.Int64Array) -> list[tuple[int, int]]:
+        first, last = int(seqs[0].as_py()), int(seqs[-1].as_py())
+        if first == self.max_seen + 1 and last - first == len(seqs) - 1:
+            return []
+        gaps: list[tuple[int, int]] = []
+        previous = self.max_seen
+        for seq in seqs.to_pylist():
+            if seq != previous + 1:
+                gaps.append((previous, seq))
+            previous = seq
+        return gaps
+
+    def _parse(self, replies: list[str], *, with_stamps: bool) -> _Parsed:
+        """Stream sequence, delivery number (and timestamp) of each acknowledgement subject, in bulk."""
+        if self._prefix is None:
+            tokens = replies[0].split(".")
+            # $JS.ACK.<stream>.<consumer>.<tail> or $JS.ACK.<domain>.<account>.<stream>.<consumer>.<tail>
+            head = 4 if len(tokens) == 9 else 6
+            if len(tokens) not in (9, 11, 12) or tokens[head - 2] != self.facts.name:
+                raise IntegrityError(
+                    f"an unexpected acknowledgement subject {replies[0]!r}", where=self.where
+                )
+            self._prefix = ".".join(tokens[:head]) + "."
+        prefix = self._prefix
+        texts = pa.array(replies, pa.string())
+        if not pc.all(pc.starts_with(texts, prefix)).as_py():
+            raise IntegrityError(f"a message arrived from another consumer than {prefix}", where=self.where)
+        tails = pc.binary_slice(texts.cast(pa.binary()), len(prefix), 1 << 16)
+        # <delivered>.<stream seq>.<consumer seq>.<timestamp>.<pending>[.<token>]
+        fields = pc.split_pattern(tails, b".", max_splits=4 if with_stamps else 3)
+        seq_text = pc.list_element(fields, 1).cast(pa.string())
+        try:
+            seqs = seq_text.cast(pa.int64())
+            deliveries = pc.list_element(fields, 2).cast(pa.string()).cast(pa.int64())
+            stamps = pc.list_element(fields, 3).cast(pa.string()).cast(pa.int64()) if with_stamps else None
+        except (pa.ArrowInvalid, IndexError) as exc:
+            raise IntegrityError(f"malformed acknowledgement subjects: {exc}", where=self.where) from exc
+        return _Parsed(seqs, deliveries, seq_text, stamps)
+
+    def take(self, limit: int, *, upto: int | None = None) -> Chunk | None:
+        """The next ready chunk: at most ``limit`` messages, none past stream sequence ``upto``.
+
+        The rest stays ready. The chunk is tracked as reading until given back or covered.
+        """
+        if not self.ready:
+            return None
+        chunk = self.ready.popleft()
+        if upto is not None and chunk.last > upto:
+            limit = min(limit, pc.sum(pc.less_equal(chunk.seqs, upto)).as_py() or 0)
+            if limit == 0:
+                self.ready.appendleft(chunk)
+                return None
+        if len(chunk) > limit:
+            chunk, rest = chunk.split(limit)
+            self.ready.appendleft(rest)
+        self.reading.append(chunk)
+        return chunk
+
+    def give_back(self, chunks: list[Chunk]) -> None:
+        """Put chunks a read took but did not cover back, in order, before the ready ones."""
+        for chunk in reversed(chunks):
+            self.reading.remove(chunk)
+            self.ready.appendleft(chunk)
+
+    def mark_covered(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self.reading.remove(chunk)
+            self.covered.append(chunk)
+
+    # -- proofs ----------------------------------------------------------------------------------
+
+    async def prove(self, chunk: Chunk) -> None:
+        """Prove every gap of ``chunk`` holds no message the consumer should have delivered."""
+        if not chunk.gaps:
+            return
+        limiter = asyncio.Semaphore(_PROOF_CONCURRENCY)
+
+        async def check(after: int, before: int) -> None:
+            async with limiter:
+                found = await self._api.next_sequence(self.facts.name, after, self._config.subject)
+            if found is not None and found < before:
+                raise IntegrityError(
+                    f"stream sequence {found} matches this consumer but was not delivered between "
+                    f"{after} and {before}",
+                    where=self.where,
+                )
+
+        await asyncio.gather(*(check(after, before) for after, before in chunk.gaps))
+        chunk.gaps = []
+
+    async def nothing_until(self, end: int) -> bool:
+        """True when no message matching the filter is stored after the highest seen, up to ``end``."""
+        if self.max_seen >= end:
+            return True
+        found = await self._api.next_sequence(self.facts.name, self.max_seen, self._config.subject)
+        return found is None or found > end
+
+    async def diagnose(self) -> FaucetError | None:
+        """Why deliveries and heartbeats stopped: the stream was deleted or recreated, the consumer was
+        deleted or taken over by another session. None when the stream and consumer are as this
+        session left them (the API answered, so the link works): the silence is forgotten."""
+        try:
+            facts = await self._api.stream(self.facts.name)
+        except FaucetError as exc:
+            if stream_missing(exc):
+                return IncarnationChanged(
+                    "the stream was deleted while this session read it", where=self.where
+                )
+            return exc
+        if facts.incarnation != self.facts.incarnation:
+            return IncarnationChanged(
+                f"the stream was recreated: incarnation {facts.incarnation}, this session read "
+                f"{self.facts.incarnation}",
+                where=self.where,
+            )
+        info = await self._api.consumer(self.facts.name, self.name)
+        if info is None:
+            return ConnectionFailed(f"the consumer {self.name} was deleted", where=self.where)
+        if info.get("config", {}).get("deliver_subject") != self._inbox:
+            return OwnershipLost(
+                f"the consumer {self.name} now delivers to another session", where=self.where
+            )
+        self.activity = time.monotonic()
+        return None
+
+    # -- acknowledgement and keep-alive -----------------------------------------------------------
+
+    async def acknowledge(self, end: int, authority: Callable[[], Awaitable[None]]) -> None:
+        """Acknowledge every message up to stream sequence ``end`` (covered by a read) cumulatively.
+
+        ``authority()`` is awaited before each acknowledgement sent, including the one for a
+        suppressed redelivery of an already acknowledged message. Idempotent.
+        """
+        if end > self.acked:
+            reply = self._reply_for(end)
+            await authority()
+            await self._ack_confirmed(reply)
+            self.acked = end
+            self._drop_acknowledged(end)
+        stale, self._stale_reply = self._stale_reply, None
+        if stale is not None:
+            try:
+                await authority()
+                await self._ack_confirmed(stale[1])
+            except BaseException:
+                self._stale_reply = stale
+                raise
+
+    def _reply_for(self, seq: int) -> str:
+        for chunk in self.covered:
+            if chunk.first <= seq <= chunk.last:
+                index = pc.index(chunk.seqs, seq).as_py()
+                if index >= 0:
+                    return str(chunk.msgs[index].reply)
+        raise IntegrityError(
+            f"stream sequence {seq} is not the end of anything this session read", where=self.where
+        )
+
+    def _drop_acknowledged(self, end: int) -> None:
+        while self.covered and self.covered[0].last <= end:
+            self.covered.popleft()
+        if self.covered and self.covered[0].first <= end:
+            count = pc.sum(pc.less_equal(self.covered[0].seqs, end)).as_py()
+            self.covered[0] = self.covered[0].split(count)[1]
+
+    async def _ack_confirmed(self, reply: str) -> None:
+        """The double ack: send ``+ACK`` as a request and wait for the server's answer."""
+        try:
+            await self._client.request(reply, _ACK, timeout=self._config.request_timeout)
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            raise ConnectionFailed(
+                f"the acknowledgement was not confirmed: {type(exc).__name__}", where=self.where
+            ) from exc
+
+    async def _keep_alive(self) -> None:
+        """Send ``+WPI`` for every delivered, unacknowledged message the server last heard of more
+        than half an ``ack_wait`` ago, checking four times per ``ack_wait``."""
+        ack_wait = self._config.ack_wait
+        stale_after = ack_wait / 2
+        try:
+            while True:
+                await asyncio.sleep(ack_wait / 4)
+                now = time.monotonic()
+                for chunk in [*self.covered, *self.reading, *self.ready]:
+                    if now - chunk.touched >= stale_after:
+                        chunk.touched = now
+                        await self._progress(chunk.msgs)
+                if self._incoming and now - self._incoming_since >= stale_after:
+                    self._incoming_since = now
+                    await self._progress(list(self._incoming))
+        except (nats.errors.Error, OSError) as exc:
+            self.failure = self.failure or ConnectionFailed(
+                f"cannot keep delivered messages alive: {type(exc).__name__}", where=self.where
+            )
+        except Exception as exc:  # noqa: BLE001 - recorded: the next read or acknowledgement raises it
+            self.failure = self.failure or IntegrityError(
+                f"keeping delivered messages alive failed: {exc!r}", where=self.where
+            )
+
+    async def _progress(self, msgs: list[Msg]) -> None:
+        publish = self._client.publish
+        for msg in msgs:
+            await publish(msg.reply, _PROGRESS)

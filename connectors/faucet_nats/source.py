@@ -1,0 +1,640 @@
+"""The NATS JetStream source: a continuous StreamSource (epochs) and a bounded Source (one finite read).
+
+Ordering domain: one stream incarnation, or the part of it a subject filter selects
+(``OrderingDomain(source_name, stream, subject filter or "", "<created>#<first seq>",
+"nats.stream_sequence")``), so a position of a deleted-and-recreated stream never compares with the
+new one. Position: the stream sequence; a coverage or bookmark ends at the last sequence it covers,
+and a resume starts at that sequence + 1. Event identity: (domain, stream sequence, ordinal 0).
+
+Continuous: ``open`` checks the certified position is still stored (else
+:class:`PositionUnavailable`, never a later start) and belongs to this incarnation (else
+:class:`IncarnationChanged`), then recreates the durable consumer there (see
+:mod:`faucet_nats.consumer` for how delivery gaps are proven empty and messages kept alive).
+``read`` hands rows to the pipeline in large runs and ends with one ``ProgressBoundary`` at the last
+sequence written (every JetStream message is a safe boundary: there are no transactions).
+``acknowledge`` sends one confirmed cumulative acknowledgement for the last covered sequence, after
+``authority()`` confirmed ownership. Nothing else ever acknowledges.
+
+Bounded: an ephemeral consumer reads from the bookmark to the stream's last sequence at the start, in
+pages whose bookmark is the last sequence they hold.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+import nats.errors
+import pyarrow as pa
+from nats.aio.client import Client
+
+from faucet_dagster.protocol import (
+    Authority,
+    CancelToken,
+    ConfigError,
+    ConnectionFailed,
+    Control,
+    Coverage,
+    DataError,
+    DomainCoverage,
+    Emits,
+    EventIdentity,
+    FaucetError,
+    FetchContext,
+    Identities,
+    IncarnationChanged,
+    IntegrityError,
+    JsonValue,
+    LifecycleError,
+    Membership,
+    Operation,
+    Ordering,
+    OrderingDomain,
+    Page,
+    Position,
+    PositionCodec,
+    PositionUnavailable,
+    ProgressBoundary,
+    ReadLimits,
+    Records,
+    RejectedRecord,
+    Replay,
+    Source,
+    SourceCapabilities,
+    StreamRecordSink,
+    StreamSession,
+    StreamSource,
+    WorkerIdentity,
+)
+from faucet_nats.codecs import NatsStreamSequenceCodec
+from faucet_nats.config import NatsSourceConfig
+from faucet_nats.consumer import Chunk, PushConsumer
+from faucet_nats.decode import Decoder
+from faucet_nats.jetstream import JetStreamApi, StreamFacts, connect, stream_missing
+
+CODEC = NatsStreamSequenceCodec()
+T = TypeVar("T")
+
+
+def _capabilities(config: NatsSourceConfig, *, continuous: bool) -> SourceCapabilities:
+    schema = config.declared_schema()
+    return SourceCapabilities(
+        emits=Emits.MESSAGES,
+        operations=frozenset({Operation.INSERT}),
+        # One stream read by one consumer: every message of the domain in one total order.
+        ordering=Ordering.STRICT_GLOBAL,
+        replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
+        bounded=not continuous,
+        continuous=continuous,
+        # A stream sequence names one immutable message: re-reading a range yields the same records.
+        deterministic=True,
+        transaction_boundaries=False,
+        event_identity=True,
+        discover=False,
+        shardable=False,
+        columns=None if schema is None else tuple(schema.names),
+    )
+
+
+def _where(config: NatsSourceConfig) -> str:
+    return f"nats stream {config.stream}" + (f" subject {config.subject}" if config.subject else "")
+
+
+def _domain(config: NatsSourceConfig, facts: StreamFacts) -> OrderingDomain:
+    return OrderingDomain(config.source_name, config.stream, config.partition, facts.incarnation, CODEC.name)
+
+
+def _check_available(config: NatsSourceConfig, facts: StreamFacts, after: int) -> None:
+    """Raise PositionUnavailable unless the stream still stores everything after sequence ``after``."""
+    where = _where(config)
+    if after > facts.last_seq:
+        raise PositionUnavailable(
+            f"the position {after} is past the stream's last sequence {facts.last_seq}: the stream lost "
+            "messages it had stored",
+            where=where,
+        )
+    if after + 1 < facts.first_seq:
+        raise PositionUnavailable(
+            f"messages {after + 1} to {facts.first_seq - 1} were removed (purged, expired or deleted) "
+            f"before they were read; the stream now starts at {facts.first_seq}",
+            where=where,
+        )
+
+
+def _resume_after(
+    config: NatsSourceConfig, domain: OrderingDomain, positions: Sequence[Position]
+) -> int | None:
+    """The certified sequence of ``domain`` among ``positions`` (None: start at the beginning)."""
+    where = _where(config)
+    found: int | None = None
+    for position in positions:
+        known = position.domain
+        if (known.source, known.resource) != (domain.source, domain.resource):
+            continue
+        if known.partition != domain.partition:
+            raise ConfigError(
+                f"a certified position belongs to subject filter {known.partition or '(none)'!r}, the "
+                f"config selects {domain.partition or '(none)'!r}: changing the filter would re-read or "
+                "skip messages; use a new stream name",
+                where=where,
+            )
+        if known.codec != domain.codec:
+            raise IntegrityError(f"a certified position uses codec {known.codec!r}", where=where)
+        if known.incarnation != domain.incarnation:
+            raise IncarnationChanged(
+                f"the stream was deleted and recreated: it is incarnation {domain.incarnation}, the "
+                f"certified position {position.value} belongs to {known.incarnation}",
+                where=where,
+            )
+        if found is not None:
+            raise IntegrityError("two certified positions name this domain", where=where)
+        found = CODEC.validate(position.value)
+    return found
+
+
+async def _stream_facts(
+    api: JetStreamApi, config: NatsSourceConfig, *, known_incarnation: bool
+) -> StreamFacts:
+    try:
+        return await api.stream(config.stream)
+    except FaucetError as exc:
+        if not stream_missing(exc):
+            raise
+        if known_incarnation:
+            raise IncarnationChanged(
+                "the stream was deleted: the certified position's incarnation no longer exists",
+                where=_where(config),
+            ) from exc
+        raise ConfigError("the stream does not exist", where=_where(config)) from exc
+
+
+async def _close_client(client: Client, where: str) -> None:
+    try:
+        await client.close()
+    except (nats.errors.Error, OSError) as exc:
+        raise ConnectionFailed(f"closing the connection failed: {type(exc).__name__}", where=where) from exc
+
+
+class NatsStreamSession(StreamSession):
+    """A session on one stream (domain) through one push consumer; see the module docstring.
+
+    ``finished`` is True once a bounded session has read the stream's last sequence at open.
+    ``suppressed`` counts redeliveries of messages this session already held (zero while the
+    keep-alive does its job).
+    """
+
+    def __init__(
+        self,
+        config: NatsSourceConfig,
+        client: Client,
+        consumer: PushConsumer | None,
+        domain: OrderingDomain,
+        *,
+        resumed: int | None,
+        end: int | None,
+    ) -> None:
+        self._config = config
+        self._client = client
+        self._consumer = consumer
+        self.domain = domain
+        self._where = _where(config)
+        self._decoder = Decoder(config)
+        self._position = resumed
+        self._end = end
+        self._finished = end is not None and consumer is not None and consumer.max_seen >= end
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        config: NatsSourceConfig,
+        positions: Sequence[Position],
+        *,
+        owned: bool,
+        worker: WorkerIdentity | None,
+        durable: bool,
+        bounded: bool,
+        max_ack_pending: int | None = None,
+    ) -> "NatsStreamSession":
+        """Connect, check the certified position, and (when ``owned``) create the consumer there."""
+        where = _where(config)
+        client = await connect(config, where=where)
+        try:
+            api = JetStreamApi(client, config)
+            facts = await _stream_facts(api, config, known_incarnation=bool(positions))
+            domain = _domain(config, facts)
+            resumed = _resume_after(config, domain, positions)
+            if resumed is not None:
+                _check_available(config, facts, resumed)
+            start_after = resumed if resumed is not None else max(facts.first_seq - 1, 0)
+            consumer = None
+            if owned:
+                settings = (
+                    config
+                    if max_ack_pending is None
+                    else config.model_copy(update={"max_ack_pending": max_ack_pending})
+                )
+                consumer = PushConsumer(
+                    client,
+                    api,
+                    settings,
+                    facts,
+                    start_after=start_after,
+                    durable=durable,
+                    worker=worker,
+                    where=where,
+                )
+                await consumer.start()
+            return cls(
+                config, client, consumer, domain, resumed=resumed, end=facts.last_seq if bounded else None
+            )
+        except BaseException:
+            await client.close()
+            raise
+
+    @property
+    def finished(self) -> bool:
+        return self._finished or self._consumer is None
+
+    @property
+    def suppressed(self) -> int:
+        return 0 if self._consumer is None else self._consumer.suppressed
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        """Write new messages into ``sink`` until a limit is reached, then one boundary at the last.
+
+        Returns empty coverage when nothing new arrived within ``limits.idle`` (or the bounded
+        session is finished, or this worker does not own the domain), and when cancelled: whatever
+        was written since the read began is then not covered and is read again by the next read.
+        """
+        async with self._lock:
+            self._check_open()
+            consumer = self._consumer
+            if consumer is None or self._finished:
+                return Coverage()
+            taken: list[Chunk] = []
+            covered = False
+            try:
+                end, at_end = await self._read_chunks(consumer, sink, limits, cancel, taken)
+                if cancel.cancelled:
+                    return Coverage()
+                if end is None:
+                    self._finished = at_end
+                    return Coverage()
+                if not await _unless_cancelled(sink.control(ProgressBoundary(self.domain, str(end))), cancel):
+                    return Coverage()
+                consumer.mark_covered(taken)
+                covered = True
+                self._finished = at_end
+                start = None if self._position is None else str(self._position)
+                self._position = end
+                return Coverage((DomainCoverage(self.domain, start, str(end)),))
+            finally:
+                if not covered:
+                    consumer.give_back([chunk for chunk in taken if chunk in consumer.reading])
+
+    async def _read_chunks(
+        self,
+        consumer: PushConsumer,
+        sink: StreamRecordSink,
+        limits: ReadLimits,
+        cancel: CancelToken,
+        taken: list[Chunk],
+    ) -> tuple[int | None, bool]:
+        """Write chunks until a limit; return the last sequence written (None: nothing) and whether a
+        bounded session reached its end."""
+        loop = asyncio.get_running_loop()
+        config = self._config
+        began = last_new = loop.time()
+        written = size = 0
+        end: int | None = None
+        max_pending = consumer.max_ack_pending
+        while not cancel.cancelled:
+            if consumer.failure is not None:
+                # A status the server sent (the consumer deleted, deliveries lost): say precisely why.
+                raise await consumer.diagnose() or consumer.failure
+            now = loop.time()
+            if (
+                (limits.records is not None and written >= limits.records)
+                or (limits.bytes is not None and size >= limits.bytes)
+                or (limits.age is not None and now - began >= limits.age)
+            ):
+                return end, False
+            consumer.intake(with_stamps=self._decoder.needs_stamps)
+            room = (
+                config.chunk_messages
+                if limits.records is None
+                else min(config.chunk_messages, limits.records - written)
+            )
+            chunk = consumer.take(room, upto=self._end)
+            if chunk is not None:
+                last_new = loop.time()
+                await consumer.prove(chunk)
+                taken.append(chunk)
+                if not await self._write(sink, chunk, cancel):
+                    return None, False
+                written += len(chunk)
+                if limits.bytes is not None:
+                    size += sum(len(msg.data) for msg in chunk.msgs)
+                end = chunk.last
+                if self._end is not None and end >= self._end:
+                    return end, True
+                continue
+            # Nothing ready: stop on idle, a bounded end or a full acknowledgement window; else wait.
+            if (
+                self._end is not None
+                and not consumer.has_incoming
+                and await consumer.nothing_until(self._end)
+            ):
+                return end, True
+            if now - consumer.activity > 2 * config.idle_heartbeat and not consumer.has_incoming:
+                # An idle consumer sends a heartbeat every idle_heartbeat: silence means it is gone
+                # (the stream deleted or recreated, the consumer taken over) or the link is down.
+                failure = await consumer.diagnose()
+                if failure is not None:
+                    raise failure
+            if limits.idle is not None and now - last_new >= limits.idle:
+                return end, False
+            if 0 < max_pending <= consumer.held and not consumer.has_incoming:
+                # The server sends nothing more until something is acknowledged: end at a boundary.
+                return end, False
+            deadlines = [config.idle_heartbeat]
+            if limits.idle is not None:
+                deadlines.append(last_new + limits.idle - now)
+            if limits.age is not None:
+                deadlines.append(began + limits.age - now)
+            if self._end is not None:
+                deadlines.append(0.05)
+            await _unless_cancelled(consumer.wait(max(0.0, min(deadlines))), cancel)
+        return None, False
+
+    async def _write(self, sink: StreamRecordSink, chunk: Chunk, cancel: CancelToken) -> bool:
+        """Decode ``chunk`` and hand its rows (and malformed messages) to ``sink`` in stream order.
+
+        Returns False when cancelled before everything was handed over.
+        """
+        runs = self._decoder.decode(chunk.msgs, chunk.seqs, chunk.stamps)
+        for run in runs:
+            positions = chunk.positions
+            if run.rows is not None:
+                if run.start or run.stop != len(chunk):
+                    positions = positions[run.start : run.stop]
+                step: Awaitable[None] = sink.write(self.domain, run.rows, Identities(positions))
+            else:
+                where = f"{self._where} sequence {positions[run.start]}"
+                if self._config.on_malformed == "halt":
+                    raise DataError(run.reason, where=where)
+                step = sink.reject(
+                    RejectedRecord(
+                        EventIdentity(self.domain, positions[run.start]),
+                        run.reason,
+                        chunk.msgs[run.start].data,
+                        where,
+                        self._config.stream,
+                    )
+                )
+            if not await _unless_cancelled(step, cancel):
+                return False
+        return True
+
+    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
+        """Acknowledge the certified ``coverage`` cumulatively, after ``authority()`` (see module doc)."""
+        async with self._lock:
+            self._check_open()
+            consumer = self._consumer
+            end = None
+            for item in coverage.domains:
+                if item.domain != self.domain:
+                    if item.domain.lineage == self.domain.lineage:
+                        raise IncarnationChanged(
+                            f"the coverage belongs to incarnation {item.domain.incarnation}, this session "
+                            f"reads {self.domain.incarnation}",
+                            where=self._where,
+                        )
+                    raise IntegrityError(
+                        f"the coverage names another domain: {item.domain}", where=self._where
+                    )
+                end = CODEC.validate(item.end)
+            if consumer is None:
+                if end is not None:
+                    raise IntegrityError(
+                        "this worker does not own the domain it acknowledges", where=self._where
+                    )
+                return
+            if end is not None and (self._position is None or end > self._position):
+                raise IntegrityError(
+                    f"acknowledging sequence {end}, past what this session read ({self._position})",
+                    where=self._where,
+                )
+            await consumer.acknowledge(consumer.acked if end is None else end, authority)
+
+    async def close(self) -> None:
+        """Join an outstanding read or acknowledgement, then stop the consumer and disconnect.
+
+        Unacknowledged messages stay with the server; the next open resumes at the certified position.
+        """
+        async with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._consumer is not None:
+                    await self._consumer.close()
+            finally:
+                await _close_client(self._client, self._where)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError("the session is closed", where=self._where)
+
+
+async def _unless_cancelled(step: Awaitable[T], cancel: CancelToken) -> bool:
+    """Await ``step`` unless ``cancel`` fires first (then ``step`` is cancelled); True if it completed."""
+    task = asyncio.ensure_future(step)
+    if task.done():
+        task.result()
+        return True
+    waiter = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()
+    return True
+
+
+class NatsStreamSource(StreamSource):
+    """The continuous NATS JetStream source (one stream, optionally filtered by subject)."""
+
+    connector_name = "nats"
+
+    def __init__(self, config: NatsSourceConfig) -> None:
+        self.config = config
+
+    def capabilities(self) -> SourceCapabilities:
+        return _capabilities(self.config, continuous=True)
+
+    def codecs(self) -> Sequence[PositionCodec[Any]]:
+        return (CODEC,)
+
+    async def open(
+        self,
+        resources: Sequence[str],
+        resume_positions: Sequence[Position],
+        membership: Membership,
+        worker: WorkerIdentity,
+    ) -> NatsStreamSession:
+        """Open a session on the configured stream (the only resource) after its certified position."""
+        config = self.config
+        unknown = sorted(set(resources) - {config.stream})
+        if unknown:
+            raise ConfigError(
+                f"this source reads stream {config.stream!r} only, not {', '.join(unknown)}",
+                where=_where(config),
+            )
+        return await NatsStreamSession.open(
+            config,
+            resume_positions,
+            owned=membership.owns(config.stream, config.partition),
+            worker=worker,
+            durable=True,
+            bounded=config.bounded,
+        )
+
+
+class _PageCollector(StreamRecordSink):
+    """Collects what one read of a bounded session writes, as one page's records."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._parts: list[Records] = []
+
+    async def write(
+        self, domain: OrderingDomain, rows: Records, identities: Identities, *, resource: str | None = None
+    ) -> None:
+        self._parts.append(rows)
+
+    async def control(self, control: Control) -> None:
+        return None
+
+    def take(self) -> Records:
+        parts, self._parts = self._parts, []
+        if parts and all(isinstance(part, pa.RecordBatch) for part in parts):
+            return pa.concat_batches([part for part in parts if isinstance(part, pa.RecordBatch)])
+        rows: list[Any] = []
+        for part in parts:
+            if isinstance(part, pa.RecordBatch):
+                raise IntegrityError("a page mixes Arrow batches and JSON rows", where=self._where)
+            rows.extend(part)
+        return rows
+
+
+async def _owner_always() -> None:
+    """A bounded read's acknowledgements only release its own ephemeral consumer's window."""
+
+
+class NatsSource(Source):
+    """The bounded NATS source: from the bookmark to the stream's last sequence at the start.
+
+    Bookmark: ``{"stream", "subject", "incarnation", "sequence"}`` (the last sequence read). A
+    malformed payload raises DataError (a bounded read has no dead-letter route for source records).
+    """
+
+    connector_name = "nats"
+    config_model = NatsSourceConfig
+
+    def __init__(self, config: NatsSourceConfig) -> None:
+        self.config = config
+        self._start: Position | None = None
+        self._bookmark: JsonValue | None = None
+
+    def capabilities(self) -> SourceCapabilities:
+        return _capabilities(self.config, continuous=False)
+
+    def dataset_uri(self) -> str:
+        server = self.config.servers[0].split("://", 1)[-1].split(",")[0]
+        subject = f"/{self.config.subject}" if self.config.subject else ""
+        return f"nats://{server}/{self.config.stream}{subject}"
+
+    def state_key(self) -> str:
+        return f"nats:{self.config.stream}:{self.config.subject or '>'}"
+
+    def bookmark(self) -> JsonValue | None:
+        return self._bookmark
+
+    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
+        config = self.config
+        if not isinstance(bookmark, dict) or set(bookmark) != {
+            "stream",
+            "subject",
+            "incarnation",
+            "sequence",
+        }:
+            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(config))
+        if bookmark["stream"] != config.stream or (bookmark["subject"] or "") != config.partition:
+            raise ConfigError(
+                f"the bookmark belongs to stream {bookmark['stream']!r} subject {bookmark['subject']!r}",
+                where=_where(config),
+            )
+        incarnation = bookmark["incarnation"]
+        if not isinstance(incarnation, str):
+            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(config))
+        domain = OrderingDomain(config.source_name, config.stream, config.partition, incarnation, CODEC.name)
+        self._start = Position(domain, CODEC.canonicalize(CODEC.validate(bookmark["sequence"])))
+        self._bookmark = bookmark
+
+    async def check(self) -> None:
+        client = await connect(self.config, where=_where(self.config))
+        try:
+            await _stream_facts(JetStreamApi(client, self.config), self.config, known_incarnation=False)
+        finally:
+            await _close_client(client, _where(self.config))
+
+    async def fetch(self, ctx: FetchContext) -> Records:
+        pages = [page.records async for page in self.stream_pages(ctx, 0)]
+        if not pages:
+            return []
+        return pages[0]
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        """Pages of at most ``batch_size`` messages (one page when 0), each with its bookmark.
+
+        At most about two pages are held in memory: the consumer's acknowledgement window.
+        """
+        if batch_size < 0:
+            raise ConfigError(f"batch_size must be >= 0, got {batch_size}", where=_where(self.config))
+        config = self.config
+        session = await NatsStreamSession.open(
+            config,
+            () if self._start is None else (self._start,),
+            owned=True,
+            worker=None,
+            durable=False,
+            bounded=True,
+            max_ack_pending=-1 if batch_size == 0 else max(2 * batch_size, config.chunk_messages),
+        )
+        collector = _PageCollector(_where(config))
+        limits = ReadLimits(records=batch_size or None, bytes=None, idle=None, age=None)
+        try:
+            while True:
+                coverage = await session.read(collector, limits, CancelToken())
+                if coverage.empty:
+                    if not session.finished:
+                        raise IntegrityError("the bounded read stopped before its end", where=_where(config))
+                    return
+                end = coverage.domains[0].end
+                self._bookmark = {
+                    "stream": config.stream,
+                    "subject": config.subject,
+                    "incarnation": session.domain.incarnation,
+                    "sequence": int(end),
+                }
+                yield Page(collector.take(), self._bookmark)
+                await session.acknowledge(coverage, _owner_always)
+        finally:
+            await session.close()

@@ -1,0 +1,99 @@
+"""Configs of the SQL (SQLAlchemy) source and sink. Only pydantic and the protocol are imported here.
+
+The database is a SQLAlchemy URL without a password (``sqlite:///data/warehouse.db``,
+``postgresql://app@db.example.com/shop``); credentials go in ``auth`` (``user_password``), so the
+password is a ``SecretStr`` that never reaches logs, metadata or errors. A ``postgresql://`` URL
+without a driver uses psycopg 3.
+"""
+
+from typing import Literal, Self
+
+from pydantic import Field, field_validator, model_validator
+
+from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth, UserPasswordAuth
+
+SqlWriteMode = Literal["append", "upsert", "replace"]
+
+
+class SqlConnection(ConnectorConfig):
+    """Where the database is: a SQLAlchemy URL without a password, plus the adjacently tagged auth."""
+
+    url: str = Field(min_length=1, description="SQLAlchemy URL without a password.")
+    auth: Auth = Field(default_factory=NoAuth, description="none or user_password.")
+
+    @field_validator("url")
+    @classmethod
+    def _url_without_password(cls, url: str) -> str:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            # Never echo the URL: it might hold a secret.
+            raise ValueError("not a SQLAlchemy URL (dialect[+driver]://user@host/database)") from None
+        if parsed.password is not None:
+            raise ValueError("the URL holds a password; put credentials in auth (user_password)")
+        return url
+
+    @model_validator(mode="after")
+    def _supported_auth(self) -> Self:
+        if not isinstance(self.auth, NoAuth | UserPasswordAuth):
+            raise ValueError(f"auth type {self.auth.type!r} is not supported (use none or user_password)")
+        return self
+
+
+class SqlTable(SqlConnection):
+    """A table: ``table`` in ``schema_name`` (the connection's default schema when unset)."""
+
+    table: str = Field(min_length=1)
+    schema_name: str | None = None
+
+
+class SqlSourceConfig(SqlTable):
+    """An incremental read of one table in ascending ``(cursor, key...)`` order.
+
+    ``cursor`` is the column that grows as rows are added or changed (``updated_at``, an id); rows
+    whose cursor is NULL are not read. ``key`` breaks ties between rows sharing a cursor value and must
+    be unique with it; empty means the table's primary key. Without a cursor the table is read in key
+    order and resumed after the last key. ``columns`` reads only those columns (empty: all).
+    ``row_values`` chooses how ``(cursor, key) > (...)`` is written: ``auto`` uses a row-value
+    comparison on dialects known to support it (PostgreSQL, SQLite, MySQL, MariaDB, DuckDB) and the
+    expanded ``c > x OR (c = x AND k > y)`` form elsewhere.
+    """
+
+    cursor: str | None = None
+    key: list[str] = Field(default_factory=list)
+    columns: list[str] | None = None
+    row_values: Literal["auto", "native", "expanded"] = "auto"
+
+
+class SqlSinkConfig(SqlTable):
+    """A table written by ``mode``: append, upsert (by ``key``) or replace (staged, swapped at finish).
+
+    The table is created from the first batch's Arrow schema when missing (with ``key`` as its primary
+    key). ``schema_evolution`` adds a column the table lacks (ALTER TABLE ADD COLUMN); off, such a
+    column raises SchemaError. The commit-token watermark lives in ``watermark_table`` (same schema as
+    the table), one row per ``sync_id`` (default: the qualified table name), so several syncs into one
+    database keep separate watermarks.
+    """
+
+    mode: SqlWriteMode = "append"
+    key: list[str] = Field(default_factory=list)
+    schema_evolution: bool = True
+    sync_id: str | None = Field(default=None, min_length=1)
+    watermark_table: str = Field(default="_faucet_watermarks", min_length=1)
+
+    @model_validator(mode="after")
+    def _key_for_upsert(self) -> Self:
+        if self.mode == "upsert" and not self.key:
+            raise ValueError("mode upsert needs a non-empty key")
+        if any(not column for column in self.key):
+            raise ValueError("key columns must not be empty")
+        return self
+
+    def watermark_scope(self) -> str:
+        """The ``sync_id`` keying this sink's watermark row."""
+        if self.sync_id is not None:
+            return self.sync_id
+        return self.table if self.schema_name is None else f"{self.schema_name}.{self.table}"

@@ -1,0 +1,976 @@
+"""The FCP checks, numbered as the FCP numbers them (seed 004, section 7).
+
+1. :func:`config_schema`: the config schema is a valid JSON Schema that the setup's config satisfies;
+2. :func:`bounded_memory`: pages never exceed ``batch_size``, ``batch_size == 0`` is one page, and a
+   paging source holds far less than the dataset at once;
+3. :func:`resume`: a run started from a bookmark replays nothing committed and skips nothing;
+4. :func:`idempotent_replay`: replaying pages leaves an atomic-watermark or keyed-upsert destination
+   unchanged, or the honest branch (no mechanism, effectively-once refused);
+5. :func:`capabilities`: each capability claimed works, each one denied is refused by the planner and
+   by ``faucet plan``;
+6. :func:`no_panic`: bad config, an unreachable endpoint, a malformed record and an empty dataset end
+   in a FaucetError (an empty result for the empty dataset) within the timeout.
+
+Each check is a coroutine taking a :class:`~faucet_dagster.conformance.harness.Subject`; it returns an
+:class:`Outcome` or raises :class:`ConformanceFailure` naming the rule broken.
+"""
+
+import asyncio
+import contextlib
+import functools
+import io
+import json
+import os
+import tempfile
+import tracemalloc
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import jsonschema
+import pyarrow as pa
+
+from faucet_dagster.conformance.harness import (
+    DOMAIN,
+    STREAM,
+    WORKER,
+    StreamDriver,
+    Subject,
+    covering,
+    ids_of,
+    open_sink_session,
+    pairs,
+    quietly_close,
+    rows_batch,
+    sink_batch,
+)
+from faucet_dagster.conformance.options import ConformanceFailure, Outcome
+from faucet_dagster.conformance.setup import make_rows
+from faucet_dagster.planner import Code, plan
+from faucet_dagster.protocol import (
+    AddColumn,
+    CommitToken,
+    Coverage,
+    Delivery,
+    Durability,
+    Emits,
+    EpochId,
+    FaucetError,
+    Mode,
+    Operation,
+    Ordering,
+    OwnershipLost,
+    Page,
+    PlanError,
+    ReadLimits,
+    Replay,
+    Role,
+    SchemaError,
+    Sink,
+    SinkCapabilities,
+    Source,
+    SourceCapabilities,
+    UnsupportedOperation,
+    WritePolicy,
+    default_codec_registry,
+)
+
+SCHEMA_RULE = "FCP 3 config schema (check 1)"
+MEMORY_RULE = "FCP 2.2 bounded memory (check 2)"
+RESUME_RULE = "FCP 2.5 resume from the bookmark (check 3)"
+REPLAY_RULE = "FCP 3.1 idempotent replay (check 4)"
+CAPABILITY_RULE = "FCP 2.4/3.3 truthful capabilities (check 5)"
+PANIC_RULE = "FCP 2.1/4 no panic (check 6)"
+
+QUIET = ReadLimits(records=None, bytes=None, idle=0.5, age=None)
+"""Read limits for draining a stream source: end a read after half a second with nothing new."""
+
+# -- check 1 ------------------------------------------------------------------------------------------
+
+
+async def config_schema(subject: Subject) -> Outcome:
+    """The role's config schema is a valid JSON Schema of an object, and the setup's config is valid."""
+    built = subject.build()
+    if isinstance(built, Source | Sink):
+        schema = built.config_schema()
+    else:
+        schema = subject.spec.roles[subject.role].config_model.json_schema()
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path) or "<root>"
+        raise ConformanceFailure(
+            SCHEMA_RULE, f"the config schema is not a valid JSON Schema at {where}: {exc.message}"
+        ) from None
+    if schema.get("type") != "object":
+        raise ConformanceFailure(
+            SCHEMA_RULE, f"the config schema describes a {schema.get('type')!r}, not an object"
+        )
+    config = json.loads(json.dumps(subject.setup.config, default=str))
+    errors = sorted(validator(schema).iter_errors(config), key=lambda error: error.json_path)
+    if errors:
+        raise ConformanceFailure(
+            SCHEMA_RULE,
+            f"a config the connector accepts does not validate against its schema: {errors[0].json_path}: "
+            f"{errors[0].message}",
+        )
+    return Outcome.passed(f"{validator.__name__} schema with {len(schema.get('properties', {}))} properties")
+
+
+# -- check 2 ------------------------------------------------------------------------------------------
+
+
+async def read_all(subject: Subject, source: Source, batch_size: int, rule: str) -> list[Page]:
+    """Every page of one read (held: for checks whose datasets are small)."""
+
+    async def collect() -> list[Page]:
+        return [page async for page in source.stream_pages({}, batch_size)]
+
+    try:
+        return await subject.within(collect(), rule, f"stream_pages(batch_size={batch_size})")
+    finally:
+        await subject.within(source.close(), rule, "Source.close")
+
+
+async def bounded_memory(subject: Subject) -> Outcome:
+    """Pages of at most ``batch_size`` rows; one page for 0; far less held than the whole dataset."""
+    rows, size = subject.options.dataset_rows, subject.options.batch_size
+    await subject.source_setup.add_rows(make_rows(1, rows, width=200))
+    expected = list(range(1, rows + 1))
+    whole = await read_all(subject, subject.source(), 0, MEMORY_RULE)
+    if len(whole) != 1:
+        raise ConformanceFailure(
+            MEMORY_RULE, f"batch_size 0 must give exactly one page, it gave {len(whole)}"
+        )
+    if sorted(ids_of(whole[0].records)) != expected:
+        raise ConformanceFailure(MEMORY_RULE, f"the one page of batch_size 0 does not hold the {rows} rows")
+    del whole
+    pages = await read_all(subject, subject.source(), size, MEMORY_RULE)
+    for number, page in enumerate(pages, 1):
+        if page.num_rows > size:
+            raise ConformanceFailure(
+                MEMORY_RULE, f"page {number} holds {page.num_rows} rows, more than batch_size {size}"
+            )
+    got = sorted(i for page in pages for i in ids_of(page.records))
+    if got != expected:
+        raise ConformanceFailure(MEMORY_RULE, f"paging lost or duplicated rows: {len(got)} read of {rows}")
+    del pages
+    held_whole = await _peak_held(subject, 0)
+    held_paged = await _peak_held(subject, size)
+    if held_paged > held_whole / 2:
+        raise ConformanceFailure(
+            MEMORY_RULE,
+            f"reading {rows} rows in pages of {size} held up to {held_paged} bytes at once, reading them "
+            f"as one page {held_whole}: a paging source must not buffer the dataset",
+        )
+    return Outcome.passed(
+        f"{rows} rows in pages of <= {size}; peak held {held_paged} B paged vs {held_whole} B whole"
+    )
+
+
+async def _peak_held(subject: Subject, batch_size: int) -> int:
+    """The most memory held at once while a read is consumed page by page (pages are dropped as
+    read): the Python heap's peak (tracemalloc) plus the Arrow pool's allocation, sampled at each page
+    (an Arrow page slicing a buffered dataset keeps that buffer allocated while it is handed over)."""
+    source = subject.source()
+    arrow_floor = pa.total_allocated_bytes()
+    arrow_peak = 0
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    python_floor = tracemalloc.get_traced_memory()[0]
+
+    async def consume() -> None:
+        nonlocal arrow_peak
+        async for _page in source.stream_pages({}, batch_size):
+            arrow_peak = max(arrow_peak, pa.total_allocated_bytes() - arrow_floor)
+
+    try:
+        await subject.within(consume(), MEMORY_RULE, f"stream_pages(batch_size={batch_size})")
+        python_peak = tracemalloc.get_traced_memory()[1] - python_floor
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+        await subject.within(source.close(), MEMORY_RULE, "Source.close")
+    return max(0, python_peak) + arrow_peak
+
+
+# -- check 3 ------------------------------------------------------------------------------------------
+
+
+async def resume(subject: Subject) -> Outcome:
+    """From a bookmark (kept as JSON), a new read returns exactly the rows after it."""
+    setup, size = subject.source_setup, subject.options.batch_size
+    probe = subject.source()
+    if probe.state_key() is None:
+        await _expect_unsupported(lambda: probe.apply_start_bookmark({}), "apply_start_bookmark")
+        return Outcome.not_applicable("state_key() is None and apply_start_bookmark is refused: no resume")
+    first = make_rows(1, 3 * size + 7)
+    await setup.add_rows(first)
+    pages = await read_all(subject, subject.source(), size, RESUME_RULE)
+    read = [ids_of(page.records) for page in pages]
+    if sorted(i for ids in read for i in ids) != [row["id"] for row in first]:
+        raise ConformanceFailure(RESUME_RULE, "the first read did not return every row once")
+    marked = [index for index, page in enumerate(pages) if page.bookmark is not None]
+    if not marked or marked[-1] != len(pages) - 1:
+        raise ConformanceFailure(RESUME_RULE, "a resumable source must put a bookmark on its final page")
+    then = make_rows(10_001, 2 * size + 3)
+    await setup.add_rows(then)
+    checked = [len(pages) - 1, *marked[:1]] if marked[0] != len(pages) - 1 else [len(pages) - 1]
+    for index in checked:
+        delivered = {i for ids in read[: index + 1] for i in ids}
+        expected = sorted({row["id"] for row in [*first, *then]} - delivered)
+        bookmark = json.loads(json.dumps(pages[index].bookmark))
+        source = subject.source()
+        source.apply_start_bookmark(bookmark)
+        again = sorted(
+            i for page in await read_all(subject, source, size, RESUME_RULE) for i in ids_of(page.records)
+        )
+        replayed = sorted(set(again) & delivered)
+        if replayed:
+            raise ConformanceFailure(
+                RESUME_RULE,
+                f"a run started from the bookmark of page {index + 1} replayed {len(replayed)} committed "
+                f"record(s) (ids {replayed[:5]}...)",
+            )
+        if again != expected:
+            missing = sorted(set(expected) - set(again))
+            raise ConformanceFailure(
+                RESUME_RULE,
+                f"a run started from the bookmark of page {index + 1} returned {len(again)} rows, expected "
+                f"{len(expected)} (missing ids {missing[:5]}, duplicates {len(again) - len(set(again))})",
+            )
+    return Outcome.passed(f"resumed from {len(checked)} bookmark(s) without replay or loss")
+
+
+async def _expect_unsupported(call: Callable[[], object], what: str) -> None:
+    try:
+        result = call()
+        if isinstance(result, Awaitable):
+            await result
+    except UnsupportedOperation:
+        return
+    except FaucetError as exc:
+        raise ConformanceFailure(
+            CAPABILITY_RULE, f"{what} is declared unsupported but raised {type(exc).__name__}: {exc}"
+        ) from exc
+    raise ConformanceFailure(CAPABILITY_RULE, f"{what} is declared unsupported but it returned")
+
+
+# -- check 4 ------------------------------------------------------------------------------------------
+
+
+async def idempotent_replay(subject: Subject) -> Outcome:
+    """A replayed page leaves the destination unchanged (watermark, keyed upsert) or the honest branch."""
+    setup = subject.sink_setup
+    sink = subject.sink()
+    page, later = make_rows(1, 50), make_rows(51, 30)
+    done: list[str] = []
+    try:
+        if sink.supports_idempotent_writes():
+            await _watermark_replay(subject, sink, page, later)
+            done.append("atomic watermark")
+    finally:
+        await subject.within(sink.close(), REPLAY_RULE, "Sink.close")
+    if setup.keyed_config is not None and setup.read_keyed is not None:
+        keyed = subject.sink(setup.keyed_config)
+        try:
+            if keyed.dedups_by_key():
+                await _keyed_replay(subject, keyed, page, setup.read_keyed)
+                done.append("keyed upsert")
+        finally:
+            await subject.within(keyed.close(), REPLAY_RULE, "Sink.close")
+    if done:
+        return Outcome.passed(f"a replayed page changed nothing ({', '.join(done)})")
+    if sink.dedups_by_key():
+        raise ConformanceFailure(
+            REPLAY_RULE, "dedups_by_key() is True but the setup names no keyed destination"
+        )
+    await _refused(
+        subject,
+        Mode.BOUNDED,
+        _policy_of(sink),
+        Code.EFFECTIVELY_ONCE_UNREACHABLE,
+        REPLAY_RULE,
+        sink_caps=sink.capabilities(),
+        delivery=Delivery.EFFECTIVELY_ONCE,
+    )
+    return Outcome.not_applicable(
+        "no atomic watermark and no keyed upsert: effectively-once is refused by the planner and faucet plan"
+    )
+
+
+async def _watermark_replay(
+    subject: Subject, sink: Sink, page: list[dict[str, Any]], later: list[dict[str, Any]]
+) -> None:
+    read_back = subject.sink_setup.read_back
+    first, second = CommitToken(1_000), CommitToken(2_000)
+    written = await subject.within(sink.write_batch_idempotent(rows_batch(page), first), REPLAY_RULE, "write")
+    if written != len(page):
+        raise ConformanceFailure(REPLAY_RULE, f"write_batch_idempotent wrote {written} of {len(page)} rows")
+    before = pairs(await read_back())
+    for token in (first, CommitToken(999)):
+        again = await subject.within(
+            sink.write_batch_idempotent(rows_batch(page), token), REPLAY_RULE, "replay"
+        )
+        after = pairs(await read_back())
+        if again != 0 or after != before:
+            raise ConformanceFailure(
+                REPLAY_RULE,
+                f"replaying a page with token {token} (not newer than the watermark {first}) wrote {again} "
+                f"rows and the destination went from {len(before)} to {len(after)} rows: the commit token "
+                "must make the replay a no-op",
+            )
+    fresh = subject.sink()
+    try:
+        stored = await subject.within(fresh.last_committed_token(), REPLAY_RULE, "last_committed_token")
+        if stored != first:
+            raise ConformanceFailure(
+                REPLAY_RULE, f"last_committed_token() read back {stored}, the last committed token is {first}"
+            )
+        await subject.within(fresh.write_batch_idempotent(rows_batch(later), second), REPLAY_RULE, "write")
+    finally:
+        await subject.within(fresh.close(), REPLAY_RULE, "Sink.close")
+    if pairs(await read_back()) != sorted([*before, *pairs(later)]):
+        raise ConformanceFailure(
+            REPLAY_RULE, f"a page with the newer token {second} was not written exactly once"
+        )
+
+
+async def _keyed_replay(
+    subject: Subject,
+    sink: Sink,
+    page: list[dict[str, Any]],
+    read_back: Callable[[], Awaitable[list[dict[str, Any]]]],
+) -> None:
+    await subject.within(sink.write_batch(rows_batch(page)), REPLAY_RULE, "write_batch")
+    before = pairs(await read_back())
+    await subject.within(sink.write_batch(rows_batch(page)), REPLAY_RULE, "write_batch (replay)")
+    after = pairs(await read_back())
+    if after != before or before != pairs(page):
+        raise ConformanceFailure(
+            REPLAY_RULE,
+            f"dedups_by_key() is True but replaying a page of {len(page)} rows took the destination from "
+            f"{len(before)} to {len(after)} rows: a keyed upsert must converge",
+        )
+
+
+# -- planner and CLI refusals ---------------------------------------------------------------------------
+
+ANY_SOURCE = SourceCapabilities(
+    emits=Emits.ROWS,
+    operations=frozenset({Operation.INSERT}),
+    ordering=Ordering.STRICT_GLOBAL,
+    replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
+    bounded=True,
+    continuous=True,
+    deterministic=True,
+    event_identity=True,
+)
+"""The counterpart of a sink under test when the planner is asked: a source that breaks no rule."""
+
+ANY_SINK = SinkCapabilities(
+    bounded_policies=frozenset(WritePolicy),
+    continuous_policies=frozenset(WritePolicy) - {WritePolicy.REPLACE},
+    durability=Durability.TRANSACTIONAL,
+    atomic_watermark=True,
+)
+"""The counterpart of a source under test: a sink that accepts every policy and has a watermark."""
+
+_CLI_MODE_ROLES = {
+    Mode.BOUNDED: (Role.SOURCE, Role.SINK),
+    Mode.CONTINUOUS: (Role.STREAM_SOURCE, Role.STREAMING_SINK),
+}
+
+
+def _policy_of(sink: Sink) -> WritePolicy:
+    return sink.write_mode()[0]
+
+
+async def _refused(
+    subject: Subject,
+    mode: Mode,
+    policy: WritePolicy,
+    code: Code,
+    rule: str,
+    *,
+    source_caps: SourceCapabilities | None = None,
+    sink_caps: SinkCapabilities | None = None,
+    delivery: Delivery | None = None,
+    key: tuple[str, ...] = (),
+) -> None:
+    """Both the planner and ``faucet plan`` must refuse the pair with ``code`` (the honest branch).
+
+    The subject's side comes from its capabilities (and, for the CLI, its config); the other side is
+    :data:`ANY_SOURCE` / :data:`ANY_SINK`. The CLI is asked when it builds the subject's role in
+    ``mode`` (a bounded source or sink in bounded mode, a streaming one in continuous mode).
+    """
+    is_source = subject.role in (Role.SOURCE, Role.STREAM_SOURCE)
+    source = source_caps or ANY_SOURCE
+    sink = sink_caps or ANY_SINK
+    try:
+        accepted = plan(source, sink, mode, policy, key, delivery=delivery)
+    except PlanError as exc:
+        if code not in exc.codes:
+            raise ConformanceFailure(
+                rule, f"the planner refused {mode} {policy} for {exc.codes}, not {code}"
+            ) from exc
+    else:
+        raise ConformanceFailure(
+            rule,
+            f"the planner accepted {mode} {policy} ({accepted.delivery}) though the capabilities "
+            f"deny it ({code})",
+        )
+    if subject.role not in _CLI_MODE_ROLES[mode]:
+        # `faucet plan` builds the connector's other role in this mode (or refuses to, for lack of
+        # one): the capabilities of this role are not what it plans with.
+        return
+    from faucet_dagster.cli import EXIT_REFUSED, _as_plain, main
+
+    side, other = ("source", "sink") if is_source else ("sink", "source")
+    with tempfile.TemporaryDirectory(prefix="faucet-conformance-") as folder:
+        config_path = os.path.join(folder, "config.json")
+        with open(config_path, "w") as handle:
+            json.dump(dict(subject.setup.config), handle, default=str)
+        argv = ["plan", "--mode", mode.value, "--policy", policy.value, f"--{side}", subject.spec.name]
+        argv += [f"--{side}-config", config_path]
+        for name, value in _as_plain(sink if is_source else source).items():
+            if value is not None:
+                argv += [f"--set-{other}", f"{name}={_flag(value)}"]
+        if key:
+            argv += ["--key", ",".join(key)]
+        if delivery is not None:
+            argv += ["--delivery", delivery.value]
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            exit_code = main(argv)
+    text = output.getvalue()
+    if exit_code != EXIT_REFUSED or code not in text:
+        raise ConformanceFailure(
+            rule, f"`faucet {' '.join(argv[:5])}` exited {exit_code} without refusing {code}: {text.strip()}"
+        )
+
+
+def _flag(value: object) -> str:
+    if isinstance(value, list):
+        return ",".join(str(item) for item in value) if value else "[]"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# -- check 5 ------------------------------------------------------------------------------------------
+
+
+async def capabilities(subject: Subject) -> Outcome:
+    """Every capability claimed true works; every one denied is refused (honest branch)."""
+    check = {
+        Role.SOURCE: _source_capabilities,
+        Role.SINK: _sink_capabilities,
+        Role.STREAM_SOURCE: _stream_source_capabilities,
+        Role.STREAMING_SINK: _streaming_sink_capabilities,
+    }[subject.role]
+    proven = await check(subject)
+    return Outcome.passed("; ".join(proven))
+
+
+async def _source_capabilities(subject: Subject) -> list[str]:
+    size = subject.options.batch_size
+    rows = make_rows(1, 2 * size + 5)
+    await subject.source_setup.add_rows(rows)
+    expected = [row["id"] for row in rows]
+    source = subject.source()
+    caps = source.capabilities()
+    proven: list[str] = []
+    if not caps.bounded:
+        raise ConformanceFailure(CAPABILITY_RULE, "a bounded Source declares bounded=False")
+    pages = await read_all(subject, source, size, CAPABILITY_RULE)
+    read = [i for page in pages for i in ids_of(page.records)]
+    if sorted(read) != expected:
+        raise ConformanceFailure(
+            CAPABILITY_RULE, f"a bounded read returned {len(read)} of {len(expected)} rows"
+        )
+    proven.append("bounded read ends")
+    if caps.ordering is Ordering.STRICT_GLOBAL:
+        if read != expected:
+            raise ConformanceFailure(
+                CAPABILITY_RULE,
+                "ordering is strict_global but rows came in another order than they were added",
+            )
+        proven.append("strict global order")
+    if caps.columns is not None:
+        for page in pages:
+            names = (
+                page.records.schema.names
+                if isinstance(page.records, pa.RecordBatch)
+                else list(page.records[0])
+            )
+            missing = [column for column in caps.columns if column not in names]
+            if missing:
+                raise ConformanceFailure(
+                    CAPABILITY_RULE, f"declared columns {missing} are not in the records"
+                )
+        proven.append(f"columns {list(caps.columns)}")
+    if caps.deterministic:
+        again = await read_all(subject, subject.source(), size, CAPABILITY_RULE)
+        if [ids_of(page.records) for page in again] != [ids_of(page.records) for page in pages]:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, "deterministic is True but a second read gave other pages or another order"
+            )
+        proven.append("deterministic re-read")
+    else:
+        await _refused(
+            subject,
+            Mode.BOUNDED,
+            WritePolicy.APPEND,
+            Code.EFFECTIVELY_ONCE_UNREACHABLE,
+            CAPABILITY_RULE,
+            source_caps=caps,
+            delivery=Delivery.EFFECTIVELY_ONCE,
+        )
+        proven.append("not deterministic: watermark delivery refused")
+    if caps.discover:
+        found = await subject.within(source.discover(), CAPABILITY_RULE, "discover")
+        if not found:
+            raise ConformanceFailure(CAPABILITY_RULE, "discover is True but discover() found no dataset")
+        proven.append(f"discover found {len(found)}")
+    else:
+        await _expect_unsupported(source.discover, "discover()")
+    if caps.shardable:
+        proven.append(await _shards(subject, source, expected))
+    else:
+        await _expect_unsupported(source.enumerate_shards, "enumerate_shards()")
+        await _expect_unsupported(lambda: subject.source().apply_shard("any"), "apply_shard()")
+    if not caps.continuous:
+        await _refused(
+            subject,
+            Mode.CONTINUOUS,
+            WritePolicy.APPEND,
+            Code.SOURCE_NOT_CONTINUOUS,
+            CAPABILITY_RULE,
+            source_caps=caps,
+        )
+        proven.append("not continuous: refused")
+    return proven
+
+
+async def _shards(subject: Subject, source: Source, expected: list[int]) -> str:
+    shards = await subject.within(source.enumerate_shards(), CAPABILITY_RULE, "enumerate_shards")
+    if not shards or len(set(shards)) != len(shards):
+        raise ConformanceFailure(
+            CAPABILITY_RULE, f"shardable is True but enumerate_shards() gave {list(shards)}"
+        )
+    seen: list[int] = []
+    for shard in shards:
+        part = subject.source()
+        part.apply_shard(shard)
+        seen.extend(
+            i for page in await read_all(subject, part, 0, CAPABILITY_RULE) for i in ids_of(page.records)
+        )
+    if sorted(seen) != expected:
+        raise ConformanceFailure(
+            CAPABILITY_RULE,
+            f"the {len(shards)} shards together returned {len(seen)} rows ({len(set(seen))} distinct), "
+            f"the dataset has {len(expected)}: shards must partition it",
+        )
+    return f"{len(shards)} shards partition the dataset"
+
+
+async def _sink_capabilities(subject: Subject) -> list[str]:
+    setup = subject.sink_setup
+    sink = subject.sink()
+    caps = sink.capabilities()
+    proven: list[str] = []
+    try:
+        policy, key = sink.write_mode()
+        if (
+            not sink.supported_write_modes() <= caps.bounded_policies
+            or policy not in sink.supported_write_modes()
+        ):
+            raise ConformanceFailure(
+                CAPABILITY_RULE,
+                f"the configured mode {policy} is not among supported_write_modes() "
+                f"{sorted(sink.supported_write_modes())} within the bounded policies",
+            )
+        rows = make_rows(1, 20)
+        await subject.within(sink.write_batch(rows_batch(rows)), CAPABILITY_RULE, "write_batch")
+        await subject.within(sink.flush(), CAPABILITY_RULE, "flush")
+        await subject.within(sink.finish(), CAPABILITY_RULE, "finish")
+        if pairs(await setup.read_back()) != pairs(rows):
+            raise ConformanceFailure(
+                CAPABILITY_RULE, f"a {policy} write of {len(rows)} rows did not land as written"
+            )
+        proven.append(f"{policy} writes")
+        keyed = policy in (WritePolicy.UPSERT, WritePolicy.DELETE, WritePolicy.VERSIONED_UPSERT) and bool(key)
+        if sink.dedups_by_key() != keyed:
+            raise ConformanceFailure(
+                CAPABILITY_RULE,
+                f"dedups_by_key() is {sink.dedups_by_key()} for mode {policy} with key {list(key)}",
+            )
+        if sink.supports_schema_evolution():
+            change = [AddColumn("conformance_extra", pa.string())]
+            for _ in range(2):  # ADD COLUMN IF NOT EXISTS: repeating it is harmless
+                await subject.within(sink.evolve_schema(change), CAPABILITY_RULE, "evolve_schema")
+            schema = await subject.within(sink.current_schema(), CAPABILITY_RULE, "current_schema")
+            if schema is None or "conformance_extra" not in schema.names:
+                raise ConformanceFailure(
+                    CAPABILITY_RULE, "schema evolution is claimed but evolve_schema() did not add the column"
+                )
+            proven.append("schema evolution adds a column")
+        else:
+            try:
+                await sink.evolve_schema([AddColumn("conformance_extra", pa.string())])
+            except (SchemaError, UnsupportedOperation):
+                proven.append("no schema evolution: refused")
+            else:
+                raise ConformanceFailure(
+                    CAPABILITY_RULE, "schema evolution is denied but evolve_schema() returned"
+                )
+        if caps.partial_results and setup.refused_rows is not None:
+            proven.append(await _partial(subject, sink, setup.refused_rows))
+        unsupported = sorted(set(WritePolicy) - sink.supported_write_modes())
+        if unsupported:
+            await _refused(
+                subject,
+                Mode.BOUNDED,
+                unsupported[0],
+                Code.POLICY_NOT_SUPPORTED,
+                CAPABILITY_RULE,
+                sink_caps=caps,
+            )
+            proven.append(f"{unsupported[0]} refused")
+    finally:
+        await subject.within(sink.close(), CAPABILITY_RULE, "Sink.close")
+    if not sink.supports_idempotent_writes():
+        try:
+            await sink.write_batch_idempotent(rows_batch(make_rows(100, 1)), CommitToken(1))
+        except FaucetError:
+            proven.append("no watermark: idempotent write refused")
+        else:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, "idempotent writes are denied but write_batch_idempotent() wrote"
+            )
+        finally:
+            await sink.close()
+    return proven
+
+
+async def _partial(subject: Subject, sink: Sink, rows: Sequence[Mapping[str, Any]]) -> str:
+    before = pairs(await subject.sink_setup.read_back())
+    result = await subject.within(
+        sink.write_batch_partial(rows_batch(rows)), CAPABILITY_RULE, "write_batch_partial"
+    )
+    refused = {rows[rejected.index]["id"] for rejected in result.rejected}
+    landed = [row for row in rows if row["id"] not in refused]
+    after = pairs(await subject.sink_setup.read_back())
+    if not refused or result.written != len(landed) or after != sorted([*before, *pairs(landed)]):
+        raise ConformanceFailure(
+            CAPABILITY_RULE,
+            f"partial_results is claimed but write_batch_partial() reported {result.written} written and "
+            f"{len(refused)} refused of {len(rows)}, and the destination does not hold exactly the rest",
+        )
+    return f"partial results refused {len(refused)} row(s)"
+
+
+async def _stream_source_capabilities(subject: Subject) -> list[str]:
+    source = subject.stream_source()
+    caps = source.capabilities()
+    proven: list[str] = []
+    registry = default_codec_registry()
+    for codec in source.codecs():
+        if type(registry.get(codec.name)) is not type(codec):
+            raise ConformanceFailure(
+                CAPABILITY_RULE, f"codec {codec.name!r} is not the one registered under its name"
+            )
+    proven.append(f"codecs {[codec.name for codec in source.codecs()]} registered")
+    rows = make_rows(1, 30)
+    await subject.source_setup.add_rows(rows)
+    driver = StreamDriver(subject, CAPABILITY_RULE)
+    try:
+        seen = await driver.read_until({row["id"] for row in rows}, QUIET)
+        if sorted(seen) != [row["id"] for row in rows]:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, f"the stream delivered {len(seen)} of {len(rows)} rows once each"
+            )
+        if caps.ordering is Ordering.STRICT_GLOBAL and seen != [row["id"] for row in rows]:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, "ordering is strict_global but rows came in another order"
+            )
+        if caps.event_identity and len(set(driver.identities)) != len(driver.identities):
+            raise ConformanceFailure(CAPABILITY_RULE, "event_identity is True but two rows share an identity")
+        kinds = {type(control).__name__ for control in driver.controls}
+        if caps.transaction_boundaries and not {"TransactionBegin", "TransactionEnd"} <= kinds:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, f"transaction_boundaries is True but the reads sent only {sorted(kinds)}"
+            )
+        if caps.bounded:
+            assert driver.session is not None
+            if not driver.session.exhausted:
+                raise ConformanceFailure(
+                    CAPABILITY_RULE, "bounded is True but the session never became exhausted"
+                )
+            proven.append("bounded session exhausted")
+    finally:
+        await driver.close()
+    proven.append(f"{len(seen)} rows with {'stable ' if caps.event_identity else ''}identities")
+    if not caps.bounded:
+        try:
+            plan(caps, ANY_SINK, Mode.BOUNDED, WritePolicy.APPEND)
+        except PlanError as exc:
+            if Code.SOURCE_NOT_BOUNDED not in exc.codes:
+                raise ConformanceFailure(
+                    CAPABILITY_RULE, f"bounded mode was refused for {exc.codes}"
+                ) from exc
+        else:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, "the planner accepted a bounded read of a non-bounded source"
+            )
+        proven.append("not bounded: refused")
+    if caps.ordering is not Ordering.STRICT_GLOBAL:
+        await _refused(
+            subject,
+            Mode.CONTINUOUS,
+            WritePolicy.UPSERT,
+            Code.ORDER_DEPENDENT_POLICY,
+            CAPABILITY_RULE,
+            source_caps=caps,
+            key=("id",),
+        )
+        proven.append(f"{caps.ordering} order: order-dependent upsert refused")
+    if caps.replay is not Replay.REPLAYABLE_AT_LEAST_ONCE or not caps.continuous:
+        code = Code.SOURCE_NOT_CONTINUOUS if not caps.continuous else Code.SOURCE_NOT_REPLAYABLE
+        await _refused(subject, Mode.CONTINUOUS, WritePolicy.APPEND, code, CAPABILITY_RULE, source_caps=caps)
+        proven.append(f"{code} refused")
+    return proven
+
+
+async def _streaming_sink_capabilities(subject: Subject) -> list[str]:
+    setup = subject.sink_setup
+    caps = subject.streaming_sink().capabilities()
+    proven: list[str] = []
+    rows = make_rows(1, 20)
+    session = await open_sink_session(subject, CAPABILITY_RULE)
+    try:
+        epoch = EpochId(STREAM, 1, WORKER.fencing_token)
+        await subject.within(session.begin_epoch(epoch), CAPABILITY_RULE, "begin_epoch")
+        await subject.within(session.apply(epoch, sink_batch(epoch, rows)), CAPABILITY_RULE, "apply")
+        if caps.durability is Durability.TRANSACTIONAL and pairs(await setup.read_back()):
+            raise ConformanceFailure(
+                CAPABILITY_RULE, "durability is transactional but applied rows are visible before the commit"
+            )
+        receipts = await subject.within(
+            session.commit_epoch(epoch, covering(rows)), CAPABILITY_RULE, "commit_epoch"
+        )
+        if pairs(await setup.read_back()) != pairs(rows) or sum(r.rows_written for r in receipts) != len(
+            rows
+        ):
+            raise ConformanceFailure(
+                CAPABILITY_RULE,
+                f"an APPEND epoch of {len(rows)} rows did not land as its receipts say ({receipts})",
+            )
+        proven.append(f"append lands ({caps.durability})")
+        await subject.within(session.close_session(), CAPABILITY_RULE, "close_session")
+        session = await open_sink_session(subject, CAPABILITY_RULE)
+        state = await subject.within(session.last_committed(), CAPABILITY_RULE, "last_committed")
+        if caps.atomic_watermark:
+            ends = {position.domain: position.value for position in state.watermarks} if state else {}
+            if state is None or state.epoch != epoch or ends.get(DOMAIN) != str(rows[-1]["id"]):
+                raise ConformanceFailure(
+                    CAPABILITY_RULE, f"atomic_watermark is True but last_committed() read back {state}"
+                )
+            proven.append("watermark read back")
+        if caps.owner_fencing:
+            proven.append(await _fenced(subject, session))
+    finally:
+        await quietly_close(session)
+    for policy in sorted(set(WritePolicy) - caps.continuous_policies):
+        await _refused(
+            subject,
+            Mode.CONTINUOUS,
+            policy,
+            Code.POLICY_NOT_SUPPORTED,
+            CAPABILITY_RULE,
+            sink_caps=caps,
+            key=("id",),
+        )
+        try:
+            refused = await subject.streaming_sink().open(STREAM, policy, ("id",), WORKER)
+        except FaucetError:
+            continue
+        await quietly_close(refused)
+        raise ConformanceFailure(
+            CAPABILITY_RULE, f"{policy} is not a continuous policy but open() accepted it"
+        )
+    proven.append("undeclared policies refused")
+    if not caps.atomic_watermark and not caps.dedup_by_event_identity:
+        await _refused(
+            subject,
+            Mode.CONTINUOUS,
+            WritePolicy.APPEND,
+            Code.EFFECTIVELY_ONCE_UNREACHABLE,
+            CAPABILITY_RULE,
+            sink_caps=caps,
+            delivery=Delivery.EFFECTIVELY_ONCE,
+        )
+        proven.append("no mechanism: effectively-once refused")
+    return proven
+
+
+async def _fenced(subject: Subject, stale: Any) -> str:
+    """owner_fencing: a session opened under a higher token makes the older one's commit write nothing."""
+    epoch = EpochId(STREAM, 2, WORKER.fencing_token)
+    rows = make_rows(100, 5)
+    before = pairs(await subject.sink_setup.read_back())
+    await subject.within(stale.begin_epoch(epoch), CAPABILITY_RULE, "begin_epoch")
+    await subject.within(stale.apply(epoch, sink_batch(epoch, rows)), CAPABILITY_RULE, "apply")
+    newer = await open_sink_session(subject, CAPABILITY_RULE, token=WORKER.fencing_token + 1)
+    try:
+        try:
+            await subject.within(
+                stale.commit_epoch(epoch, covering(rows, 20)), CAPABILITY_RULE, "commit_epoch"
+            )
+        except OwnershipLost:
+            pass
+        else:
+            raise ConformanceFailure(
+                CAPABILITY_RULE,
+                "owner_fencing is True but a stale worker's commit succeeded after a newer one opened",
+            )
+        if pairs(await subject.sink_setup.read_back()) != before:
+            raise ConformanceFailure(
+                CAPABILITY_RULE, "owner_fencing is True but a fenced commit changed the destination"
+            )
+    finally:
+        await quietly_close(newer)
+    return "stale owner fenced"
+
+
+# -- check 6 ------------------------------------------------------------------------------------------
+
+
+async def no_panic(subject: Subject) -> Outcome:
+    """Bad config, an unreachable endpoint, a malformed record: a FaucetError in time; empty: empty."""
+    setup = subject.setup
+    exercise = _EXERCISES[subject.role]
+    done: list[str] = []
+    for label, config in _bad_configs(subject):
+        await _expect_error(subject, f"bad config ({label})", functools.partial(exercise, subject, config))
+    done.append("bad config")
+    if setup.unreachable is not None:
+        unreachable = setup.unreachable
+        await _expect_error(
+            subject, "an unreachable endpoint", functools.partial(exercise, subject, unreachable)
+        )
+        done.append("unreachable endpoint")
+    try:
+        count = await exercise(subject, None)
+    except FaucetError as exc:
+        raise ConformanceFailure(
+            PANIC_RULE, f"an empty dataset raised {type(exc).__name__}: {exc}; an empty result is no error"
+        ) from exc
+    if count:
+        raise ConformanceFailure(PANIC_RULE, f"an empty dataset gave {count} rows")
+    done.append("empty result")
+    malformed = await _malformed(subject)
+    if malformed is not None:
+        await _expect_error(subject, "a malformed record", malformed)
+        done.append("malformed record")
+    return Outcome.passed(", ".join(done) + " handled")
+
+
+def _bad_configs(subject: Subject) -> list[tuple[str, dict[str, Any]]]:
+    config = dict(subject.setup.config)
+    variants = [("unknown key", {**config, "faucet_conformance_unknown": 1})]
+    schema = subject.spec.roles[subject.role].config_model.json_schema()
+    required = [name for name in schema.get("required", []) if name in config]
+    if required:
+        name = required[0]
+        variants.append((f"{name} missing", {k: v for k, v in config.items() if k != name}))
+        variants.append((f"{name} of a wrong type", {**config, name: {"not": ["a", "valid", "value"]}}))
+    return variants
+
+
+async def _expect_error(subject: Subject, what: str, step: Callable[[], Awaitable[object]]) -> None:
+    try:
+        await asyncio.wait_for(step(), subject.options.timeout)
+    except FaucetError:
+        return
+    except ConformanceFailure:
+        raise
+    except TimeoutError:
+        raise ConformanceFailure(
+            PANIC_RULE, f"{what} did not end within {subject.options.timeout:g}s (a hang)"
+        ) from None
+    except Exception as exc:
+        raise ConformanceFailure(
+            PANIC_RULE, f"{what} raised {type(exc).__name__}: {exc} instead of a FaucetError"
+        ) from exc
+    raise ConformanceFailure(PANIC_RULE, f"{what} ended without an error: a failure was swallowed")
+
+
+async def _malformed(subject: Subject) -> Callable[[], Awaitable[object]] | None:
+    """The step that must fail on a malformed record, or None when the setup has no such record."""
+    setup = subject.setup
+    if subject.role in (Role.SOURCE, Role.STREAM_SOURCE):
+        add = getattr(setup, "add_malformed", None)
+        if add is None:
+            return None
+        await add()
+        return lambda: _EXERCISES[subject.role](subject, None)
+    refused = getattr(setup, "refused_rows", None)
+    if refused is None:
+        return None
+    return lambda: _EXERCISES[subject.role](subject, None, refused)
+
+
+async def _exercise_source(subject: Subject, config: Any, rows: Any = None) -> int:
+    source = subject.source(config)
+    return sum(
+        page.num_rows for page in await read_all(subject, source, subject.options.batch_size, PANIC_RULE)
+    )
+
+
+async def _exercise_sink(subject: Subject, config: Any, rows: Any = None) -> int:
+    sink = subject.sink(config)
+    try:
+        written = await sink.write_batch(rows_batch(rows or []))
+        await sink.flush()
+        await sink.finish()
+        return written
+    finally:
+        await sink.close()
+
+
+async def _exercise_stream_source(subject: Subject, config: Any, rows: Any = None) -> int:
+    driver = StreamDriver(subject, PANIC_RULE)
+    try:
+        await driver.open(subject.stream_source(config))
+        _, ids = await driver.epoch(QUIET)
+        return len(ids)
+    finally:
+        await driver.close()
+
+
+async def _exercise_streaming_sink(subject: Subject, config: Any, rows: Any = None) -> int:
+    session = await open_sink_session(subject, PANIC_RULE, config=config)
+    try:
+        epoch = EpochId(STREAM, 1, WORKER.fencing_token)
+        await session.begin_epoch(epoch)
+        coverage = covering(rows) if rows else Coverage()
+        if rows:
+            await session.apply(epoch, sink_batch(epoch, rows))
+        receipts = await session.commit_epoch(epoch, coverage)
+        await session.close_session()
+        return sum(receipt.rows_written for receipt in receipts)
+    except BaseException:
+        await quietly_close(session)
+        raise
+
+
+_EXERCISES: dict[Role, Callable[..., Awaitable[int]]] = {
+    Role.SOURCE: _exercise_source,
+    Role.SINK: _exercise_sink,
+    Role.STREAM_SOURCE: _exercise_stream_source,
+    Role.STREAMING_SINK: _exercise_streaming_sink,
+}

@@ -1,0 +1,83 @@
+"""What a config factory hands the battery: a connector config plus hooks into the real system.
+
+A *config factory* is a function whose parameters are named after fixtures (``postgres_url``,
+``nats_url``, ``kafka_bootstrap``, ``unique_name``, ``tmp_path``), as a pytest fixture's are. It
+creates what the connector needs on the real server (a database, a stream, a topic, a directory) and
+returns a :class:`SourceSetup` or :class:`SinkSetup`. It is called once per check: every check starts
+from a fresh, empty dataset.
+
+Rows are the battery's standard records ``{"id": <int64>, "name": <string>}``; a setup stores them
+in its system as it would store real data (a table row, a JSON message, a CSV line) and reads them
+back the same way.
+"""
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Row = Mapping[str, Any]
+"""A standard record: ``{"id": int, "name": str}`` (a destination may hold more columns)."""
+
+AddRows = Callable[[Sequence[Row]], Awaitable[None]]
+ReadBack = Callable[[], Awaitable[list[dict[str, Any]]]]
+Cleanup = Callable[[], Awaitable[None]]
+
+
+def make_rows(start: int, count: int, *, width: int = 24) -> list[dict[str, Any]]:
+    """Standard rows with ids ``start .. start + count - 1``; names are ``width`` characters long."""
+    return [{"id": i, "name": f"row-{i}".ljust(width, ".")} for i in range(start, start + count)]
+
+
+@dataclass(frozen=True)
+class SourceSetup:
+    """A source (bounded or continuous) configured against an empty dataset in a real system.
+
+    ``add_rows(rows)`` appends ``rows`` to the dataset, in order; a source with transaction
+    boundaries receives them as one source transaction. ``resources`` are what a stream session
+    selects. ``unreachable`` is a valid config whose endpoint does not answer (check 6), or ``None``
+    when the source has no endpoint. ``add_malformed()`` stores one record the source cannot turn
+    into a row (check 6), or ``None`` when the system cannot hold one. ``acknowledged()`` reads the
+    provider's own acknowledgement state (a committed offset, a consumer's floor, a slot's confirmed
+    position) as text that changes exactly when the source acknowledges; ``None`` when it has none.
+    ``cleanup()`` removes what the setup created on shared servers (a replication slot).
+    """
+
+    config: Mapping[str, Any]
+    add_rows: AddRows
+    resources: tuple[str, ...] = ()
+    unreachable: Mapping[str, Any] | None = None
+    add_malformed: Callable[[], Awaitable[None]] | None = None
+    acknowledged: Callable[[], Awaitable[str]] | None = None
+    cleanup: Cleanup | None = None
+
+
+@dataclass(frozen=True)
+class SinkSetup:
+    """A sink (bounded or streaming) configured to write the standard rows to a real destination.
+
+        ``read_back()`` returns every row the destination holds (at least ``id`` and ``name``), read
+        through the system's own client. ``keyed_config`` is the same destination configured to upsert by
+        ``id`` (the keyed-upsert branch of check 4), when the sink has such a mode, writing to another
+    table that ``read_keyed()`` reads back. ``refused_rows`` are
+        standard rows of which the destination refuses at least one (a constraint, a size limit): the
+        failed-write checks. ``unreachable`` is a valid config whose endpoint does not answer.
+    """
+
+    config: Mapping[str, Any]
+    read_back: ReadBack
+    keyed_config: Mapping[str, Any] | None = None
+    read_keyed: ReadBack | None = None
+    refused_rows: Sequence[Row] | None = None
+    unreachable: Mapping[str, Any] | None = None
+    cleanup: Cleanup | None = None
+
+
+Setup = SourceSetup | SinkSetup
+ConfigFactory = Callable[..., Setup]
+"""A function whose parameters name fixtures and which returns a fresh setup (see the module doc)."""
+
+
+def factory_fixtures(factory: ConfigFactory) -> tuple[str, ...]:
+    """The fixture names a config factory asks for, in order."""
+    return tuple(inspect.signature(factory).parameters)

@@ -1,0 +1,612 @@
+"""The streaming checks: the interruptions of seed 000, "Test interruptions at the boundaries".
+
+Stream sources: a slow sink, cancellation during a read, a partial source transaction, loss of
+ownership before the acknowledgement, a position whose rows were not written, and a replay after the
+destination commit. Streaming sinks: failed writes, an uncertain commit, misordered lifecycle calls,
+shutdown with outstanding work, and the replay of an epoch committed but never certified, which must
+match the duplicate handling the connector documents (``ConformanceOptions.replay_duplicates``).
+
+Each check is a coroutine taking a :class:`~faucet_dagster.conformance.harness.Subject`; it returns an
+:class:`Outcome` or raises :class:`ConformanceFailure` naming the rule broken.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from faucet_dagster.conformance.harness import (
+    STREAM,
+    WORKER,
+    StreamDriver,
+    Subject,
+    covering,
+    open_sink_session,
+    pairs,
+    quietly_close,
+    sink_batch,
+)
+from faucet_dagster.conformance.options import ConformanceFailure, Outcome
+from faucet_dagster.conformance.setup import make_rows
+from faucet_dagster.protocol import (
+    CancelToken,
+    ConnectionFailed,
+    Durability,
+    EpochId,
+    EpochMismatch,
+    FaucetError,
+    LifecycleError,
+    OwnershipLost,
+    ReadLimits,
+    Role,
+    StreamingSinkSession,
+    UncertainOutcome,
+)
+
+T = TypeVar("T")
+
+SLOW_RULE = "stream 2 backpressure: a slow sink loses and duplicates nothing"
+CANCEL_RULE = "stream 3 cancellation is an interruption"
+TRANSACTION_RULE = "stream 3 no coverage inside an open transaction"
+OWNERSHIP_RULE = "stream 5 authority() before every acknowledgement"
+UNWRITTEN_RULE = "stream 3 a position whose rows were not written is never certified"
+FAILED_WRITE_RULE = "stream 6 failed sink writes are never reported as committed"
+UNCERTAIN_RULE = "stream 7 an uncertain commit is resolved or reported, never lost"
+LIFECYCLE_RULE = "stream 6 epoch lifecycle order"
+SHUTDOWN_RULE = "stream 7 honest shutdown"
+REPLAY_RULE = "stream 8 replay after the destination commit, before the certificate"
+
+QUIET = ReadLimits(records=None, bytes=None, idle=0.5, age=None)
+ENDLESS = ReadLimits(records=None, bytes=None, idle=None, age=None)
+"""A read that only cancellation (or the source's own end) stops."""
+
+
+async def _succeeds(rule: str, what: str, step: Awaitable[T]) -> T:
+    """Await a step that must work: any error from the connector breaks ``rule``."""
+    try:
+        return await step
+    except ConformanceFailure:
+        raise
+    except Exception as exc:
+        raise ConformanceFailure(rule, f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _once(rule: str, seen: list[int], expected: list[int], situation: str) -> None:
+    if sorted(seen) != expected:
+        duplicates = len(seen) - len(set(seen))
+        missing = sorted(set(expected) - set(seen))
+        raise ConformanceFailure(
+            rule,
+            f"{situation}: {len(seen)} rows certified for {len(expected)} added ({duplicates} duplicate(s), "
+            f"missing ids {missing[:5]})",
+        )
+
+
+# -- stream sources -----------------------------------------------------------------------------------
+
+
+async def slow_sink(subject: Subject) -> Outcome:
+    """A sink that blocks one write for ``slow_sink_seconds``: every row certified once, none again."""
+    rows = make_rows(1, 40)
+    expected = [row["id"] for row in rows]
+    await subject.source_setup.add_rows(rows)
+    driver = StreamDriver(subject, SLOW_RULE)
+    driver.probe.delay = subject.options.slow_sink_seconds
+    try:
+        seen = await _succeeds(
+            SLOW_RULE, "reading while the sink is slow", driver.read_until(set(expected), QUIET)
+        )
+        _once(SLOW_RULE, seen, expected, f"with a sink blocked for {subject.options.slow_sink_seconds:g}s")
+        await driver.open()
+        _, again = await _succeeds(SLOW_RULE, "reading after the slow epoch", driver.epoch(QUIET))
+        if again:
+            raise ConformanceFailure(
+                SLOW_RULE, f"{len(again)} acknowledged rows were delivered again after a slow sink"
+            )
+    finally:
+        await driver.close()
+    return Outcome.passed(
+        f"{len(rows)} rows once each with a {subject.options.slow_sink_seconds:g}s sink stall"
+    )
+
+
+async def cancel_during_read(subject: Subject) -> Outcome:
+    """A read cancelled after its first write returns promptly, covers only accepted boundaries, and
+    the rewound session then delivers every row exactly once."""
+    rows = make_rows(1, 200)
+    expected = [row["id"] for row in rows]
+    await subject.source_setup.add_rows(rows)
+    driver = StreamDriver(subject, CANCEL_RULE)
+    cancel = CancelToken()
+
+    async def interrupt(_: int) -> None:
+        cancel.cancel()
+
+    try:
+        try:
+            coverage, _ = await driver.epoch(ENDLESS, cancel, on_write=interrupt)
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                CANCEL_RULE, f"a cancelled read returned coverage the pipeline refuses: {exc}"
+            ) from exc
+        seen = await _succeeds(
+            CANCEL_RULE, "reading after the cancellation", driver.read_until(set(expected), QUIET)
+        )
+        _once(CANCEL_RULE, seen, expected, "after a read cancelled mid-way and rewound")
+    finally:
+        await driver.close()
+    return Outcome.passed(
+        f"cancelled read returned {'no' if coverage.empty else 'sealable'} coverage; no loss"
+    )
+
+
+async def partial_transaction(subject: Subject) -> Outcome:
+    """A record limit inside a source transaction, and a cancellation inside one: never coverage
+    inside the transaction (the pipeline refuses to seal an open transaction)."""
+    if not subject.stream_source().capabilities().transaction_boundaries:
+        return Outcome.not_applicable(
+            "the source declares no transaction boundaries (transaction_boundaries=False)"
+        )
+    setup = subject.source_setup
+    first, second = make_rows(1, 50), make_rows(51, 50)
+    driver = StreamDriver(subject, TRANSACTION_RULE)
+    try:
+        await setup.add_rows(first)
+        try:
+            _, ids = await driver.epoch(ReadLimits(records=5, bytes=None, idle=0.5, age=None))
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                TRANSACTION_RULE,
+                f"a read limited to 5 records inside a 50-row transaction was refused: {exc}",
+            ) from exc
+        if ids and sorted(ids) != [row["id"] for row in first]:
+            raise ConformanceFailure(
+                TRANSACTION_RULE,
+                f"a read limited to 5 records certified {len(ids)} rows of a 50-row transaction",
+            )
+        await setup.add_rows(second)
+        cancel = CancelToken()
+
+        async def interrupt(_: int) -> None:
+            cancel.cancel()
+
+        try:
+            await driver.epoch(ENDLESS, cancel, on_write=interrupt)
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                TRANSACTION_RULE,
+                f"a read cancelled inside a transaction returned coverage the pipeline refuses: {exc}",
+            ) from exc
+        expected = [row["id"] for row in [*first, *second]]
+        rest = await _succeeds(
+            TRANSACTION_RULE, "reading on", driver.read_until(set(expected) - set(ids), QUIET)
+        )
+        _once(
+            TRANSACTION_RULE, [*ids, *rest], expected, "around a limit and a cancellation inside transactions"
+        )
+    finally:
+        await driver.close()
+    return Outcome.passed("transactions certified whole despite a record limit and a cancellation")
+
+
+async def ownership_lost_before_ack(subject: Subject) -> Outcome:
+    """An authority that raises OwnershipLost stops the acknowledgement (it propagates, nothing moves
+    at the provider); acknowledge asks the authority every time, also for coverage already done."""
+    setup = subject.source_setup
+    await setup.add_rows(make_rows(1, 20))
+    driver = StreamDriver(subject, OWNERSHIP_RULE, acknowledge=False)
+    asked = 0
+
+    async def lost() -> None:
+        nonlocal asked
+        asked += 1
+        raise OwnershipLost("the conformance battery took the lease away", where="conformance")
+
+    async def owner() -> None:
+        nonlocal asked
+        asked += 1
+
+    try:
+        coverage, _ = await _succeeds(OWNERSHIP_RULE, "reading", driver.epoch(QUIET))
+        if coverage.empty:
+            raise ConformanceFailure(OWNERSHIP_RULE, "20 rows were added but the read covered nothing")
+        session = driver.session
+        assert session is not None
+        before = await setup.acknowledged() if setup.acknowledged else None
+        try:
+            await subject.within(session.acknowledge(coverage, lost), OWNERSHIP_RULE, "acknowledge")
+        except OwnershipLost:
+            pass
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                OWNERSHIP_RULE, f"OwnershipLost became {type(exc).__name__}: {exc}"
+            ) from exc
+        else:
+            raise ConformanceFailure(
+                OWNERSHIP_RULE, "acknowledge returned although authority() raised OwnershipLost"
+            )
+        if asked == 0:
+            raise ConformanceFailure(
+                OWNERSHIP_RULE, "acknowledge never awaited authority() before acknowledging"
+            )
+        if setup.acknowledged is not None and await setup.acknowledged() != before:
+            raise ConformanceFailure(
+                OWNERSHIP_RULE,
+                "the provider's acknowledgement moved although authority() raised OwnershipLost",
+            )
+        asked = 0
+        await _succeeds(OWNERSHIP_RULE, "the acknowledgement", session.acknowledge(coverage, owner))
+        if asked == 0:
+            raise ConformanceFailure(
+                OWNERSHIP_RULE, "the acknowledgement of certified coverage never awaited authority()"
+            )
+        if setup.acknowledged is not None:
+            moved = await setup.acknowledged()
+            if moved == before:
+                raise ConformanceFailure(
+                    OWNERSHIP_RULE, "an acknowledgement with ownership left the provider unmoved"
+                )
+            # Repeated: whatever the session sends the provider again, it asks the authority first.
+            asked = 0
+            await _succeeds(
+                OWNERSHIP_RULE, "the repeated acknowledgement", session.acknowledge(coverage, owner)
+            )
+            if asked == 0 and await setup.acknowledged() != moved:
+                raise ConformanceFailure(
+                    OWNERSHIP_RULE,
+                    "a repeated acknowledgement changed the provider without awaiting authority()",
+                )
+    finally:
+        await driver.close()
+    return Outcome.passed(
+        "OwnershipLost stops the acknowledgement; authority() asked on every acknowledgement"
+    )
+
+
+async def unwritten_position(subject: Subject) -> Outcome:
+    """Every row up to a certified position reached the sink; a read whose rows failed to write
+    certifies nothing, and the rewound session delivers them."""
+    setup = subject.source_setup
+    rows = make_rows(1, 30)
+    expected = [row["id"] for row in rows]
+    await setup.add_rows(rows)
+    driver = StreamDriver(subject, UNWRITTEN_RULE)
+    try:
+        seen = await _succeeds(UNWRITTEN_RULE, "reading", driver.read_until(set(expected), QUIET))
+        _once(
+            UNWRITTEN_RULE, seen, expected, "the certified positions cover rows that never reached the sink"
+        )
+        more = make_rows(31, 30)
+        await setup.add_rows(more)
+        driver.probe.refuse = ConnectionFailed("the conformance sink refused the batch", where="conformance")
+        try:
+            coverage, ids = await driver.epoch(QUIET)
+        except FaucetError:
+            pass  # the read (or the seal) refused: nothing certified, the session was rewound
+        else:
+            if ids or not coverage.empty:
+                raise ConformanceFailure(
+                    UNWRITTEN_RULE,
+                    f"a read whose rows failed to write was certified up to {coverage.domains}",
+                )
+        again = await _succeeds(
+            UNWRITTEN_RULE,
+            "reading after the failed write",
+            driver.read_until({row["id"] for row in more}, QUIET),
+        )
+        _once(UNWRITTEN_RULE, again, [row["id"] for row in more], "after a failed write and a rewind")
+    finally:
+        await driver.close()
+    return Outcome.passed("certified positions match written rows; a failed write certified nothing")
+
+
+async def replay_after_commit(subject: Subject) -> Outcome:
+    """Interrupted after the destination commit, before the certificate: the replay matches the
+    documented duplicate handling (sinks) or re-delivers the same events with the same identities
+    (sources)."""
+    if subject.role is Role.STREAM_SOURCE:
+        return await _source_replay(subject)
+    return await _sink_replay(subject)
+
+
+async def _source_replay(subject: Subject) -> Outcome:
+    rows = make_rows(1, 40)
+    expected = [row["id"] for row in rows]
+    await subject.source_setup.add_rows(rows)
+    first = StreamDriver(subject, REPLAY_RULE, acknowledge=False)
+    try:
+        seen = await _succeeds(REPLAY_RULE, "reading", first.read_until(set(expected), QUIET))
+    finally:
+        await first.close()
+    replay = StreamDriver(subject, REPLAY_RULE, acknowledge=False)
+    try:
+        again = await _succeeds(REPLAY_RULE, "reading again", replay.read_until(set(expected), QUIET))
+    finally:
+        await replay.close()
+    _once(REPLAY_RULE, seen, expected, "the first read")
+    if again != seen or replay.identities != first.identities:
+        changed = next(
+            (f"{a} then {b}" for a, b in zip(first.identities, replay.identities, strict=False) if a != b),
+            f"{len(first.identities)} then {len(replay.identities)} identities",
+        )
+        raise ConformanceFailure(
+            REPLAY_RULE,
+            f"re-reading from the same certified positions gave other events or identities ({changed}): "
+            "a deduplicating sink would take the replay for new events",
+        )
+    return Outcome.passed(f"the replay re-delivered {len(again)} events with the same identities")
+
+
+async def _sink_replay(subject: Subject) -> Outcome:
+    declared = subject.options.replay_duplicates
+    caps = subject.streaming_sink().capabilities()
+    backed = {
+        "none": caps.atomic_watermark,
+        "within_window": caps.dedup_by_event_identity and caps.dedup_window is not None,
+        "at_least_once": True,
+    }[declared]
+    if not backed:
+        raise ConformanceFailure(
+            REPLAY_RULE,
+            f"the connector documents replay_duplicates={declared!r} but its capabilities declare no such "
+            f"mechanism (atomic_watermark={caps.atomic_watermark}, dedup_window={caps.dedup_window})",
+        )
+    rows = make_rows(1, 30)
+    epoch = EpochId(STREAM, 1, WORKER.fencing_token)
+    session = await open_sink_session(subject, REPLAY_RULE)
+    try:
+        await _commit(subject, session, epoch, rows, REPLAY_RULE)
+    finally:
+        await quietly_close(session)  # the worker stops before its certificate is persisted
+    committed = pairs(await subject.sink_setup.read_back())
+    session = await open_sink_session(subject, REPLAY_RULE)
+    try:
+        receipts = await _commit(subject, session, epoch, rows, REPLAY_RULE)
+    finally:
+        await quietly_close(session)
+    after = pairs(await subject.sink_setup.read_back())
+    if declared == "at_least_once":
+        if set(after) != set(pairs(rows)):
+            raise ConformanceFailure(
+                REPLAY_RULE, "the replay lost rows (at-least-once allows duplicates, not loss)"
+            )
+        return Outcome.passed(f"replay kept every row ({len(after) - len(rows)} duplicate(s), as documented)")
+    written = sum(receipt.rows_written for receipt in receipts)
+    if after != committed or committed != pairs(rows) or written:
+        raise ConformanceFailure(
+            REPLAY_RULE,
+            f"the connector documents replay_duplicates={declared!r}, but replaying a committed epoch of "
+            f"{len(rows)} rows took the destination from {len(committed)} to {len(after)} rows "
+            f"(receipts: {written} written)",
+        )
+    return Outcome.passed(f"the replayed epoch added nothing ({declared})")
+
+
+async def _commit(
+    subject: Subject, session: StreamingSinkSession, epoch: EpochId, rows: list[dict[str, Any]], rule: str
+) -> Any:
+    await subject.within(session.begin_epoch(epoch), rule, "begin_epoch")
+    await subject.within(session.apply(epoch, sink_batch(epoch, rows)), rule, "apply")
+    return await subject.within(session.commit_epoch(epoch, covering(rows)), rule, "commit_epoch")
+
+
+# -- streaming sinks ----------------------------------------------------------------------------------
+
+
+async def failed_writes(subject: Subject) -> Outcome:
+    """A batch the destination refuses fails its apply or its commit; abort works; the next epoch
+    commits; the refused epoch leaves nothing a transactional destination would show."""
+    refused = subject.sink_setup.refused_rows
+    if refused is None:
+        return Outcome.not_applicable("the setup names no rows this destination refuses")
+    read_back = subject.sink_setup.read_back
+    caps = subject.streaming_sink().capabilities()
+    session = await open_sink_session(subject, FAILED_WRITE_RULE)
+    try:
+        good = make_rows(1, 10)
+        await _commit(subject, session, EpochId(STREAM, 1, WORKER.fencing_token), good, FAILED_WRITE_RULE)
+        baseline = pairs(await read_back())
+        failing = EpochId(STREAM, 2, WORKER.fencing_token)
+        await subject.within(session.begin_epoch(failing), FAILED_WRITE_RULE, "begin_epoch")
+        try:
+            await subject.within(
+                session.apply(failing, sink_batch(failing, refused)), FAILED_WRITE_RULE, "apply"
+            )
+            receipts = await subject.within(
+                session.commit_epoch(failing, covering(refused, 10)), FAILED_WRITE_RULE, "commit_epoch"
+            )
+        except FaucetError as exc:
+            failure = exc
+        else:
+            raise ConformanceFailure(
+                FAILED_WRITE_RULE,
+                f"the destination refused rows of the epoch but commit_epoch returned receipts {receipts}",
+            )
+        await subject.within(session.abort_epoch(failing), FAILED_WRITE_RULE, "abort_epoch after the failure")
+        after = pairs(await read_back())
+        if caps.durability is Durability.TRANSACTIONAL and after != baseline:
+            raise ConformanceFailure(
+                FAILED_WRITE_RULE, "a transactional sink kept rows of a failed, aborted epoch"
+            )
+        if pairs(refused) and set(pairs(refused)) <= set(after):
+            raise ConformanceFailure(FAILED_WRITE_RULE, "every refused row is in the destination")
+        retry = make_rows(11, 10)
+        await _succeeds(
+            FAILED_WRITE_RULE, "the next epoch", _commit(subject, session, failing, retry, FAILED_WRITE_RULE)
+        )
+        final = set(pairs(await read_back()))
+        if not set(pairs(retry)) <= final or not set(baseline) <= final:
+            raise ConformanceFailure(
+                FAILED_WRITE_RULE, "the epoch after an aborted one did not land with the earlier rows"
+            )
+    finally:
+        await quietly_close(session)
+    return Outcome.passed(f"refused write raised {type(failure).__name__}; abort and the next epoch worked")
+
+
+async def uncertain_commit(subject: Subject) -> Outcome:
+    """The caller gives up on a commit at increasing delays (its answer is lost to it): whatever the
+    outcome, a successful close means nothing lands later, the destination's rows and watermark agree,
+    and the replay of the epoch matches the documented duplicate handling."""
+    caps = subject.streaming_sink().capabilities()
+    read_back = subject.sink_setup.read_back
+    delay, points, landed = 0.0, 0, 0
+    while True:
+        points += 1
+        base = points * 1_000
+        rows = make_rows(base, 10)
+        epoch = EpochId(STREAM, points, WORKER.fencing_token)
+        session = await open_sink_session(subject, UNCERTAIN_RULE)
+        try:
+            await subject.within(session.begin_epoch(epoch), UNCERTAIN_RULE, "begin_epoch")
+            await subject.within(session.apply(epoch, sink_batch(epoch, rows)), UNCERTAIN_RULE, "apply")
+            commit = asyncio.ensure_future(session.commit_epoch(epoch, covering(rows, None)))
+            await asyncio.sleep(delay)
+            finished = commit.done()
+            commit.cancel()
+            await asyncio.wait([commit], timeout=subject.options.timeout)
+        except BaseException:
+            await quietly_close(session)
+            raise
+        closed, before, after = await _close_and_watch(subject, session, UNCERTAIN_RULE)
+        if closed and after != before:
+            raise ConformanceFailure(
+                UNCERTAIN_RULE,
+                f"the commit given up after {delay * 1000:.1f} ms changed the destination after a successful "
+                "close_session: its effects outlived the session",
+            )
+        present = set(pairs(rows)) <= set(after)
+        landed += present
+        fresh = await open_sink_session(subject, UNCERTAIN_RULE)
+        try:
+            state = await subject.within(fresh.last_committed(), UNCERTAIN_RULE, "last_committed")
+            if caps.atomic_watermark and (state is not None and state.epoch == epoch) != present:
+                raise ConformanceFailure(
+                    UNCERTAIN_RULE,
+                    f"after a commit given up at {delay * 1000:.1f} ms the rows are "
+                    f"{'' if present else 'not '}in the destination but last_committed() says {state}: "
+                    "records and watermark must commit atomically",
+                )
+            await _succeeds(
+                UNCERTAIN_RULE, "replaying the epoch", _commit(subject, fresh, epoch, rows, UNCERTAIN_RULE)
+            )
+        finally:
+            await quietly_close(fresh)
+        replayed = [pair for pair in pairs(await read_back()) if pair[0] >= base and pair[0] < base + 10]
+        if subject.options.replay_duplicates != "at_least_once" and replayed != pairs(rows):
+            raise ConformanceFailure(
+                UNCERTAIN_RULE,
+                f"after a commit given up at {delay * 1000:.1f} ms and replayed, the destination holds "
+                f"{len(replayed)} rows of the epoch's {len(rows)}",
+            )
+        if finished or points >= 12:
+            break
+        delay = 0.0005 if delay == 0 else delay * 2
+    return Outcome.passed(
+        f"{points} commits given up at 0..{delay * 1000:.1f} ms: {landed} had landed, all consistent"
+    )
+
+
+async def _close_and_watch(
+    subject: Subject, session: StreamingSinkSession, rule: str
+) -> tuple[bool, list[tuple[int, str]], list[tuple[int, str]]]:
+    """Close the session honestly, then read the destination at once and ``settle_seconds`` later."""
+    closed = await _close_honestly(subject, session, rule)
+    before = pairs(await subject.sink_setup.read_back())
+    await asyncio.sleep(subject.options.settle_seconds)
+    return closed, before, pairs(await subject.sink_setup.read_back())
+
+
+async def _close_honestly(subject: Subject, session: StreamingSinkSession, rule: str) -> bool:
+    """close_session: True when it promised nothing more lands, False when it said it is uncertain."""
+    try:
+        await subject.within(session.close_session(), rule, "close_session")
+    except UncertainOutcome:
+        return False
+    except FaucetError as exc:
+        raise ConformanceFailure(
+            rule,
+            f"close_session raised {type(exc).__name__}: {exc}; an uncertain close raises UncertainOutcome",
+        ) from exc
+    return True
+
+
+async def lifecycle_order(subject: Subject) -> Outcome:
+    """Begin twice, commit or apply without begin, apply after commit, another epoch's batch, calls
+    after close: each raises LifecycleError or EpochMismatch and changes nothing."""
+    read_back = subject.sink_setup.read_back
+    one, two = EpochId(STREAM, 1, WORKER.fencing_token), EpochId(STREAM, 2, WORKER.fencing_token)
+    rows, late = make_rows(1, 5), make_rows(6, 5)
+    session = await open_sink_session(subject, LIFECYCLE_RULE)
+
+    async def refused(what: str, call: Callable[[], Awaitable[object]]) -> None:
+        try:
+            await subject.within(call(), LIFECYCLE_RULE, what)
+        except (LifecycleError, EpochMismatch):
+            return
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                LIFECYCLE_RULE,
+                f"{what} raised {type(exc).__name__}; a misordered call raises LifecycleError or "
+                "EpochMismatch",
+            ) from exc
+        raise ConformanceFailure(LIFECYCLE_RULE, f"{what} was accepted")
+
+    try:
+        await refused("commit_epoch without begin_epoch", lambda: session.commit_epoch(one, covering(rows)))
+        await refused("apply without begin_epoch", lambda: session.apply(one, sink_batch(one, rows)))
+        await subject.within(session.begin_epoch(one), LIFECYCLE_RULE, "begin_epoch")
+        await refused("begin_epoch twice", lambda: session.begin_epoch(one))
+        await refused("begin_epoch of another epoch while one is active", lambda: session.begin_epoch(two))
+        await refused("apply of another epoch's batch", lambda: session.apply(one, sink_batch(two, rows)))
+        await refused(
+            "apply to an epoch that is not active", lambda: session.apply(two, sink_batch(two, rows))
+        )
+        await subject.within(session.apply(one, sink_batch(one, rows)), LIFECYCLE_RULE, "apply")
+        await subject.within(session.commit_epoch(one, covering(rows)), LIFECYCLE_RULE, "commit_epoch")
+        await refused("apply after commit", lambda: session.apply(one, sink_batch(one, late)))
+        await refused("commit_epoch twice", lambda: session.commit_epoch(one, covering(rows)))
+        await refused("abort_epoch after commit", lambda: session.abort_epoch(one))
+        if pairs(await read_back()) != pairs(rows):
+            raise ConformanceFailure(LIFECYCLE_RULE, "refused lifecycle calls changed the destination")
+        await _succeeds(LIFECYCLE_RULE, "close_session", session.close_session())
+        await refused("begin_epoch after close_session", lambda: session.begin_epoch(two))
+    finally:
+        await quietly_close(session)
+    return Outcome.passed("11 misordered calls refused with LifecycleError or EpochMismatch")
+
+
+async def shutdown_with_outstanding_work(subject: Subject) -> Outcome:
+    """close_session with an applied, uncommitted epoch: returns (nothing lands afterwards, a
+    transactional sink shows nothing of it) or raises UncertainOutcome."""
+    caps = subject.streaming_sink().capabilities()
+    rows = make_rows(1, 200)
+    epoch = EpochId(STREAM, 1, WORKER.fencing_token)
+    session = await open_sink_session(subject, SHUTDOWN_RULE)
+    try:
+        await subject.within(session.begin_epoch(epoch), SHUTDOWN_RULE, "begin_epoch")
+        await subject.within(session.apply(epoch, sink_batch(epoch, rows)), SHUTDOWN_RULE, "apply")
+    except BaseException:
+        await quietly_close(session)
+        raise
+    closed, before, after = await _close_and_watch(subject, session, SHUTDOWN_RULE)
+    if closed and after != before:
+        raise ConformanceFailure(
+            SHUTDOWN_RULE,
+            f"close_session returned, then the destination changed ({len(before)} -> {len(after)} rows)",
+        )
+    if caps.durability is Durability.TRANSACTIONAL and after:
+        raise ConformanceFailure(
+            SHUTDOWN_RULE, "a transactional sink shows rows of an epoch that never committed"
+        )
+    fresh = await open_sink_session(subject, SHUTDOWN_RULE)
+    try:
+        state = await subject.within(fresh.last_committed(), SHUTDOWN_RULE, "last_committed")
+    finally:
+        await quietly_close(fresh)
+    if state is not None:
+        raise ConformanceFailure(
+            SHUTDOWN_RULE, f"an epoch that never committed is reported committed: {state}"
+        )
+    return Outcome.passed(
+        "close with outstanding work " + ("promised nothing more lands" if closed else "was uncertain")
+    )

@@ -1,0 +1,143 @@
+"""The battery as data: every check once, and per connector role the suite of checks that apply.
+
+A :class:`Check` names its function, the rule it enforces and the roles it applies to; a
+:class:`Suite` is a role's ordered checks (singer-sdk's ``TestSuite(kind, tests)``). :func:`run_check`
+runs one check against a fresh setup and cleans the setup up afterwards, whatever happened.
+"""
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from faucet_dagster.conformance import bounded, streaming
+from faucet_dagster.conformance.harness import Subject
+from faucet_dagster.conformance.options import Outcome
+from faucet_dagster.protocol import Role
+
+CheckFunction = Callable[[Subject], Awaitable[Outcome]]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: a stable id (``bounded_memory``), its label in tables (``2 memory``), the rule it
+    enforces, the roles it applies to and the coroutine that runs it."""
+
+    id: str
+    label: str
+    rule: str
+    roles: frozenset[Role]
+    run: CheckFunction
+
+
+@dataclass(frozen=True)
+class Suite:
+    """The checks of one role, in the order they run."""
+
+    role: Role
+    checks: tuple[Check, ...]
+
+
+_BOUNDED = frozenset({Role.SOURCE, Role.SINK})
+_ALL = frozenset(Role)
+
+CHECKS: tuple[Check, ...] = (
+    Check("config_schema", "1 schema", bounded.SCHEMA_RULE, _ALL, bounded.config_schema),
+    Check(
+        "bounded_memory", "2 memory", bounded.MEMORY_RULE, frozenset({Role.SOURCE}), bounded.bounded_memory
+    ),
+    Check("resume", "3 resume", bounded.RESUME_RULE, frozenset({Role.SOURCE}), bounded.resume),
+    Check(
+        "idempotent_replay",
+        "4 replay",
+        bounded.REPLAY_RULE,
+        frozenset({Role.SINK}),
+        bounded.idempotent_replay,
+    ),
+    Check("capabilities", "5 capabilities", bounded.CAPABILITY_RULE, _ALL, bounded.capabilities),
+    Check("no_panic", "6 no panic", bounded.PANIC_RULE, _ALL, bounded.no_panic),
+    Check(
+        "slow_sink", "slow sink", streaming.SLOW_RULE, frozenset({Role.STREAM_SOURCE}), streaming.slow_sink
+    ),
+    Check(
+        "cancel_during_read",
+        "cancel read",
+        streaming.CANCEL_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.cancel_during_read,
+    ),
+    Check(
+        "partial_transaction",
+        "partial tx",
+        streaming.TRANSACTION_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.partial_transaction,
+    ),
+    Check(
+        "ownership_lost_before_ack",
+        "ownership",
+        streaming.OWNERSHIP_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.ownership_lost_before_ack,
+    ),
+    Check(
+        "unwritten_position",
+        "unwritten pos",
+        streaming.UNWRITTEN_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.unwritten_position,
+    ),
+    Check(
+        "failed_writes",
+        "failed write",
+        streaming.FAILED_WRITE_RULE,
+        frozenset({Role.STREAMING_SINK}),
+        streaming.failed_writes,
+    ),
+    Check(
+        "uncertain_commit",
+        "uncertain commit",
+        streaming.UNCERTAIN_RULE,
+        frozenset({Role.STREAMING_SINK}),
+        streaming.uncertain_commit,
+    ),
+    Check(
+        "lifecycle_order",
+        "lifecycle",
+        streaming.LIFECYCLE_RULE,
+        frozenset({Role.STREAMING_SINK}),
+        streaming.lifecycle_order,
+    ),
+    Check(
+        "shutdown_with_outstanding_work",
+        "shutdown",
+        streaming.SHUTDOWN_RULE,
+        frozenset({Role.STREAMING_SINK}),
+        streaming.shutdown_with_outstanding_work,
+    ),
+    Check(
+        "replay_after_commit",
+        "commit->cert",
+        streaming.REPLAY_RULE,
+        frozenset({Role.STREAM_SOURCE, Role.STREAMING_SINK}),
+        streaming.replay_after_commit,
+    ),
+)
+"""Every check, in table order: the FCP's six, then the streaming interruptions."""
+
+CHECKS_BY_ID: Mapping[str, Check] = {check.id: check for check in CHECKS}
+
+SUITES: Mapping[Role, Suite] = {
+    role: Suite(role, tuple(check for check in CHECKS if role in check.roles)) for role in Role
+}
+"""The suite of each role."""
+
+
+async def run_check(check: Check, subject: Subject) -> Outcome:
+    """Run ``check`` on ``subject`` and clean its setup up (also when the check failed)."""
+    try:
+        return await check.run(subject)
+    finally:
+        if subject.setup.cleanup is not None:
+            await subject.setup.cleanup()
+
+
+__all__ = ["CHECKS", "CHECKS_BY_ID", "SUITES", "Check", "CheckFunction", "Suite", "run_check"]

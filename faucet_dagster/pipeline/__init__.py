@@ -1,0 +1,31 @@
+"""The pipeline between a source session and a sink session: Arrow batches, integrity, epoch completion.
+
+See :mod:`.epoch` for what the pipeline guarantees, :mod:`.schema` for how rows become Arrow, and
+:mod:`.integrity` for the checks and the digest of every batch handed to a sink.
+"""
+
+from faucet_dagster.pipeline.epoch import (
+    DeadLetterRoute,
+    EpochPipeline,
+    Pipeline,
+    PipelineOptions,
+    SealedEpoch,
+)
+from faucet_dagster.pipeline.integrity import DIGEST_ALGORITHM, EpochDigest, check_batch
+from faucet_dagster.pipeline.schema import BadRow, BadRowPolicy, Converted, ResourceSchema, RowConverter
+
+__all__ = [
+    "DIGEST_ALGORITHM",
+    "BadRow",
+    "BadRowPolicy",
+    "Converted",
+    "DeadLetterRoute",
+    "EpochDigest",
+    "EpochPipeline",
+    "Pipeline",
+    "PipelineOptions",
+    "ResourceSchema",
+    "RowConverter",
+    "SealedEpoch",
+    "check_batch",
+]

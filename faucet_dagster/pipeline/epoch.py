@@ -1,0 +1,590 @@
+"""The pipeline of one epoch: rows and controls in, integrity-checked batches to the sink, then a seal.
+
+A :class:`Pipeline` lives as long as a stream's sessions (it keeps each resource's schema, declared or
+inferred on first use). For each epoch the runner calls :meth:`Pipeline.begin`, hands the returned
+:class:`EpochPipeline` to ``StreamSession.read`` as its :class:`StreamRecordSink`, and finally calls
+:meth:`EpochPipeline.seal` with the coverage the read returned.
+
+What holds, and where it is enforced:
+
+* ``write`` buffers rows per (resource, domain) builder; a builder holding ``batch_rows`` rows is
+  converted to Arrow, checked (:func:`~faucet_dagster.pipeline.integrity.check_batch`), added to the
+  epoch digest and handed to ``StreamingSinkSession.apply``. At most one ``apply`` is in flight: the
+  next flush waits for it, which is the backpressure a slow sink puts on the source.
+* Rows that do not fit their resource's schema go where :class:`BadRowPolicy` says, at flush time and
+  so before the epoch can commit: a :class:`DataError` naming the row, or the dead-letter route.
+* A control (``TransactionBegin``, ``TransactionEnd``, ``ProgressBoundary``) flushes the builders of
+  its domain and waits for every preceding ``apply``; only then is a boundary *accepted*.
+* Positions only move forward within a domain, rows come after the certified start position, and a
+  boundary is never before the last row before it.
+* ``seal`` refuses (with :class:`IntegrityError`) an epoch with an open transaction, rows after the
+  last accepted boundary of their domain, or coverage that does not end exactly at each domain's last
+  accepted boundary: a position the pipeline has no evidence for is never certified.
+"""
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from faucet_dagster.pipeline.integrity import EpochDigest, check_batch
+from faucet_dagster.pipeline.schema import (
+    BadRow,
+    BadRowPolicy,
+    Converted,
+    ResourceSchema,
+    RowConverter,
+    row_payload,
+)
+from faucet_dagster.protocol import (
+    CodecRegistry,
+    ConfigError,
+    Control,
+    Coverage,
+    DataError,
+    EpochId,
+    EventIdentity,
+    FaucetError,
+    Identities,
+    IncarnationChanged,
+    IntegrityError,
+    LifecycleError,
+    OrderingDomain,
+    Position,
+    PositionCodec,
+    ProgressBoundary,
+    Records,
+    RejectedRecord,
+    SinkBatch,
+    StreamingSinkSession,
+    StreamRecordSink,
+    TransactionBegin,
+    TransactionEnd,
+    default_codec_registry,
+    record_count,
+)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Tuning that never changes what is certified.
+
+    ``batch_rows``: a builder holding this many rows is flushed to the sink without waiting for a
+    control, so memory stays bounded while a long source transaction is read.
+    """
+
+    batch_rows: int = 16_384
+
+
+class DeadLetterRoute(ABC):
+    """Where rows go that do not fit their resource's schema (policy ``dead_letter``), and records a
+    source could not turn into rows (``StreamRecordSink.reject``)."""
+
+    @abstractmethod
+    async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        """Store ``records`` durably before returning.
+
+        Called before the epoch commits, so an aborted and replayed epoch routes the same records
+        again: a route is idempotent by ``RejectedRecord.identity``.
+        """
+
+
+@dataclass(frozen=True)
+class SealedEpoch:
+    """An epoch the pipeline vouches for: what it covered, how many rows went where, and the digest.
+
+    ``row_counts`` counts rows handed to the sink per resource; ``dead_lettered`` rows routed to the
+    dead-letter route per resource.
+    """
+
+    epoch: EpochId
+    coverage: Coverage
+    row_counts: Mapping[str, int]
+    dead_lettered: Mapping[str, int]
+    digest: str
+
+
+class Pipeline:
+    """The per-stream pipeline: resource schemas (kept across epochs) and how epochs are begun."""
+
+    def __init__(
+        self,
+        schemas: Mapping[str, ResourceSchema] | None = None,
+        *,
+        default_schema: ResourceSchema | None = None,
+        dead_letters: DeadLetterRoute | None = None,
+        options: PipelineOptions | None = None,
+        codecs: CodecRegistry | None = None,
+    ) -> None:
+        self._schemas = dict(schemas or {})
+        self._default_schema = default_schema or ResourceSchema()
+        self._converters: dict[str, RowConverter] = {}
+        self.dead_letters = dead_letters
+        self.options = options or PipelineOptions()
+        self.codecs = codecs or default_codec_registry()
+        routed = [name for name, spec in self._schemas.items() if spec.on_bad_row is BadRowPolicy.DEAD_LETTER]
+        if self._default_schema.on_bad_row is BadRowPolicy.DEAD_LETTER:
+            routed.append("(default)")
+        if routed and dead_letters is None:
+            raise ConfigError(
+                f"resource(s) {', '.join(routed)} send bad rows to a dead-letter route, and none is set"
+            )
+
+    def converter(self, resource: str) -> RowConverter:
+        """The converter of ``resource`` (created on first use; keeps an inferred schema)."""
+        converter = self._converters.get(resource)
+        if converter is None:
+            converter = RowConverter(resource, self._schemas.get(resource, self._default_schema))
+            self._converters[resource] = converter
+        return converter
+
+    def begin(
+        self, epoch: EpochId, session: StreamingSinkSession, starts: Sequence[Position]
+    ) -> "EpochPipeline":
+        """A pipeline for ``epoch`` writing to ``session`` (whose epoch was begun), resuming after ``starts``.
+
+        ``starts`` are the certified positions the source session resumed after; rows at or before
+        them are refused, and the epoch's coverage must start there.
+        """
+        return EpochPipeline(self, epoch, session, starts)
+
+
+class _Domain:
+    """What the pipeline saw of one ordering domain in this epoch."""
+
+    __slots__ = (
+        "boundary",
+        "builders",
+        "codec",
+        "domain",
+        "last_row",
+        "open_transaction",
+        "start",
+        "start_text",
+        "unbounded_rows",
+    )
+
+    def __init__(self, domain: OrderingDomain, codec: PositionCodec[Any], start: str | None) -> None:
+        self.domain = domain
+        self.codec = codec
+        self.start_text = start
+        self.start: Any = None if start is None else self.decode(start)
+        self.last_row: Any = None
+        self.boundary: Any = None
+        self.open_transaction: str | None = None
+        self.unbounded_rows = False
+        self.builders: list[_Builder] = []
+
+    def decode(self, raw: object) -> Any:
+        try:
+            return self.codec.validate(raw)
+        except FaucetError as exc:
+            raise IntegrityError(
+                f"position {raw!r} is not valid: {exc.message}", where=str(self.domain)
+            ) from exc
+
+    def accept_rows(self, first: str, last: str) -> None:
+        low, high = self.decode(first), self.decode(last)
+        compare = self.codec.compare
+        if self.last_row is not None and compare(low, self.last_row) < 0:
+            raise IntegrityError(f"rows went back from {self.last_row} to {first}", where=str(self.domain))
+        if self.start is not None and compare(low, self.start) <= 0:
+            raise IntegrityError(
+                f"row at {first} is at or before the certified position {self.start_text}",
+                where=str(self.domain),
+            )
+        if compare(high, low) < 0:
+            raise IntegrityError(f"rows went back from {first} to {last}", where=str(self.domain))
+        self.last_row = high
+        self.unbounded_rows = True
+
+    def check_boundary(self, position: str) -> Any:
+        """Decode a boundary position and check it is not before anything already seen."""
+        value = self.decode(position)
+        compare = self.codec.compare
+        for label, floor in (
+            ("last row", self.last_row),
+            ("previous boundary", self.boundary),
+            ("certified position", self.start),
+        ):
+            if floor is not None and compare(value, floor) < 0:
+                raise IntegrityError(
+                    f"boundary {position} is before the {label} {self.codec.canonicalize(floor)}",
+                    where=str(self.domain),
+                )
+        return value
+
+
+class _Builder:
+    """Rows of one resource from one domain, waiting to become an Arrow batch."""
+
+    __slots__ = ("chunks", "converter", "domain", "ordinals", "positions", "resource", "rows")
+
+    def __init__(self, resource: str, domain: OrderingDomain, converter: RowConverter) -> None:
+        self.resource = resource
+        self.domain = domain
+        self.converter = converter
+        self.chunks: list[Records] = []
+        self.positions: list[str] = []
+        self.ordinals: list[int] | None = None
+        self.rows = 0
+
+    def add(self, rows: Records, identities: Identities) -> None:
+        self.chunks.append(rows)
+        if identities.ordinals is not None:
+            if self.ordinals is None:
+                self.ordinals = [0] * len(self.positions)
+            self.ordinals.extend(identities.ordinals)
+        elif self.ordinals is not None:
+            self.ordinals.extend([0] * len(identities))
+        self.positions.extend(identities.positions)
+        self.rows += len(identities)
+
+    def take(self) -> tuple[list[Records], list[str], list[int] | None]:
+        taken = (self.chunks, self.positions, self.ordinals)
+        self.chunks, self.positions, self.ordinals, self.rows = [], [], None, 0
+        return taken
+
+
+class _SinkWriter:
+    """Hands batches to ``apply`` in order, with at most one ``apply`` in flight."""
+
+    def __init__(self, session: StreamingSinkSession, epoch: EpochId) -> None:
+        self._session = session
+        self._epoch = epoch
+        self._inflight: asyncio.Task[None] | None = None
+
+    async def submit(self, batch: SinkBatch) -> None:
+        await self.drain()
+        self._inflight = asyncio.create_task(self._session.apply(self._epoch, batch))
+
+    async def drain(self) -> None:
+        """Wait for the batch in flight; its failure is raised here."""
+        task = self._inflight
+        if task is not None:
+            try:
+                await task
+            finally:
+                if task.done():
+                    self._inflight = None
+
+    async def discard(self) -> BaseException | None:
+        """Stop and join the batch in flight (the epoch is being aborted); return its failure, if any."""
+        task, self._inflight = self._inflight, None
+        if task is None:
+            return None
+        if not task.done():
+            task.cancel()
+        await asyncio.wait([task])
+        return None if task.cancelled() else task.exception()
+
+
+class EpochPipeline(StreamRecordSink):
+    """The :class:`StreamRecordSink` of one epoch. Not safe for concurrent calls (one read at a time)."""
+
+    def __init__(
+        self, pipeline: Pipeline, epoch: EpochId, session: StreamingSinkSession, starts: Sequence[Position]
+    ) -> None:
+        self._pipeline = pipeline
+        self._epoch = epoch
+        self._starts = {start.domain.lineage: start for start in starts}
+        self._writer = _SinkWriter(session, epoch)
+        self._domains: dict[OrderingDomain, _Domain] = {}
+        self._builders: dict[tuple[str, OrderingDomain], _Builder] = {}
+        self._digest = EpochDigest()
+        self._row_counts: Counter[str] = Counter()
+        self._dead_lettered: Counter[str] = Counter()
+        self._closed = False
+
+    @property
+    def epoch(self) -> EpochId:
+        return self._epoch
+
+    @property
+    def has_evidence(self) -> bool:
+        """True once any row or control reached this epoch (a source session has moved)."""
+        return bool(self._domains)
+
+    async def write(
+        self,
+        domain: OrderingDomain,
+        rows: Records,
+        identities: Identities,
+        *,
+        resource: str | None = None,
+    ) -> None:
+        self._check_open()
+        count = record_count(rows)
+        if count != len(identities):
+            raise IntegrityError(f"{count} rows came with {len(identities)} identities", where=str(domain))
+        if count == 0:
+            return
+        state = self._domain(domain)
+        state.accept_rows(identities.positions[0], identities.positions[-1])
+        name = resource or domain.resource
+        builder = self._builders.get((name, domain))
+        if builder is None:
+            builder = _Builder(name, domain, self._pipeline.converter(name))
+            self._builders[(name, domain)] = builder
+            state.builders.append(builder)
+        builder.add(rows, identities)
+        if builder.rows >= self._pipeline.options.batch_rows:
+            await self._flush(builder)
+
+    async def control(self, control: Control) -> None:
+        self._check_open()
+        state = self._domain(control.domain)
+        where = str(control.domain)
+        if isinstance(control, TransactionBegin):
+            if state.open_transaction is not None:
+                raise IntegrityError(
+                    f"transaction {control.transaction_id} began inside open transaction "
+                    f"{state.open_transaction}",
+                    where=where,
+                )
+            await self._flush_domain(state)
+            state.open_transaction = control.transaction_id
+            return
+        if isinstance(control, TransactionEnd):
+            if state.open_transaction != control.transaction_id:
+                raise IntegrityError(
+                    f"transaction {control.transaction_id} ended, the open one is {state.open_transaction}",
+                    where=where,
+                )
+        elif isinstance(control, ProgressBoundary):
+            if state.open_transaction is not None:
+                raise IntegrityError(
+                    f"a progress boundary at {control.position} is inside open transaction "
+                    f"{state.open_transaction}",
+                    where=where,
+                )
+        else:
+            raise IntegrityError(f"unknown control {control!r}", where=where)
+        value = state.check_boundary(control.position)
+        await self._flush_domain(state)
+        # Accepted only now: every row before it is converted, checked and applied at the sink.
+        state.boundary = value
+        state.unbounded_rows = False
+        state.open_transaction = None
+
+    async def reject(self, record: RejectedRecord) -> None:
+        """Route a record the source could not turn into a row; its position counts as read."""
+        self._check_open()
+        route = self._pipeline.dead_letters
+        if route is None:
+            await super().reject(record)
+            return
+        domain = record.identity.domain
+        self._domain(domain).accept_rows(record.identity.position, record.identity.position)
+        await route.route(self._epoch, [record])
+        self._dead_lettered[record.resource or domain.resource] += 1
+
+    async def seal(self, coverage: Coverage) -> SealedEpoch:
+        """Vouch for ``coverage``: every preceding write applied, and the evidence matching it exactly.
+
+        Raises :class:`IntegrityError` when a transaction is open, rows follow a domain's last accepted
+        boundary, or ``coverage`` does not end at each domain's last accepted boundary (or starts
+        elsewhere than the certified position). After ``seal`` the pipeline accepts nothing more.
+        """
+        self._check_open()
+        for state in self._domains.values():
+            if state.open_transaction is not None:
+                raise IntegrityError(
+                    f"transaction {state.open_transaction} is still open: no safe boundary to seal at",
+                    where=str(state.domain),
+                )
+            if state.unbounded_rows:
+                raise IntegrityError("rows follow the last accepted boundary", where=str(state.domain))
+        await self._writer.drain()
+        covered: set[OrderingDomain] = set()
+        for item in coverage.domains:
+            where = str(item.domain)
+            if item.domain in covered:
+                raise IntegrityError("the coverage names this domain twice", where=where)
+            covered.add(item.domain)
+            found = self._domains.get(item.domain)
+            if found is None or found.boundary is None:
+                raise IntegrityError(
+                    f"the coverage reaches {item.end}, but the pipeline accepted no boundary in this domain",
+                    where=where,
+                )
+            state = found
+            end = state.decode(item.end)
+            order = state.codec.compare(end, state.boundary)
+            if order != 0:
+                last = state.codec.canonicalize(state.boundary)
+                raise IntegrityError(
+                    f"the coverage ends at {item.end}, "
+                    + (
+                        f"past the last accepted boundary {last}"
+                        if order > 0
+                        else f"before the last accepted boundary {last}, whose rows were written"
+                    ),
+                    where=where,
+                )
+            if (item.start is None) != (state.start is None) or (
+                item.start is not None and state.codec.compare(state.decode(item.start), state.start) != 0
+            ):
+                raise IntegrityError(
+                    f"the coverage starts at {item.start}, the certified position is {state.start_text}",
+                    where=where,
+                )
+        uncovered = [str(domain) for domain in self._domains if domain not in covered]
+        if uncovered:
+            raise IntegrityError(f"rows or boundaries in {', '.join(uncovered)} are not in the coverage")
+        self._closed = True
+        return SealedEpoch(
+            self._epoch,
+            coverage,
+            dict(self._row_counts),
+            dict(self._dead_lettered),
+            self._digest.hexdigest(),
+        )
+
+    async def discard(self) -> BaseException | None:
+        """Drop everything buffered and join the ``apply`` in flight (the epoch is being aborted).
+
+        Returns the in-flight ``apply``'s failure, if any, for the caller to report with the cause.
+        """
+        self._closed = True
+        self._builders.clear()
+        return await self._writer.discard()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError(f"epoch {self._epoch} is sealed or discarded", where=str(self._epoch))
+
+    def _domain(self, domain: OrderingDomain) -> _Domain:
+        state = self._domains.get(domain)
+        if state is not None:
+            return state
+        codec = self._pipeline.codecs.get(domain.codec)
+        start = self._starts.get(domain.lineage)
+        if start is not None:
+            if start.domain.incarnation != domain.incarnation:
+                raise IncarnationChanged(
+                    f"the source is at incarnation {domain.incarnation!r}, the certified position "
+                    f"{start.value} belongs to {start.domain.incarnation!r}",
+                    where="/".join(domain.lineage),
+                )
+            if start.domain.codec != domain.codec:
+                raise IntegrityError(
+                    f"the domain's codec is {domain.codec!r}, the certified one's {start.domain.codec!r}",
+                    where=str(domain),
+                )
+        state = _Domain(domain, codec, None if start is None else start.value)
+        self._domains[domain] = state
+        return state
+
+    async def _flush_domain(self, state: _Domain) -> None:
+        for builder in state.builders:
+            await self._flush(builder)
+        await self._writer.drain()
+
+    async def _flush(self, builder: _Builder) -> None:
+        chunks, positions, ordinals = builder.take()
+        if not chunks:
+            return
+        converted = _convert(builder.converter, chunks)
+        if converted.bad:
+            await self._reject(builder, converted.bad, chunks, positions, ordinals)
+        if converted.kept is not None:
+            positions = [positions[index] for index in converted.kept]
+            ordinals = None if ordinals is None else [ordinals[index] for index in converted.kept]
+        if converted.batch.num_rows == 0:
+            return
+        batch = SinkBatch(
+            self._epoch, builder.resource, builder.domain, converted.batch, Identities(positions, ordinals)
+        )
+        schema = builder.converter.schema
+        assert schema is not None  # set by the conversion above
+        check_batch(batch, schema, builder.converter.required)
+        self._digest.add(batch)
+        self._row_counts[builder.resource] += converted.batch.num_rows
+        await self._writer.submit(batch)
+
+    async def _reject(
+        self,
+        builder: _Builder,
+        bad: Sequence[BadRow],
+        chunks: list[Records],
+        positions: list[str],
+        ordinals: list[int] | None,
+    ) -> None:
+        def identity(index: int) -> EventIdentity:
+            return Identities(positions, ordinals).at(builder.domain, index)
+
+        policy = builder.converter.spec.on_bad_row
+        if policy is BadRowPolicy.HALT:
+            first = bad[0]
+            raise DataError(
+                f"a row does not fit and the policy halts the stream: {first.reason}"
+                + (f" ({len(bad) - 1} more row(s) in the same batch)" if len(bad) > 1 else ""),
+                where=f"{builder.resource} @ {identity(first.index)}",
+            )
+        route = self._pipeline.dead_letters
+        assert route is not None  # checked when the pipeline was built
+        records = [
+            RejectedRecord(
+                identity(row.index),
+                row.reason,
+                row_payload(_row_at(chunks, row.index)),
+                f"{builder.resource} @ {identity(row.index)}",
+                builder.resource,
+            )
+            for row in bad
+        ]
+        await route.route(self._epoch, records)
+        self._dead_lettered[builder.resource] += len(records)
+
+
+def _convert(converter: RowConverter, chunks: list[Records]) -> Converted:
+    """Convert a builder's chunks: runs of JSON rows in one Arrow call, Arrow batches one by one."""
+    runs: list[pa.RecordBatch | list[Mapping[str, Any]]] = []
+    for chunk in chunks:
+        if isinstance(chunk, pa.RecordBatch):
+            runs.append(chunk)
+        elif runs and isinstance(runs[-1], list):
+            runs[-1].extend(chunk)
+        else:
+            runs.append(list(chunk))
+    parts: list[tuple[int, int, Converted]] = []
+    offset = 0
+    for run in runs:
+        converted = (
+            converter.convert_batch(run) if isinstance(run, pa.RecordBatch) else converter.convert_rows(run)
+        )
+        size = record_count(run)
+        parts.append((offset, size, converted))
+        offset += size
+    if len(parts) == 1:
+        return parts[0][2]
+    batch = pa.concat_batches([converted.batch for _, _, converted in parts])
+    if all(converted.kept is None for _, _, converted in parts):
+        return Converted(batch)
+    kept = [
+        start + index
+        for start, size, converted in parts
+        for index in (range(size) if converted.kept is None else converted.kept)
+    ]
+    bad = tuple(
+        BadRow(start + row.index, row.reason) for start, _, converted in parts for row in converted.bad
+    )
+    return Converted(batch, kept, bad)
+
+
+def _row_at(chunks: list[Records], index: int) -> Mapping[str, Any]:
+    """Row ``index`` of the concatenated chunks, as a mapping (for the dead-letter payload)."""
+    for chunk in chunks:
+        size = record_count(chunk)
+        if index < size:
+            if isinstance(chunk, pa.RecordBatch):
+                row: Mapping[str, Any] = chunk.slice(index, 1).to_pylist()[0]
+                return row
+            return chunk[index]
+        index -= size
+    raise IntegrityError(f"row {index} is past the end of the batch")

@@ -1,0 +1,185 @@
+"""Keyset bookmarks: the resume position of a table read in ascending (cursor, key...) order.
+
+A table source that reads incrementally by a cursor column, with ties broken by a key, reads rows in
+ascending ``(cursor, key...)`` order and pages with ``WHERE (cursor, key...) > (last position)``. Rows
+sharing a cursor value across a page boundary are then neither skipped nor read twice, because the
+key orders them. Its bookmark is the position of the last row delivered::
+
+    {"version": 1, "columns": ["updated_at", "id"], "values": [{"type": "datetime", "value": "..."}, 7]}
+
+``columns`` names the ordering columns, so a bookmark taken with another cursor or key is refused
+instead of misread. Values that JSON holds exactly (strings, integers, booleans, finite floats) are
+stored as themselves; datetimes, dates, times, decimals, bytes, UUIDs and durations are tagged
+``{"type": ..., "value": <text>}`` and decode back to the same Python value. Pure: no I/O.
+"""
+
+import datetime as dt
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from faucet_dagster.protocol.bounded import FetchContext, Source
+from faucet_dagster.protocol.capabilities import Emits, Operation, Ordering, Replay, SourceCapabilities
+from faucet_dagster.protocol.errors import ConfigError, DataError
+from faucet_dagster.protocol.records import JsonValue, Records
+
+KEYSET_BOOKMARK_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KeysetBookmark:
+    """The ``(cursor, key...)`` position of the last row delivered, with the columns it orders by."""
+
+    columns: tuple[str, ...]
+    values: tuple[Any, ...]
+
+    def to_json(self) -> JsonValue:
+        return {
+            "version": KEYSET_BOOKMARK_VERSION,
+            "columns": list(self.columns),
+            "values": [encode_scalar(value) for value in self.values],
+        }
+
+    @classmethod
+    def from_json(cls, raw: JsonValue, columns: tuple[str, ...] | None, *, where: str) -> "KeysetBookmark":
+        """Parse a bookmark for a read ordered by ``columns`` (``None``: any, check later with
+        :meth:`check_columns`); a bookmark for other columns, or anything malformed, raises
+        :class:`ConfigError` naming why."""
+        if not isinstance(raw, dict) or raw.get("version") != KEYSET_BOOKMARK_VERSION:
+            raise ConfigError(
+                f"not a version {KEYSET_BOOKMARK_VERSION} keyset bookmark: {raw!r}", where=where
+            )
+        stored = raw.get("columns")
+        values = raw.get("values")
+        if not isinstance(stored, list) or not isinstance(values, list) or len(stored) != len(values):
+            raise ConfigError("a keyset bookmark needs 'columns' and 'values' of one length", where=where)
+        if not all(isinstance(column, str) for column in stored):
+            raise ConfigError("a keyset bookmark's columns are names", where=where)
+        try:
+            decoded = tuple(decode_scalar(value) for value in values)
+        except DataError as exc:
+            raise ConfigError(f"a keyset bookmark value is malformed: {exc.message}", where=where) from None
+        bookmark = cls(tuple(str(column) for column in stored), decoded)
+        if columns is not None:
+            bookmark.check_columns(columns, where=where)
+        return bookmark
+
+    def check_columns(self, columns: tuple[str, ...], *, where: str) -> None:
+        """Raise ConfigError unless this bookmark was taken for a read ordered by ``columns``."""
+        if self.columns != columns:
+            raise ConfigError(
+                f"the bookmark orders by ({', '.join(self.columns)}) but this read orders by "
+                f"({', '.join(columns)}): the cursor or key changed since it was taken",
+                where=where,
+            )
+
+
+class KeysetSource(Source):
+    """Base of the sources that read one table in ascending ``(cursor, key...)`` order.
+
+    What such a source promises is the same whatever the database: rows (inserts) in one strict global
+    order, replayable from a bookmark, bounded, deterministic while the rows up to the previous read's
+    end are unchanged, discoverable. This base declares those capabilities and keeps the bookmarks;
+    a subclass reads. Once it knows its ordering columns (the configured key, or the table's primary
+    key) it calls :meth:`start_after` for the position to read after, and for every page
+    :meth:`reached`, whose result is the page's bookmark.
+    """
+
+    def __init__(self, cursor: str | None, key: Sequence[str], columns: Sequence[str] | None) -> None:
+        self._cursor = cursor
+        self._key = tuple(key)
+        self._columns = None if columns is None else tuple(columns)
+        self._after: KeysetBookmark | None = None
+        self._reached: KeysetBookmark | None = None
+
+    def capabilities(self) -> SourceCapabilities:
+        return SourceCapabilities(
+            emits=Emits.ROWS,
+            operations=frozenset({Operation.INSERT}),
+            ordering=Ordering.STRICT_GLOBAL,
+            replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
+            bounded=True,
+            continuous=False,
+            deterministic=True,
+            discover=True,
+            shardable=False,
+            columns=self._columns,
+        )
+
+    def order_of(self, key: Sequence[str]) -> tuple[str, ...]:
+        """The ordering columns for ``key``: the cursor (when configured), then the key."""
+        return (*([self._cursor] if self._cursor else []), *key)
+
+    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
+        # Without a configured key the ordering columns are known once the table is looked up.
+        known = self.order_of(self._key) if self._key else None
+        self._after = self._reached = KeysetBookmark.from_json(bookmark, known, where=self.dataset_uri())
+
+    def bookmark(self) -> JsonValue | None:
+        return None if self._reached is None else self._reached.to_json()
+
+    def start_after(self, order: tuple[str, ...]) -> tuple[Any, ...] | None:
+        """The position to read strictly after (None: from the start), checked against ``order``."""
+        if self._after is None:
+            return None
+        self._after.check_columns(order, where=self.dataset_uri())
+        return self._after.values
+
+    def reached(self, order: tuple[str, ...], values: tuple[Any, ...]) -> JsonValue:
+        """Record that the rows up to ``values`` were handed out; return that position's bookmark."""
+        self._reached = KeysetBookmark(order, values)
+        return self._reached.to_json()
+
+    async def fetch(self, ctx: FetchContext) -> Records:
+        pages = [page.records async for page in self.stream_pages(ctx, 0)]
+        return pages[0] if pages else []
+
+
+def encode_scalar(value: Any) -> JsonValue:
+    """One ordering value as JSON (see the module docstring); raises DataError for other types."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"type": "float", "value": repr(value)}
+    if isinstance(value, dt.datetime):
+        return {"type": "datetime", "value": value.isoformat()}
+    if isinstance(value, dt.date):
+        return {"type": "date", "value": value.isoformat()}
+    if isinstance(value, dt.time):
+        return {"type": "time", "value": value.isoformat()}
+    if isinstance(value, Decimal):
+        return {"type": "decimal", "value": str(value)}
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"type": "bytes", "value": bytes(value).hex()}
+    if isinstance(value, uuid.UUID):
+        return {"type": "uuid", "value": str(value)}
+    if isinstance(value, dt.timedelta):
+        return {"type": "timedelta_us", "value": str(value // dt.timedelta(microseconds=1))}
+    raise DataError(f"cannot keep a {type(value).__name__} value in a bookmark: {value!r}")
+
+
+_DECODERS: dict[str, Any] = {
+    "float": float,
+    "datetime": dt.datetime.fromisoformat,
+    "date": dt.date.fromisoformat,
+    "time": dt.time.fromisoformat,
+    "decimal": Decimal,
+    "bytes": bytes.fromhex,
+    "uuid": uuid.UUID,
+    "timedelta_us": lambda text: dt.timedelta(microseconds=int(text)),
+}
+
+
+def decode_scalar(raw: JsonValue) -> Any:
+    """The Python value ``encode_scalar`` stored; raises DataError for anything it did not write."""
+    if raw is None or isinstance(raw, bool | int | float | str):
+        return raw
+    if isinstance(raw, dict) and isinstance(raw.get("value"), str) and raw.get("type") in _DECODERS:
+        try:
+            return _DECODERS[str(raw["type"])](raw["value"])
+        except (ValueError, InvalidOperation) as exc:
+            raise DataError(f"malformed {raw['type']} value {raw['value']!r}: {exc}") from None
+    raise DataError(f"not an encoded bookmark value: {raw!r}")

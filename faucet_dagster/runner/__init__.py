@@ -1,0 +1,1 @@
+"""Runners: ``bounded`` (a finite sync, page by page) and ``continuous`` (epochs, one commit order)."""

@@ -1,0 +1,559 @@
+"""The continuous runner: epochs sealed at safe source boundaries, committed, certified, then acknowledged.
+
+:meth:`StreamRunner.run_epoch` is the single commit order of DESIGN.md section 4, in one function:
+
+1. hold a current lease (renewed; its fencing token is part of the epoch id);
+2. ``begin_epoch`` on the sink session;
+3. ``read`` until a safe boundary that meets the limits; the pipeline flushes and seals;
+4. ``commit_epoch`` -> receipts;
+5. persist the epoch certificate in the state store;
+6. ``acknowledge(coverage, authority)`` on the source session;
+7. return the certificate; reporting it to Dagster is the caller's job (the sensor reports from the
+   store, which remembers what was reported). Reporting never gates the acknowledgement.
+
+Failures and interruptions:
+
+* before 4 (read, seal, a refused commit): the epoch is aborted and the source session closed, so the
+  next epoch reopens it at the certified positions (the rewind);
+* a cancelled read never counts as a finished transaction: the epoch is aborted and rewound;
+* between 4 and 6 (an uncertain commit, a certificate that could not be persisted): nothing is
+  acknowledged and both sessions are dropped; the next open asks the sink what it last committed;
+* on every open, the sink's ``last_committed()`` is reconciled with the last certificate: a sink one
+  epoch ahead (a crash between 4 and 5) is recovered by reading again from the certified positions
+  at least to the sink's watermark; the sink suppresses the rows it already holds, as it documents,
+  and that epoch's certificate is persisted under the sequence the sink committed;
+* a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
+  lease until an operator runs ``faucet streams release``.
+
+A :class:`StreamRunner` keeps its sessions open across calls (sensor ticks), always on one event loop.
+"""
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from faucet_dagster.pipeline import (
+    DeadLetterRoute,
+    EpochPipeline,
+    Pipeline,
+    PipelineOptions,
+    ResourceSchema,
+)
+from faucet_dagster.pipeline.schema import BadRowPolicy
+from faucet_dagster.planner import Plan, plan
+from faucet_dagster.protocol import (
+    CancelToken,
+    Coverage,
+    Delivery,
+    DomainCoverage,
+    EpochCertificate,
+    EpochId,
+    FaucetError,
+    IntegrityError,
+    Membership,
+    Mode,
+    OwnershipLost,
+    Position,
+    ReadLimits,
+    RejectedRecord,
+    SinkCommitState,
+    StreamingSink,
+    StreamingSinkSession,
+    StreamSession,
+    StreamSource,
+    UncertainOutcome,
+    WorkerIdentity,
+    WritePolicy,
+    compare_positions,
+)
+from faucet_dagster.state import Lease, StateStore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One continuous stream: its source and sink, what is read, how it is written, how epochs end.
+
+    ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
+    ``key``). ``limits`` are the per-epoch read targets. ``lease_seconds`` is how long a lease lives
+    without renewal: longer than the gap between two sensor ticks.
+    """
+
+    name: str
+    source: StreamSource
+    sink: StreamingSink
+    resources: tuple[str, ...]
+    policy: WritePolicy = WritePolicy.APPEND
+    key: tuple[str, ...] = ()
+    schemas: Mapping[str, ResourceSchema] = field(default_factory=dict)
+    default_schema: ResourceSchema | None = None
+    delivery: Delivery | None = None
+    limits: ReadLimits = DEFAULT_EPOCH_LIMITS
+    membership: Membership = field(default_factory=Membership)
+    lease_seconds: float = 120.0
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+
+    @property
+    def dead_letter(self) -> bool:
+        """True when some resource routes bad rows to the dead-letter route."""
+        specs = [*self.schemas.values(), self.default_schema or ResourceSchema()]
+        return any(spec.on_bad_row is BadRowPolicy.DEAD_LETTER for spec in specs)
+
+
+class StoreDeadLetterRoute(DeadLetterRoute):
+    """Dead letters kept in the state store, keyed by event identity (a replay stores nothing twice)."""
+
+    def __init__(self, store: StateStore, stream: str) -> None:
+        self._store = store
+        self._stream = stream
+
+    async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        await asyncio.to_thread(self._store.record_dead_letters, self._stream, epoch.sequence, records)
+
+
+def default_worker_id() -> str:
+    """A worker id unique to this process instance (a restarted process is a new worker)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class StreamRunner:
+    """Runs one stream's epochs, keeping the source and sink sessions open between calls.
+
+    Not thread-safe: one caller at a time, always on the same event loop (the sessions' clients are
+    bound to it). ``cancel`` is the exception: any thread may call it to interrupt the current read.
+    """
+
+    def __init__(
+        self,
+        spec: StreamSpec,
+        store: StateStore,
+        *,
+        worker_id: str | None = None,
+        dead_letters: DeadLetterRoute | None = None,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.worker_id = worker_id or default_worker_id()
+        self.plan: Plan = plan(
+            spec.source.capabilities(),
+            spec.sink.capabilities(),
+            Mode.CONTINUOUS,
+            spec.policy,
+            spec.key,
+            delivery=spec.delivery,
+            durable_state=True,
+            dead_letter=spec.dead_letter,
+        )
+        schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
+        default = spec.default_schema or ResourceSchema()
+        self._pipeline = Pipeline(
+            schemas,
+            default_schema=replace(default, key=default.key or spec.key),
+            # Always a route: a source whose own policy dead-letters undecodable records needs one too.
+            dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
+            options=spec.pipeline,
+        )
+        self._lease: Lease | None = None
+        self._source_session: StreamSession | None = None
+        self._sink_session: StreamingSinkSession | None = None
+        self._sessions_token: int | None = None
+        self._certified: tuple[Position, ...] = ()
+        self._next_sequence = 0
+        self._recover_to: tuple[Position, ...] = ()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cancel: CancelToken | None = None
+        self._cancel_requested = False
+        self._cancel_lock = threading.Lock()
+
+    def cancel(self) -> None:
+        """Interrupt the current read, or the next one if none is running: its epoch is aborted and
+        nothing is certified (``run_epoch`` returns None). Thread-safe."""
+        with self._cancel_lock:
+            token, loop = self._cancel, self._loop
+            if token is not None and loop is not None:
+                loop.call_soon_threadsafe(token.cancel)
+            else:
+                self._cancel_requested = True
+
+    async def run_epochs(self, budget_seconds: float) -> list[EpochCertificate]:
+        """Run epochs until ``budget_seconds`` are spent or the source has nothing new.
+
+        Each epoch's read targets end early enough to commit within the budget; a read still going
+        at the budget's end is cancelled (that epoch is aborted). Returns the certificates, in order.
+        Raises the first failure (certificates persisted before it stay persisted).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_seconds
+        certificates: list[EpochCertificate] = []
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            age = (
+                remaining * 0.75
+                if self.spec.limits.age is None
+                else min(self.spec.limits.age, remaining * 0.75)
+            )
+            certificate = await self.run_epoch(replace(self.spec.limits, age=age), deadline=deadline)
+            if certificate is None:
+                break
+            certificates.append(certificate)
+        return certificates
+
+    async def run_epoch(
+        self, limits: ReadLimits | None = None, *, deadline: float | None = None
+    ) -> EpochCertificate | None:
+        """Run one epoch in the commit order; return its certificate, or None when nothing was certified.
+
+        None means the source had nothing new, or the read was cancelled (``cancel`` or ``deadline``,
+        a time on the running loop's clock), and the epoch was aborted. Every failure is raised after
+        the epoch was aborted and rewound (before the commit) or the sessions dropped (after it).
+        """
+        limits = limits or self.spec.limits
+        timings = _Stopwatch()
+
+        # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
+        lease = await self._hold_lease()
+        source_session, sink_session = await self._open_sessions(lease)
+        epoch = EpochId(self.spec.name, self._next_sequence, lease.fencing_token)
+        timings.lap("lease")
+
+        # 2. Begin the epoch at the sink.
+        await self._guard(sink_session.begin_epoch(epoch), epoch, None)
+        timings.lap("begin")
+
+        # 3. Read until a safe boundary that meets the limits; the pipeline flushes and seals.
+        pipeline = self._pipeline.begin(epoch, sink_session, self._certified)
+        coverage = await self._guard(self._read(source_session, pipeline, limits, deadline), epoch, pipeline)
+        if coverage is None or (coverage.empty and not pipeline.has_evidence):
+            # Cancelled, or nothing new: nothing to commit. A session that moved is rewound.
+            await self._abort(epoch, pipeline, rewind=pipeline.has_evidence)
+            return None
+        sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
+        timings.lap("read_and_seal")
+
+        # 4. Commit at the sink: durable as the policy promises once it returns.
+        try:
+            receipts = await sink_session.commit_epoch(epoch, sealed.coverage)
+        except UncertainOutcome as exc:
+            # It may have committed: never abort it, never acknowledge; the next open reconciles.
+            await self._drop_sessions(exc)
+            raise
+        except BaseException as exc:
+            await self._abort(epoch, pipeline, rewind=True, cause=exc)
+            raise
+        timings.lap("commit")
+
+        # 5. Persist the certificate: from here on, the epoch is certified.
+        certificate = EpochCertificate(
+            stream=self.spec.name,
+            sequence=epoch.sequence,
+            fencing_token=epoch.fencing_token,
+            worker=self.worker_id,
+            coverage=sealed.coverage.domains,
+            receipts=tuple(receipts),
+            row_counts=sealed.row_counts,
+            digest=sealed.digest,
+            delivery=self.plan.delivery,
+            timings=timings.laps,
+            created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
+            dead_lettered=sealed.dead_lettered,
+        )
+        try:
+            await asyncio.to_thread(self.store.append_certificate, certificate, lease)
+        except BaseException as exc:
+            # Committed but not certified: acknowledge nothing; the next open finds the sink ahead.
+            await self._drop_sessions(exc)
+            raise
+        self._certified = _advance(self._certified, sealed.coverage)
+        self._next_sequence = epoch.sequence + 1
+        if self._recover_to:
+            logger.warning(
+                "stream %s: recovered epoch %s committed before its certificate", self.spec.name, epoch
+            )
+            self._recover_to = ()
+
+        # 6. Acknowledge the certified coverage, each provider acknowledgement checked by the authority.
+        try:
+            await source_session.acknowledge(sealed.coverage, self._authority)
+        except BaseException as exc:
+            await self._drop_sessions(exc)
+            raise
+
+        # 7. Report: the caller reports certificates from the store (never a precondition of step 6).
+        logger.info(
+            "stream %s: certified %s (%s rows)", self.spec.name, epoch, sum(sealed.row_counts.values())
+        )
+        return certificate
+
+    async def close(self, *, release: bool = True) -> None:
+        """Close the sessions (joining outstanding reads and acknowledgements) and give the lease up.
+
+        A sink close that cannot promise no later effect raises :class:`UncertainOutcome` after the
+        stream was marked uncertain in the store (no automatic takeover); the lease is then kept.
+        """
+        self._cancel_requested = False
+        await self._drop_sessions(None)
+        lease, self._lease = self._lease, None
+        if release and lease is not None:
+            await asyncio.to_thread(self.store.release_lease, lease)
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    async def _hold_lease(self) -> Lease:
+        try:
+            if self._lease is None:
+                self._lease = await asyncio.to_thread(
+                    self.store.acquire_lease, self.spec.name, self.worker_id, self.spec.lease_seconds
+                )
+            else:
+                self._lease = await asyncio.to_thread(
+                    self.store.renew_lease, self._lease, self.spec.lease_seconds
+                )
+        except OwnershipLost as exc:
+            self._lease = None
+            await self._drop_sessions(exc)
+            raise
+        return self._lease
+
+    async def _open_sessions(self, lease: Lease) -> tuple[StreamSession, StreamingSinkSession]:
+        """The open sessions for ``lease``'s token; (re)opened at the certified positions if needed.
+
+        Opening reconciles the sink's last commit with the last certificate.
+        """
+        if self._sessions_token is not None and self._sessions_token != lease.fencing_token:
+            await self._drop_sessions(None)
+        worker = WorkerIdentity(self.worker_id, lease.fencing_token)
+        if self._sink_session is None:
+            last = await asyncio.to_thread(self.store.last_certificate, self.spec.name)
+            self._certified = await asyncio.to_thread(self.store.certified_positions, self.spec.name)
+            self._next_sequence = (last.sequence if last else 0) + 1
+            session = await self.spec.sink.open(self.spec.name, self.spec.policy, self.spec.key, worker)
+            self._sink_session = session
+            self._sessions_token = lease.fencing_token
+            try:
+                self._recover_to = self._reconcile(await session.last_committed())
+            except BaseException as exc:
+                await self._drop_sessions(exc)
+                raise
+        if self._source_session is None:
+            self._source_session = await self.spec.source.open(
+                self.spec.resources, self._certified, self.spec.membership, worker
+            )
+            self._sessions_token = lease.fencing_token
+        return self._source_session, self._sink_session
+
+    def _reconcile(self, committed: SinkCommitState | None) -> tuple[Position, ...]:
+        """Compare the sink's last commit with the certificates; return the watermark to recover to.
+
+        Empty when the sink is not ahead (or cannot say). Raises :class:`IntegrityError` when the
+        sink and the certificates disagree in a way no crash explains.
+        """
+        if committed is None:
+            return ()
+        last = self._next_sequence - 1
+        sequence = committed.epoch.sequence
+        where = self.spec.name
+        if sequence > last + 1 or sequence < last:
+            raise IntegrityError(
+                f"the destination last committed epoch {committed.epoch}, the last certificate is {last}: "
+                "certificates or destination data were lost or restored",
+                where=where,
+            )
+        certified = {position.domain.lineage: position for position in self._certified}
+        # Only the domains the uncertified epoch moved past their certified position are recovered:
+        # a sink may report every domain it holds, and an epoch may cover some of them only.
+        ahead: list[Position] = []
+        for watermark in committed.watermarks:
+            position = certified.get(watermark.domain.lineage)
+            order = 1 if position is None else compare_positions(watermark, position)
+            if order > 0:
+                ahead.append(watermark)
+            if sequence == last and order != 0:
+                raise IntegrityError(
+                    f"the destination's watermark {watermark.value} in {watermark.domain} differs from "
+                    f"the certified position {position.value if position else None}",
+                    where=where,
+                )
+            if sequence == last + 1 and order < 0:
+                raise IntegrityError(
+                    f"the destination committed epoch {committed.epoch} behind the certified position "
+                    f"in {watermark.domain}",
+                    where=where,
+                )
+        if sequence == last:
+            return ()
+        logger.warning(
+            "stream %s: the destination committed epoch %s but no certificate was persisted; recovering it",
+            self.spec.name,
+            committed.epoch,
+        )
+        return tuple(ahead) or committed.watermarks
+
+    async def _read(
+        self, session: StreamSession, pipeline: EpochPipeline, limits: ReadLimits, deadline: float | None
+    ) -> Coverage | None:
+        """Read to a safe boundary (while recovering, on to the sink's watermark); None when cancelled."""
+        loop = asyncio.get_running_loop()
+        token = CancelToken()
+        with self._cancel_lock:
+            self._loop, self._cancel = loop, token
+            if self._cancel_requested:
+                self._cancel_requested = False
+                token.cancel()
+        timer = None if deadline is None else loop.call_at(deadline, token.cancel)
+        try:
+            coverage = await session.read(pipeline, limits, token)
+            while self._recover_to and not token.cancelled and not _reaches(coverage, self._recover_to):
+                more = await session.read(pipeline, limits, token)
+                if more.empty:
+                    logger.warning(
+                        "stream %s: the source has nothing more, short of the destination's watermark; "
+                        "the recovery is tried again on the next run",
+                        self.spec.name,
+                    )
+                    return None
+                coverage = _merge(coverage, more)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self._cancel_lock:
+                self._cancel = None
+        # Cancellation is an interruption, never evidence that a transaction or the recovery ended.
+        return None if token.cancelled else coverage
+
+    async def _authority(self) -> None:
+        """The authority a source checks before every provider acknowledgement: the live lease."""
+        lease = self._lease
+        if lease is None:
+            raise OwnershipLost(
+                f"{self.worker_id} holds no lease on {self.spec.name!r}", where=self.spec.name
+            )
+        await asyncio.to_thread(self.store.check_lease, lease)
+
+    # -- failure handling -----------------------------------------------------------------------
+
+    async def _guard(self, step: Awaitable[T], epoch: EpochId, pipeline: EpochPipeline | None) -> T:
+        """Await a step before the commit; on failure abort the epoch, rewind, and re-raise."""
+        try:
+            return await step
+        except BaseException as exc:
+            await self._abort(epoch, pipeline, rewind=True, cause=exc)
+            raise
+
+    async def _abort(
+        self,
+        epoch: EpochId,
+        pipeline: EpochPipeline | None,
+        *,
+        rewind: bool,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Abort ``epoch`` at the sink; with ``rewind``, close the source session so it reopens at the
+        certified positions. Failures while cleaning up are attached to ``cause`` (or raised)."""
+        if pipeline is not None:
+            inflight = await pipeline.discard()
+            if inflight is not None and cause is not None and inflight is not cause:
+                cause.add_note(f"a batch in flight failed too: {inflight!r}")
+        sink_session = self._sink_session
+        if sink_session is not None:
+            try:
+                await sink_session.abort_epoch(epoch)
+            except FaucetError as exc:
+                if cause is None:
+                    await self._drop_sessions(exc)
+                    raise
+                cause.add_note(f"aborting epoch {epoch} failed too: {exc}")
+                await self._drop_sessions(cause)
+                return
+        if rewind:
+            await self._close_source(cause)
+
+    async def _close_source(self, cause: BaseException | None) -> None:
+        session, self._source_session = self._source_session, None
+        if session is None:
+            return
+        try:
+            await session.close()
+        except FaucetError as exc:
+            if cause is None:
+                raise
+            cause.add_note(f"closing the source session failed too: {exc}")
+
+    async def _drop_sessions(self, cause: BaseException | None) -> None:
+        """Close both sessions. An uncertain sink close marks the stream uncertain in the store.
+
+        With a ``cause`` (already failing), close failures are attached to it; without, raised.
+        """
+        await self._close_source(cause)
+        session, self._sink_session = self._sink_session, None
+        self._sessions_token = None
+        self._recover_to = ()
+        if session is None:
+            return
+        try:
+            await session.close_session()
+        except UncertainOutcome as exc:
+            await asyncio.to_thread(self.store.mark_uncertain, self.spec.name, exc.message)
+            if cause is None:
+                raise
+            cause.add_note(f"closing the sink session was uncertain; the stream is marked uncertain: {exc}")
+        except FaucetError as exc:
+            if cause is None:
+                raise
+            cause.add_note(f"closing the sink session failed too: {exc}")
+
+
+class _Stopwatch:
+    """Seconds spent in each step of an epoch, for its certificate."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self._last, 6)
+        self._last = now
+
+
+def _advance(certified: tuple[Position, ...], coverage: Coverage) -> tuple[Position, ...]:
+    """The certified positions after ``coverage`` was certified."""
+    positions = {position.domain.lineage: position for position in certified}
+    for position in coverage.end_positions():
+        positions[position.domain.lineage] = position
+    return tuple(positions.values())
+
+
+def _reaches(coverage: Coverage, targets: Sequence[Position]) -> bool:
+    """True when ``coverage`` ends at or past every target position."""
+    ends = {position.domain.lineage: position for position in coverage.end_positions()}
+    for target in targets:
+        end = ends.get(target.domain.lineage)
+        if end is None or compare_positions(end, target) < 0:
+            return False
+    return True
+
+
+def _merge(first: Coverage, then: Coverage) -> Coverage:
+    """Two reads of one epoch as one coverage: each domain from its first start to its last end."""
+    merged = {item.domain: item for item in first.domains}
+    for item in then.domains:
+        earlier = merged.get(item.domain)
+        merged[item.domain] = (
+            item if earlier is None else DomainCoverage(item.domain, earlier.start, item.end)
+        )
+    return Coverage(tuple(merged.values()))

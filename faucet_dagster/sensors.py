@@ -1,0 +1,496 @@
+"""Continuous streams as Dagster sensors: every tick runs epochs and reports their certificates.
+
+Declare a :class:`FaucetStream` (source and sink endpoints, resources, policy) and turn it into
+definitions with :func:`build_stream_defs` (the sink asset, its certificate check and the sensor), or
+into the sensor alone with :func:`faucet_stream_sensor`.
+
+A tick:
+
+1. reads the cursor (``{"reported_through": N}``): Dagster received the reports of certificates up
+   to ``N``; the state store's report mark is moved there (a fresh cursor starts from that mark);
+2. runs epochs (:meth:`~faucet_dagster.runner.continuous.StreamRunner.run_epochs`) within a budget
+   safely below ``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS`` (half of it, 30 s by default): each epoch is
+   committed, certified in the state store and acknowledged before the next begins;
+3. returns one ``AssetMaterialization`` of the sink asset per certificate after ``N`` (the ones
+   certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
+   as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
+   new cursor. Dagster stores the events and the cursor together, so each certificate is reported
+   once.
+
+The runner (its open source and sink sessions and its lease) is cached per code-server process,
+behind a lock per stream: ticks run on different threads, and a tick that finds the previous one
+still running reports what is certified and skips running epochs. The cache is an optimisation: all
+positions, sequences and leases are read from the state store when a runner opens its sessions.
+
+Another worker holding the stream's live lease makes a tick skip (that worker runs the stream). A
+stream marked uncertain fails every tick until an operator runs ``faucet streams release``.
+"""
+
+import atexit
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from faucet_dagster.pipeline import ResourceSchema
+from faucet_dagster.protocol import (
+    ConfigError,
+    Delivery,
+    EpochCertificate,
+    FaucetError,
+    OwnershipLost,
+    ReadLimits,
+    WritePolicy,
+    compare_positions,
+)
+from faucet_dagster.protocol.positions import Position
+from faucet_dagster.resources import FaucetEndpoint
+from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, StreamRunner, StreamSpec
+from faucet_dagster.runner.loop import BackgroundLoop
+from faucet_dagster.state import StateStore
+
+logger = logging.getLogger(__name__)
+
+SENSOR_TIMEOUT_ENV = "DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS"
+DEFAULT_SENSOR_TIMEOUT = 60.0
+CERTIFICATE_CHECK = "faucet_epoch_certificate"
+MAX_REPORTS_PER_TICK = 500
+CURSOR_VERSION = 1
+
+AssetKeyLike = dg.AssetKey | str | Sequence[str]
+"""What names the sink asset: an ``AssetKey``, a slash-free name, or its path segments."""
+
+
+@dataclass(frozen=True)
+class FaucetStream:
+    """One continuous stream: read ``resources`` from ``source``, write them to ``sink`` with ``policy``.
+
+    ``schemas`` declares resources' schemas (others are inferred). ``limits`` are each epoch's read
+    targets (by default an epoch ends at the first safe boundary after 50,000 records, 1 s idle or
+    10 s). ``state_url`` selects the state store (default: ``$FAUCET_STATE_URL``, else a SQLite file
+    under ``$DAGSTER_HOME``). ``lease_seconds`` must exceed the gap between two ticks.
+    """
+
+    name: str
+    source: FaucetEndpoint
+    sink: FaucetEndpoint
+    resources: tuple[str, ...]
+    policy: WritePolicy = WritePolicy.APPEND
+    key: tuple[str, ...] = ()
+    delivery: Delivery | None = None
+    schemas: Mapping[str, ResourceSchema] = field(default_factory=dict)
+    limits: ReadLimits = DEFAULT_EPOCH_LIMITS
+    lease_seconds: float = 120.0
+    state_url: str | None = None
+    description: str | None = None
+
+    def build_spec(self, resources: Any = None) -> StreamSpec:
+        """The runner's spec: connectors built from the endpoints (no I/O; secrets read now)."""
+        source = self.source.resolve(resources)
+        sink = self.sink.resolve(resources)
+        return StreamSpec(
+            name=self.name,
+            source=source.spec().stream_source(source.resolved_config(self.source.config)),
+            sink=sink.spec().streaming_sink(sink.resolved_config(self.sink.config)),
+            resources=self.resources,
+            policy=self.policy,
+            key=self.key,
+            schemas=self.schemas,
+            delivery=self.delivery,
+            limits=self.limits,
+            lease_seconds=self.lease_seconds,
+        )
+
+    def asset_spec(self, key: AssetKeyLike | None = None) -> dg.AssetSpec:
+        """The sink asset the stream's certificates materialize (key ``[name]`` unless given)."""
+        kinds = {"faucet"} | {c for c in (self.source.connector, self.sink.connector) if c is not None}
+        return dg.AssetSpec(
+            key=dg.AssetKey.from_coercible(key) if key is not None else dg.AssetKey([self.name]),
+            description=self.description
+            or f"Faucet continuous stream {self.name}: {self.source.label} to {self.sink.label}.",
+            kinds=kinds,
+            tags={
+                "faucet/source": self.source.label,
+                "faucet/sink": self.sink.label,
+                "faucet/mode": "continuous",
+            },
+        )
+
+
+def tick_budget(requested: float | None = None) -> float:
+    """Seconds a tick may spend running epochs: half the sensor gRPC timeout, or less if requested."""
+    raw = os.environ.get(SENSOR_TIMEOUT_ENV)
+    try:
+        timeout = float(raw) if raw else DEFAULT_SENSOR_TIMEOUT
+    except ValueError:
+        raise ConfigError(
+            f"{SENSOR_TIMEOUT_ENV} is not a number: {raw!r}", where=SENSOR_TIMEOUT_ENV
+        ) from None
+    ceiling = timeout / 2
+    return ceiling if requested is None else max(0.0, min(requested, ceiling))
+
+
+def faucet_stream_sensor(
+    stream: FaucetStream,
+    *,
+    asset_key: AssetKeyLike | None = None,
+    name: str | None = None,
+    minimum_interval_seconds: int = 30,
+    budget_seconds: float | None = None,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+) -> dg.SensorDefinition:
+    """A sensor running ``stream``'s epochs on each tick and reporting each certificate once.
+
+    ``budget_seconds`` caps the time a tick spends running epochs (never more than half the sensor
+    gRPC timeout). Endpoints given by resource key become the sensor's required resources.
+    """
+    key = stream.asset_spec(asset_key).key
+    resource_keys = {
+        endpoint.resource_key for endpoint in (stream.source, stream.sink) if endpoint.resource_key
+    }
+
+    @dg.sensor(
+        name=name or f"{stream.name}_stream",
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        required_resource_keys=resource_keys or None,
+        description=f"Runs the epochs of faucet stream {stream.name} and reports their certificates.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        return _tick(context, stream, key, tick_budget(budget_seconds))
+
+    return _sensor
+
+
+def certificate_check(
+    stream: FaucetStream, asset_key: AssetKeyLike | None = None
+) -> dg.AssetChecksDefinition:
+    """The ``faucet_epoch_certificate`` check: the stored certificates chain and add up.
+
+    Evaluated by the sensor for every certificate it reports; executed on demand, it re-checks the
+    last ``MAX_REPORTS_PER_TICK`` certificates of the stream in the state store.
+    """
+    key = stream.asset_spec(asset_key).key
+
+    @dg.asset_check(asset=key, name=CERTIFICATE_CHECK, description="Epoch certificates chain and add up.")
+    def _check() -> dg.AssetCheckResult:
+        with StateStore(stream.state_url) as store:
+            last = store.last_certificate(stream.name)
+            after = 0 if last is None else max(0, last.sequence - MAX_REPORTS_PER_TICK)
+            certificates = store.certificates(stream.name, after=after)
+        problems = [problem for certificate in certificates for problem in certificate_problems(certificate)]
+        problems.extend(chain_problems(certificates))
+        return dg.AssetCheckResult(
+            passed=not problems,
+            metadata={
+                "faucet/certificates_checked": len(certificates),
+                "faucet/problems": "\n".join(problems),
+            },
+        )
+
+    return _check
+
+
+def build_stream_defs(
+    streams: Sequence[FaucetStream],
+    *,
+    asset_specs: Mapping[str, dg.AssetSpec] | None = None,
+    minimum_interval_seconds: int = 30,
+    budget_seconds: float | None = None,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+) -> dg.Definitions:
+    """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
+    certificate check and its sensor."""
+    specs = dict(asset_specs or {})
+    assets: list[dg.AssetSpec] = []
+    checks: list[dg.AssetChecksDefinition] = []
+    sensors: list[dg.SensorDefinition] = []
+    for stream in streams:
+        spec = specs.get(stream.name) or stream.asset_spec()
+        assets.append(spec)
+        checks.append(certificate_check(stream, spec.key))
+        sensors.append(
+            faucet_stream_sensor(
+                stream,
+                asset_key=spec.key,
+                minimum_interval_seconds=minimum_interval_seconds,
+                budget_seconds=budget_seconds,
+                default_status=default_status,
+            )
+        )
+    return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors)
+
+
+# -- certificates as Dagster events ------------------------------------------------------------
+
+
+def certificate_problems(certificate: EpochCertificate) -> list[str]:
+    """What is wrong with one certificate on its own: no coverage, or receipts that do not add up."""
+    problems = []
+    if not certificate.coverage:
+        problems.append(f"certificate {certificate.certificate_id} covers nothing")
+    handled = sum(receipt.rows_written + receipt.rows_skipped for receipt in certificate.receipts)
+    sealed = sum(certificate.row_counts.values())
+    if handled != sealed:
+        problems.append(
+            f"certificate {certificate.certificate_id}: the sink handled {handled} rows "
+            f"(written + skipped), the pipeline sealed {sealed}"
+        )
+    return problems
+
+
+def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
+    """Where consecutive certificates do not chain: a gap in sequence or coverage between them."""
+    problems = []
+    ends: dict[tuple[str, str, str], Position] = {}
+    previous: EpochCertificate | None = None
+    for certificate in certificates:
+        if previous is not None and certificate.sequence != previous.sequence + 1:
+            problems.append(f"certificate {certificate.sequence} follows {previous.sequence}")
+        for item in certificate.coverage:
+            end = ends.get(item.domain.lineage)
+            start = None if item.start is None else Position(item.domain, item.start)
+            if end is not None and (start is None or compare_positions(start, end) != 0):
+                problems.append(
+                    f"certificate {certificate.sequence} starts at {item.start} in {item.domain}, "
+                    f"the previous one ended at {end.value}"
+                )
+            ends[item.domain.lineage] = Position(item.domain, item.end)
+        previous = certificate
+    return problems
+
+
+def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
+    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token."""
+    coverage = dg.TableMetadataValue(
+        records=[
+            dg.TableRecord(
+                {
+                    "source": item.domain.source,
+                    "resource": item.domain.resource,
+                    "partition": item.domain.partition,
+                    "incarnation": item.domain.incarnation,
+                    "start": item.start or "",
+                    "end": item.end,
+                }
+            )
+            for item in certificate.coverage
+        ],
+        schema=dg.TableSchema(
+            columns=[
+                dg.TableColumn(name, "string")
+                for name in ("source", "resource", "partition", "incarnation", "start", "end")
+            ]
+        ),
+    )
+    receipts = dg.TableMetadataValue(
+        records=[
+            dg.TableRecord(
+                {
+                    "resource": receipt.resource,
+                    "rows_written": receipt.rows_written,
+                    "rows_skipped": receipt.rows_skipped,
+                    "details": json.dumps(dict(receipt.details), sort_keys=True),
+                }
+            )
+            for receipt in certificate.receipts
+        ],
+        schema=dg.TableSchema(
+            columns=[
+                dg.TableColumn("resource", "string"),
+                dg.TableColumn("rows_written", "int"),
+                dg.TableColumn("rows_skipped", "int"),
+                dg.TableColumn("details", "string"),
+            ]
+        ),
+    )
+    return {
+        "faucet/epoch": str(certificate.epoch),
+        "faucet/sequence": certificate.sequence,
+        "faucet/coverage": coverage,
+        "faucet/receipts": receipts,
+        "dagster/row_count": sum(receipt.rows_written for receipt in certificate.receipts),
+        "faucet/row_counts": dict(certificate.row_counts),
+        "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
+        "faucet/digest": certificate.digest,
+        "faucet/fencing_token": certificate.fencing_token,
+        "faucet/worker": certificate.worker,
+        "faucet/delivery": certificate.delivery.value,
+        "faucet/timings": dict(certificate.timings),
+        "faucet/certified_at": certificate.created_at,
+        "faucet/certificate": dg.MetadataValue.json(json.loads(certificate.to_json())),
+    }
+
+
+def certificate_events(
+    certificate: EpochCertificate, asset_key: dg.AssetKey
+) -> tuple[dg.AssetMaterialization, dg.AssetCheckEvaluation]:
+    """The materialization of the sink asset for ``certificate`` and its check evaluation."""
+    problems = certificate_problems(certificate)
+    materialization = dg.AssetMaterialization(
+        asset_key=asset_key,
+        description=f"certified epoch {certificate.epoch}",
+        metadata=certificate_metadata(certificate),
+    )
+    evaluation = dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=CERTIFICATE_CHECK,
+        passed=not problems,
+        metadata={"faucet/epoch": str(certificate.epoch), "faucet/problems": "\n".join(problems)},
+        severity=dg.AssetCheckSeverity.ERROR,
+        description="the certificate's receipts add up to its sealed rows" if not problems else problems[0],
+    )
+    return materialization, evaluation
+
+
+# -- the tick ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _StreamHandle:
+    """A stream's cached runner and store in this process; ``lock`` is held while epochs run."""
+
+    runner: StreamRunner
+    store: StateStore
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_handles: dict[tuple[str, str | None], _StreamHandle] = {}
+_handles_lock = threading.Lock()
+_background: BackgroundLoop | None = None
+
+
+def _loop() -> BackgroundLoop:
+    """The process's event loop for stream sessions (created on first use)."""
+    global _background
+    with _handles_lock:
+        if _background is None:
+            _background = BackgroundLoop("faucet-streams")
+            atexit.register(_close_at_exit)
+        return _background
+
+
+def _handle(stream: FaucetStream, resources: Any) -> _StreamHandle:
+    """The cached runner of ``stream`` in this process, created (without I/O) on first use."""
+    key = (stream.name, stream.state_url)
+    with _handles_lock:
+        handle = _handles.get(key)
+        if handle is None:
+            store = StateStore(stream.state_url)
+            handle = _StreamHandle(StreamRunner(stream.build_spec(resources), store), store)
+            _handles[key] = handle
+        return handle
+
+
+def close_cached_streams() -> None:
+    """Close every runner cached in this process and forget it (tests, shutdown).
+
+    Each close joins its sessions and gives its lease up, so another worker takes the stream over
+    at once. Every runner is closed even when one close fails (each failure is logged with its
+    stream); then the first failure is raised (an :class:`UncertainOutcome` has marked its stream
+    uncertain by then).
+    """
+    loop = _background
+    with _handles_lock:
+        handles = list(_handles.items())
+        _handles.clear()
+    failures: list[FaucetError] = []
+    for (name, _), handle in handles:
+        with handle.lock:
+            try:
+                if loop is not None:
+                    loop.run(handle.runner.close())
+            except FaucetError as exc:
+                logger.error("closing faucet stream %s failed: %s", name, exc)
+                failures.append(exc)
+            finally:
+                handle.store.close()
+    if failures:
+        raise failures[0]
+
+
+def _close_at_exit() -> None:
+    try:
+        close_cached_streams()
+    except FaucetError:
+        pass  # logged with its stream by close_cached_streams; at exit there is no caller to tell
+    finally:
+        if _background is not None:
+            _background.close()
+
+
+def parse_cursor(cursor: str | None) -> int | None:
+    """The certificate sequence Dagster received reports up to, from a tick cursor (None: no cursor)."""
+    if not cursor:
+        return None
+    try:
+        raw = json.loads(cursor)
+        value = raw["reported_through"]
+        if raw.get("version") != CURSOR_VERSION or isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(cursor)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(
+            f"the sensor cursor {cursor!r} is not a faucet stream cursor", where="sensor cursor"
+        ) from None
+    return value
+
+
+def format_cursor(reported_through: int) -> str:
+    return json.dumps({"version": CURSOR_VERSION, "reported_through": reported_through})
+
+
+def _tick(
+    context: dg.SensorEvaluationContext, stream: FaucetStream, asset_key: dg.AssetKey, budget: float
+) -> dg.SensorResult:
+    handle = _handle(stream, context.resources)
+    store = handle.store
+    confirmed = parse_cursor(context.cursor)
+    if confirmed is None:
+        reported = store.reported_through(stream.name)
+    else:
+        store.mark_reported(stream.name, confirmed)
+        reported = confirmed
+    failure: FaucetError | None = None
+    skip = "no new certified epoch"
+    if handle.lock.acquire(blocking=False):
+        try:
+            _loop().run(handle.runner.run_epochs(budget))
+        except OwnershipLost as exc:
+            skip = f"another worker runs this stream: {exc}"
+        except FaucetError as exc:
+            failure = exc
+        finally:
+            handle.lock.release()
+    else:
+        skip = "a previous tick is still running this stream's epochs"
+    certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
+    if failure is not None:
+        if not certificates:
+            raise failure
+        # Report what is certified first; the next tick runs the stream again and raises if it still fails.
+        context.log.error(
+            f"stream {stream.name} failed after certifying epochs; reporting them first: {failure}"
+        )
+    events: list[dg.AssetMaterialization | dg.AssetCheckEvaluation] = []
+    for certificate in certificates:
+        events.extend(certificate_events(certificate, asset_key))
+    cursor = format_cursor(certificates[-1].sequence if certificates else reported)
+    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=None if events else skip)
+
+
+__all__ = [
+    "CERTIFICATE_CHECK",
+    "FaucetStream",
+    "build_stream_defs",
+    "certificate_check",
+    "certificate_events",
+    "certificate_metadata",
+    "close_cached_streams",
+    "faucet_stream_sensor",
+    "tick_budget",
+]

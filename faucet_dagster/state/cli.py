@@ -1,0 +1,77 @@
+"""``faucet streams status`` and ``faucet streams release STREAM``: the state store from a terminal.
+
+``status`` prints each stream's lease (owner, fencing token, time left), whether it is marked
+uncertain and why, its last certified epoch, how far Dagster received reports, its certified
+positions and its dead-letter count. ``release`` is the operator's answer to an uncertain close: it
+clears the uncertain flag and the lease so the stream can be taken over (the fencing token is kept,
+so the next owner still fences every earlier one). Both take ``--state-url`` (default:
+``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and ``--json``.
+"""
+
+import argparse
+import json
+
+from faucet_dagster.state.store import StateStore, StreamStatus
+
+
+def add_streams_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``streams status`` and ``streams release`` to the ``faucet`` command line."""
+    streams = commands.add_parser("streams", help="inspect continuous streams and release them")
+    actions = streams.add_subparsers(dest="streams_command", required=True)
+    status = actions.add_parser("status", help="leases, uncertain flags, certified epochs and positions")
+    status.add_argument("stream", nargs="?", help="one stream (default: every stream)")
+    release = actions.add_parser(
+        "release", help="clear a stream's uncertain flag and lease so it can be taken over"
+    )
+    release.add_argument("stream", help="the stream to release")
+    for parser in (status, release):
+        parser.add_argument("--state-url", help="SQLAlchemy URL of the state store")
+        parser.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(handler=_status_command)
+    release.set_defaults(handler=_release_command)
+
+
+def _status_command(args: argparse.Namespace) -> int:
+    with StateStore(args.state_url) as store:
+        statuses = store.status(args.stream)
+    if args.json:
+        print(json.dumps([status.to_dict() for status in statuses], indent=2))
+    elif not statuses:
+        print(f"no streams in {store.where}")
+    for status in [] if args.json else statuses:
+        print(_describe(status))
+    return 0
+
+
+def _release_command(args: argparse.Namespace) -> int:
+    with StateStore(args.state_url) as store:
+        before = store.release(args.stream)
+    if args.json:
+        print(json.dumps({"released": args.stream, "before": before.to_dict()}, indent=2))
+        return 0
+    was = []
+    if before.uncertain:
+        was.append(f"marked uncertain ({before.uncertain_reason})")
+    if before.owner is not None:
+        was.append(f"leased to {before.owner} (token {before.fencing_token})")
+    print(f"released {args.stream}: it was {' and '.join(was) if was else 'neither uncertain nor leased'}")
+    return 0
+
+
+def _describe(status: StreamStatus) -> str:
+    if status.owner is None:
+        lease = "not leased"
+    elif status.lease_live and status.lease_seconds_left is not None:
+        lease = (
+            f"leased to {status.owner} (token {status.fencing_token}, {status.lease_seconds_left:.0f}s left)"
+        )
+    else:
+        lease = f"lease of {status.owner} expired (token {status.fencing_token})"
+    lines = [
+        f"{status.stream}: {lease}",
+        f"  uncertain: {'yes: ' + (status.uncertain_reason or '') if status.uncertain else 'no'}",
+        f"  last certified epoch: {status.last_sequence} (reported to Dagster: {status.reported_through})",
+        f"  dead letters: {status.dead_letters}",
+    ]
+    lines.extend(f"  {position.domain}: {position.value}" for position in status.positions)
+    return "\n".join(lines)

@@ -1,0 +1,680 @@
+"""The durable state of continuous streams: certificates, leases, report marks, the uncertain flag.
+
+One store through SQLAlchemy: a SQLite file under ``$DAGSTER_HOME`` by default (``FAUCET_STATE_URL``
+or an explicit URL selects another), PostgreSQL in production (``postgresql://`` URLs use psycopg 3).
+Every method is one database transaction and blocks until it commits; async callers run them in a
+worker thread. Tables are created on first use and are prefixed ``faucet_`` so the store can share a
+database with Dagster's own storage.
+
+What holds:
+
+* **Certificates** are append-only. :meth:`StateStore.append_certificate` accepts sequence ``n + 1``
+  only, from the current lease holder, whose coverage starts exactly where each domain's certified
+  position is and never goes back (compared through the domain's position codec, so ``"007"`` and
+  ``"7"`` are one position). Appending a certificate identical to a stored one is accepted (a retry);
+  a different one at a stored sequence is refused.
+* **Leases** are compare-and-set on the database clock: an owner, a fencing token that only grows
+  (each takeover adds one; a renewal keeps it) and an expiry. A stream whose last close was
+  uncertain is not leased to anyone until an operator clears it (``faucet streams release``).
+* **Report marks** record up to which certificate Dagster confirmed receiving the reports, so a
+  report lost with a timed-out tick is sent again.
+* **Dead letters** are keyed by event identity, so a replayed epoch does not store a row twice.
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import FunctionElement
+
+from faucet_dagster.protocol import (
+    CodecRegistry,
+    ConfigError,
+    ConnectionFailed,
+    DomainCoverage,
+    EpochCertificate,
+    FaucetError,
+    IncarnationChanged,
+    IntegrityError,
+    OrderingDomain,
+    OwnershipLost,
+    Position,
+    RejectedRecord,
+    UncertainOutcome,
+    default_codec_registry,
+)
+
+STATE_URL_ENV = "FAUCET_STATE_URL"
+STATE_FILE_NAME = "faucet_state.db"
+
+metadata = sa.MetaData()
+
+streams_table = sa.Table(
+    "faucet_streams",
+    metadata,
+    sa.Column("stream", sa.String(255), primary_key=True),
+    sa.Column("lease_owner", sa.String(255), nullable=True),
+    sa.Column("fencing_token", sa.BigInteger, nullable=False),
+    sa.Column("lease_expires", sa.Float, nullable=True),
+    sa.Column("uncertain", sa.Boolean, nullable=False),
+    sa.Column("uncertain_reason", sa.Text, nullable=True),
+    sa.Column("reported_through", sa.BigInteger, nullable=False),
+)
+
+certificates_table = sa.Table(
+    "faucet_certificates",
+    metadata,
+    sa.Column("stream", sa.String(255), primary_key=True),
+    sa.Column("sequence", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("fencing_token", sa.BigInteger, nullable=False),
+    sa.Column("worker", sa.String(255), nullable=False),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("created_at", sa.String(40), nullable=False),
+)
+
+positions_table = sa.Table(
+    "faucet_positions",
+    metadata,
+    sa.Column("stream", sa.String(255), primary_key=True),
+    sa.Column("source", sa.String(255), primary_key=True),
+    sa.Column("resource", sa.String(255), primary_key=True),
+    sa.Column("partition", sa.String(255), primary_key=True),
+    sa.Column("incarnation", sa.String(255), nullable=False),
+    sa.Column("codec", sa.String(255), nullable=False),
+    sa.Column("position", sa.String(255), nullable=False),
+    sa.Column("sequence", sa.BigInteger, nullable=False),
+)
+
+dead_letters_table = sa.Table(
+    "faucet_dead_letters",
+    metadata,
+    sa.Column("stream", sa.String(255), primary_key=True),
+    sa.Column("identity", sa.String(64), primary_key=True),
+    sa.Column("event", sa.Text, nullable=False),
+    sa.Column("resource", sa.String(255), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("origin", sa.Text, nullable=False),
+    sa.Column("payload", sa.LargeBinary, nullable=False),
+    sa.Column("sequence", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.String(40), nullable=False),
+)
+
+
+class db_now(FunctionElement[float]):
+    """Seconds since 1970 on the database's clock: every worker's lease is judged by one clock."""
+
+    type = sa.Float()
+    inherit_cache = True
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+@compiles(db_now, "postgresql")
+def _db_now_postgresql(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held lease: who holds ``stream``, with which fencing token, until when (database clock)."""
+
+    stream: str
+    owner: str
+    fencing_token: int
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    """What the store knows about one stream (for ``faucet streams status``)."""
+
+    stream: str
+    owner: str | None
+    fencing_token: int
+    lease_expires: float | None
+    lease_seconds_left: float | None
+    uncertain: bool
+    uncertain_reason: str | None
+    last_sequence: int
+    reported_through: int
+    positions: tuple[Position, ...]
+    dead_letters: int
+
+    @property
+    def lease_live(self) -> bool:
+        """True while an owner holds an unexpired lease."""
+        return self.owner is not None and self.lease_seconds_left is not None and self.lease_seconds_left > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        plain = asdict(self)
+        plain["lease_live"] = self.lease_live
+        plain["positions"] = [{"domain": str(item.domain), "position": item.value} for item in self.positions]
+        return plain
+
+
+def default_state_url() -> str:
+    """``$FAUCET_STATE_URL``, else a SQLite file under ``$DAGSTER_HOME``; a ConfigError if neither is set."""
+    explicit = os.environ.get(STATE_URL_ENV)
+    if explicit:
+        return explicit
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
+        raise ConfigError(
+            f"no state store: set {STATE_URL_ENV} (a SQLAlchemy URL) or DAGSTER_HOME (a SQLite file there)",
+            where=STATE_URL_ENV,
+        )
+    return f"sqlite:///{Path(home).expanduser().resolve() / STATE_FILE_NAME}"
+
+
+def _normalize_url(url: str) -> sa.URL:
+    try:
+        parsed = sa.make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(f"the state store URL is not valid: {exc}", where=STATE_URL_ENV) from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ConfigError(
+            f"the state store supports SQLite and PostgreSQL, not {parsed.get_backend_name()}",
+            where=STATE_URL_ENV,
+        )
+    return parsed
+
+
+class StateStore:
+    """Certificates, leases, report marks and dead letters of continuous streams, in one database."""
+
+    def __init__(self, url: str | None = None, *, codecs: CodecRegistry | None = None) -> None:
+        parsed = _normalize_url(url or default_state_url())
+        self._where = f"state store {parsed.render_as_string(hide_password=True)}"
+        self._codecs = codecs or default_codec_registry()
+        self._sqlite = parsed.get_backend_name() == "sqlite"
+        if self._sqlite and parsed.database not in (None, "", ":memory:"):
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        self._engine: Engine = sa.create_engine(parsed, pool_pre_ping=not self._sqlite)
+        if self._sqlite:
+            _configure_sqlite(self._engine)
+        with self._translate("create the tables"):
+            metadata.create_all(self._engine)
+
+    @property
+    def where(self) -> str:
+        """The store's URL without its password, for messages."""
+        return self._where
+
+    def close(self) -> None:
+        """Release the store's connections."""
+        self._engine.dispose()
+
+    def __enter__(self) -> "StateStore":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def acquire_lease(self, stream: str, owner: str, ttl: float) -> Lease:
+        """Take (or renew) ``stream``'s lease for ``ttl`` seconds.
+
+        A free or expired lease is taken over with the fencing token plus one; a lease ``owner``
+        already holds is renewed with its token. Raises :class:`OwnershipLost` while another owner's
+        lease is live, and :class:`UncertainOutcome` while the stream is marked uncertain.
+        """
+        with self._transaction("acquire a lease") as conn:
+            row, now = self._locked_stream(conn, stream)
+            if row.uncertain:
+                raise UncertainOutcome(
+                    f"stream {stream!r} is not taken over: its last close was uncertain "
+                    f"({row.uncertain_reason}); "
+                    f"check the destination, then run `faucet streams release {stream}`",
+                    where=stream,
+                )
+            live = row.lease_owner is not None and row.lease_expires is not None and row.lease_expires > now
+            if live and row.lease_owner != owner:
+                raise OwnershipLost(
+                    f"stream {stream!r} is leased to {row.lease_owner} for {row.lease_expires - now:.1f}s",
+                    where=stream,
+                )
+            token = row.fencing_token if row.lease_owner == owner else row.fencing_token + 1
+            expires = now + ttl
+            conn.execute(
+                streams_table.update()
+                .where(streams_table.c.stream == stream)
+                .values(lease_owner=owner, fencing_token=token, lease_expires=expires)
+            )
+            return Lease(stream, owner, token, expires)
+
+    def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        """Extend a live lease by ``ttl`` seconds from now; :class:`OwnershipLost` if it is not held."""
+        with self._transaction("renew a lease") as conn:
+            now = conn.execute(sa.select(db_now())).scalar_one()
+            updated = conn.execute(
+                streams_table.update()
+                .where(*self._holds(lease), streams_table.c.lease_expires > now)
+                .values(lease_expires=now + ttl)
+            )
+            if updated.rowcount != 1:
+                raise self._lost(conn, lease)
+            return replace(lease, expires_at=now + ttl)
+
+    def check_lease(self, lease: Lease) -> None:
+        """Raise :class:`OwnershipLost` unless ``lease`` is still held, live and with its token."""
+        with self._transaction("check a lease") as conn:
+            now = conn.execute(sa.select(db_now())).scalar_one()
+            held = conn.execute(
+                sa.select(streams_table.c.stream).where(
+                    *self._holds(lease), streams_table.c.lease_expires > now
+                )
+            ).first()
+            if held is None:
+                raise self._lost(conn, lease)
+
+    def release_lease(self, lease: Lease) -> bool:
+        """Give ``lease`` up (a clean shutdown); False when it was no longer held (nothing changed)."""
+        with self._transaction("release a lease") as conn:
+            updated = conn.execute(
+                streams_table.update().where(*self._holds(lease)).values(lease_owner=None, lease_expires=None)
+            )
+            return bool(updated.rowcount)
+
+    def mark_uncertain(self, stream: str, reason: str) -> None:
+        """Record that ``stream``'s last close was uncertain: no lease is granted until :meth:`release`."""
+        with self._transaction("mark a stream uncertain") as conn:
+            self._locked_stream(conn, stream)
+            conn.execute(
+                streams_table.update()
+                .where(streams_table.c.stream == stream)
+                .values(uncertain=True, uncertain_reason=reason[:2000])
+            )
+
+    def release(self, stream: str) -> StreamStatus:
+        """Operator action: clear the uncertain flag and the lease; returns the status before.
+
+        The fencing token is kept, so the next owner's token is still larger than every earlier one.
+        """
+        with self._transaction("release a stream") as conn:
+            before = self._status(conn, stream)
+            conn.execute(
+                streams_table.update()
+                .where(streams_table.c.stream == stream)
+                .values(lease_owner=None, lease_expires=None, uncertain=False, uncertain_reason=None)
+            )
+            return before
+
+    # -- certificates ---------------------------------------------------------------------------
+
+    def append_certificate(self, certificate: EpochCertificate, lease: Lease) -> bool:
+        """Persist ``certificate`` durably; True when stored now, False for an identical retry.
+
+        Refuses (:class:`IntegrityError`) a conflicting certificate at a stored sequence, a gap in the
+        sequence, coverage that does not start at a domain's certified position or goes back from it;
+        (:class:`IncarnationChanged`) coverage of another incarnation of a certified domain;
+        (:class:`OwnershipLost`) a certificate whose worker and token are not ``lease``'s live lease.
+        """
+        stream = certificate.stream
+        canonical = self._canonical(certificate)
+        fingerprint = _fingerprint(canonical)
+        with self._transaction("append a certificate") as conn:
+            _, now = self._locked_stream(conn, stream)
+            stored = conn.execute(
+                sa.select(certificates_table.c.fingerprint).where(
+                    certificates_table.c.stream == stream,
+                    certificates_table.c.sequence == certificate.sequence,
+                )
+            ).scalar_one_or_none()
+            if stored is not None:
+                if stored == fingerprint:
+                    return False
+                raise IntegrityError(
+                    f"certificate {certificate.certificate_id} conflicts with the one already stored",
+                    where=stream,
+                )
+            last = self._last_sequence(conn, stream)
+            if certificate.sequence != last + 1:
+                raise IntegrityError(
+                    f"certificate {certificate.sequence} does not follow the last certified epoch {last}",
+                    where=stream,
+                )
+            if certificate.worker != lease.owner or certificate.fencing_token != lease.fencing_token:
+                raise OwnershipLost(
+                    f"certificate of {certificate.worker}@{certificate.fencing_token} came with the lease "
+                    f"of {lease.owner}@{lease.fencing_token}",
+                    where=stream,
+                )
+            held = conn.execute(
+                sa.select(streams_table.c.stream).where(
+                    *self._holds(lease), streams_table.c.lease_expires > now
+                )
+            ).first()
+            if held is None:
+                raise self._lost(conn, lease)
+            for item in canonical.coverage:
+                self._advance(conn, stream, certificate.sequence, item)
+            conn.execute(
+                certificates_table.insert().values(
+                    stream=stream,
+                    sequence=certificate.sequence,
+                    fencing_token=certificate.fencing_token,
+                    worker=certificate.worker,
+                    fingerprint=fingerprint,
+                    body=canonical.to_json(),
+                    created_at=certificate.created_at or _utc_now(),
+                )
+            )
+            return True
+
+    def certificates(
+        self, stream: str, *, after: int = 0, limit: int | None = None
+    ) -> list[EpochCertificate]:
+        """``stream``'s certificates with a sequence above ``after``, in sequence order."""
+        query = (
+            sa.select(certificates_table.c.body)
+            .where(certificates_table.c.stream == stream, certificates_table.c.sequence > after)
+            .order_by(certificates_table.c.sequence)
+        )
+        if limit is not None:
+            query = query.limit(limit)
+        with self._transaction("read certificates") as conn:
+            return [EpochCertificate.from_json(body) for body in conn.execute(query).scalars()]
+
+    def last_certificate(self, stream: str) -> EpochCertificate | None:
+        with self._transaction("read the last certificate") as conn:
+            body = conn.execute(
+                sa.select(certificates_table.c.body)
+                .where(certificates_table.c.stream == stream)
+                .order_by(certificates_table.c.sequence.desc())
+                .limit(1)
+            ).scalar_one_or_none()
+        return None if body is None else EpochCertificate.from_json(body)
+
+    def certified_positions(self, stream: str) -> tuple[Position, ...]:
+        """The certified position of every domain ``stream`` has covered: where a session resumes."""
+        with self._transaction("read certified positions") as conn:
+            return self._positions(conn, stream)
+
+    # -- reports to Dagster -----------------------------------------------------------------------
+
+    def mark_reported(self, stream: str, through: int) -> None:
+        """Record that Dagster received the reports of certificates up to ``through`` (never goes back)."""
+        with self._transaction("mark certificates reported") as conn:
+            self._locked_stream(conn, stream)
+            column = streams_table.c.reported_through
+            conn.execute(
+                streams_table.update()
+                .where(streams_table.c.stream == stream)
+                .values(reported_through=sa.case((column < through, through), else_=column))
+            )
+
+    def reported_through(self, stream: str) -> int:
+        with self._transaction("read report marks") as conn:
+            value = conn.execute(
+                sa.select(streams_table.c.reported_through).where(streams_table.c.stream == stream)
+            ).scalar_one_or_none()
+            return int(value or 0)
+
+    # -- dead letters ---------------------------------------------------------------------------
+
+    def record_dead_letters(self, stream: str, sequence: int, letters: Sequence[RejectedRecord]) -> int:
+        """Store records routed to the dead-letter route; one already stored (same identity) is not
+        stored again.
+
+        Returns how many were new.
+        """
+        if not letters:
+            return 0
+        rows = [
+            {
+                "stream": stream,
+                "identity": letter.identity.digest(),
+                "event": str(letter.identity),
+                "resource": letter.resource or letter.identity.domain.resource,
+                "reason": letter.reason,
+                "origin": letter.where,
+                "payload": letter.payload,
+                "sequence": sequence,
+                "created_at": _utc_now(),
+            }
+            for letter in letters
+        ]
+        insert = sqlite_insert if self._sqlite else postgresql_insert
+        with self._transaction("record dead letters") as conn:
+            result = conn.execute(insert(dead_letters_table).on_conflict_do_nothing(), rows)
+            return int(result.rowcount)
+
+    def dead_letters(self, stream: str) -> list[dict[str, Any]]:
+        """``stream``'s dead letters, oldest first, as plain rows."""
+        with self._transaction("read dead letters") as conn:
+            result = conn.execute(
+                sa.select(dead_letters_table)
+                .where(dead_letters_table.c.stream == stream)
+                .order_by(dead_letters_table.c.sequence, dead_letters_table.c.event)
+            )
+            return [dict(row._mapping) for row in result]
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def status(self, stream: str | None = None) -> list[StreamStatus]:
+        """The status of ``stream`` (a ConfigError if unknown), or of every known stream."""
+        with self._transaction("read stream status") as conn:
+            if stream is not None:
+                return [self._status(conn, stream)]
+            names = conn.execute(sa.select(streams_table.c.stream).order_by(streams_table.c.stream)).scalars()
+            return [self._status(conn, name) for name in list(names)]
+
+    # -- internals ------------------------------------------------------------------------------
+
+    @contextmanager
+    def _translate(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except SQLAlchemyError as exc:
+            raise ConnectionFailed(f"could not {action}: {type(exc).__name__}", where=self._where) from exc
+
+    @contextmanager
+    def _transaction(self, action: str) -> Iterator[Connection]:
+        with self._translate(action), self._engine.begin() as conn:
+            yield conn
+
+    def _locked_stream(self, conn: Connection, stream: str) -> tuple[Any, float]:
+        """The stream's row (created if new), locked for this transaction, and the database time."""
+        insert = sqlite_insert if self._sqlite else postgresql_insert
+        conn.execute(
+            insert(streams_table)
+            .values(stream=stream, fencing_token=0, uncertain=False, reported_through=0)
+            .on_conflict_do_nothing()
+        )
+        row = conn.execute(
+            sa.select(streams_table, db_now().label("now"))
+            .where(streams_table.c.stream == stream)
+            .with_for_update()
+        ).one()
+        return row, float(row.now)
+
+    def _holds(self, lease: Lease) -> tuple[sa.ColumnElement[bool], ...]:
+        return (
+            streams_table.c.stream == lease.stream,
+            streams_table.c.lease_owner == lease.owner,
+            streams_table.c.fencing_token == lease.fencing_token,
+            streams_table.c.uncertain.is_(False),
+        )
+
+    def _lost(self, conn: Connection, lease: Lease) -> OwnershipLost:
+        row = conn.execute(
+            sa.select(streams_table, db_now().label("now")).where(streams_table.c.stream == lease.stream)
+        ).first()
+        if row is None or row.lease_owner is None:
+            state = "it is not leased"
+        elif row.lease_owner != lease.owner or row.fencing_token != lease.fencing_token:
+            state = f"it is leased to {row.lease_owner} with fencing token {row.fencing_token}"
+        elif row.uncertain:
+            state = "it is marked uncertain"
+        else:
+            state = f"the lease expired {row.now - row.lease_expires:.1f}s ago"
+        return OwnershipLost(
+            f"{lease.owner} no longer holds stream {lease.stream!r} (token {lease.fencing_token}): {state}",
+            where=lease.stream,
+        )
+
+    def _last_sequence(self, conn: Connection, stream: str) -> int:
+        value = conn.execute(
+            sa.select(sa.func.max(certificates_table.c.sequence)).where(certificates_table.c.stream == stream)
+        ).scalar_one_or_none()
+        return int(value or 0)
+
+    def _canonical(self, certificate: EpochCertificate) -> EpochCertificate:
+        """The certificate with every position in its codec's canonical form."""
+
+        def canonical(domain: OrderingDomain, raw: str | None) -> str | None:
+            if raw is None:
+                return None
+            codec = self._codecs.get(domain.codec)
+            try:
+                return codec.canonicalize(codec.validate(raw))
+            except FaucetError as exc:
+                raise IntegrityError(
+                    f"certificate {certificate.certificate_id} holds an invalid position: {exc.message}",
+                    where=str(domain),
+                ) from exc
+
+        coverage = []
+        for item in certificate.coverage:
+            end = canonical(item.domain, item.end)
+            assert end is not None
+            coverage.append(DomainCoverage(item.domain, canonical(item.domain, item.start), end))
+        return replace(certificate, coverage=tuple(coverage))
+
+    def _advance(self, conn: Connection, stream: str, sequence: int, item: DomainCoverage) -> None:
+        """Move one domain's certified position from ``item.start`` to ``item.end`` (checked)."""
+        domain = item.domain
+        where = str(domain)
+        codec = self._codecs.get(domain.codec)
+        key = (
+            positions_table.c.stream == stream,
+            positions_table.c.source == domain.source,
+            positions_table.c.resource == domain.resource,
+            positions_table.c.partition == domain.partition,
+        )
+        stored = conn.execute(sa.select(positions_table).where(*key)).first()
+        start = None if item.start is None else codec.validate(item.start)
+        end = codec.validate(item.end)
+        if start is not None and codec.compare(end, start) < 0:
+            raise IntegrityError(f"coverage goes back from {item.start} to {item.end}", where=where)
+        if stored is None:
+            conn.execute(
+                positions_table.insert().values(
+                    stream=stream,
+                    source=domain.source,
+                    resource=domain.resource,
+                    partition=domain.partition,
+                    incarnation=domain.incarnation,
+                    codec=domain.codec,
+                    position=item.end,
+                    sequence=sequence,
+                )
+            )
+            return
+        if stored.incarnation != domain.incarnation:
+            raise IncarnationChanged(
+                f"coverage of incarnation {domain.incarnation!r} follows certified positions of "
+                f"{stored.incarnation!r}",
+                where=where,
+            )
+        if stored.codec != domain.codec:
+            raise IntegrityError(
+                f"coverage uses codec {domain.codec!r}, the certified {stored.codec!r}", where=where
+            )
+        certified = codec.validate(stored.position)
+        if start is None or codec.compare(start, certified) != 0:
+            order = codec.compare(end, certified)
+            problem = "goes back before" if order < 0 else "does not start at"
+            raise IntegrityError(
+                f"coverage {item.start}..{item.end} {problem} the certified position {stored.position}",
+                where=where,
+            )
+        conn.execute(positions_table.update().where(*key).values(position=item.end, sequence=sequence))
+
+    def _positions(self, conn: Connection, stream: str) -> tuple[Position, ...]:
+        rows = conn.execute(
+            sa.select(positions_table)
+            .where(positions_table.c.stream == stream)
+            .order_by(positions_table.c.source, positions_table.c.resource, positions_table.c.partition)
+        )
+        return tuple(
+            Position(
+                OrderingDomain(row.source, row.resource, row.partition, row.incarnation, row.codec),
+                row.position,
+            )
+            for row in rows
+        )
+
+    def _status(self, conn: Connection, stream: str) -> StreamStatus:
+        row = conn.execute(
+            sa.select(streams_table, db_now().label("now")).where(streams_table.c.stream == stream)
+        ).first()
+        if row is None:
+            raise ConfigError(f"the state store knows no stream {stream!r}", where=self._where)
+        dead = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(dead_letters_table)
+            .where(dead_letters_table.c.stream == stream)
+        ).scalar_one()
+        return StreamStatus(
+            stream=stream,
+            owner=row.lease_owner,
+            fencing_token=row.fencing_token,
+            lease_expires=row.lease_expires,
+            lease_seconds_left=None if row.lease_expires is None else row.lease_expires - row.now,
+            uncertain=bool(row.uncertain),
+            uncertain_reason=row.uncertain_reason,
+            last_sequence=self._last_sequence(conn, stream),
+            reported_through=row.reported_through,
+            positions=self._positions(conn, stream),
+            dead_letters=int(dead),
+        )
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    """WAL for concurrent readers, a busy timeout for concurrent writers, fsync on commit, and
+    ``BEGIN IMMEDIATE`` so a transaction holds the write lock from its start (compare-and-set)."""
+
+    @sa.event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event below emits BEGIN itself
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _fingerprint(certificate: EpochCertificate) -> str:
+    """What makes two certificates the same epoch: everything but timings and the creation time."""
+    plain = asdict(replace(certificate, timings={}, created_at=""))
+    return hashlib.blake2b(
+        json.dumps(plain, sort_keys=True, default=str).encode(), digest_size=32
+    ).hexdigest()
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")

@@ -1,0 +1,520 @@
+"""Deliberately broken connectors: each wraps (or subclasses) a real connector and breaks one rule.
+
+They exist for the battery's self-tests: every check must catch its broken connector, with a failure
+that names the rule. Anything not named in a class's docstring behaves exactly as the real connector.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from faucet_files.config import FilesSourceConfig
+from faucet_files.source import FilesSource
+
+__all__ = ["FilesSource"]
+from faucet_sql.sink import SqlSink
+from pydantic import model_validator
+
+from faucet_dagster.protocol import (
+    AddColumn,
+    Authority,
+    CancelToken,
+    CommitToken,
+    ConfigError,
+    ConnectorRole,
+    ConnectorSpec,
+    Control,
+    Coverage,
+    DataError,
+    DiscoveredDataset,
+    DomainCoverage,
+    EpochId,
+    FaucetError,
+    FetchContext,
+    Identities,
+    JsonValue,
+    Membership,
+    OrderingDomain,
+    Page,
+    Position,
+    PositionCodec,
+    ReadLimits,
+    Receipt,
+    Records,
+    RejectedRecord,
+    Role,
+    SinkBatch,
+    SinkCapabilities,
+    SinkCommitState,
+    SourceCapabilities,
+    StreamingSink,
+    StreamingSinkSession,
+    StreamRecordSink,
+    StreamSession,
+    StreamSource,
+    TransactionBegin,
+    TransactionEnd,
+    WorkerIdentity,
+    WritePolicy,
+    get_connector,
+)
+
+
+def spec_with(
+    name: str, role: Role, build: Callable[[Any], object], config_model: Any = None
+) -> ConnectorSpec:
+    """Connector ``name`` with its ``role`` built by ``build(config)`` (the real config model)."""
+    real = get_connector(name).roles[role]
+    return ConnectorSpec(name, {role: ConnectorRole(config_model or real.config_model, build)})
+
+
+def wrapping(name: str, role: Role, wrap: Callable[[Any], object]) -> ConnectorSpec:
+    """Connector ``name`` whose ``role`` is the real connector wrapped by ``wrap``."""
+    real = get_connector(name).roles[role]
+    return spec_with(name, role, lambda config: wrap(real.factory(config)))
+
+
+# -- bounded sources (files) --------------------------------------------------------------------------
+
+
+class InvalidSchemaSource(FilesSource):
+    """Check 1: its config schema is not a JSON Schema (an unknown type name)."""
+
+    @classmethod
+    def config_schema(cls) -> dict[str, Any]:
+        return {"type": "objekt", "properties": {"paths": {"type": "array"}}}
+
+
+class OversizedPagesSource(FilesSource):
+    """Check 2: pages twice as large as ``batch_size``."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        async for page in super().stream_pages(ctx, batch_size * 2):
+            yield page
+
+
+class BufferingSource(FilesSource):
+    """Check 2: reads the whole dataset into memory, then hands it out in pages of ``batch_size``."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        whole = [page async for page in super().stream_pages(ctx, 0)]
+        for page in whole:
+            records = page.records
+            assert isinstance(records, pa.RecordBatch)
+            step = batch_size or records.num_rows
+            for start in range(0, records.num_rows, step):
+                yield Page(records.slice(start, step), page.bookmark)
+
+
+class ForgetfulSource(FilesSource):
+    """Check 3: ignores the bookmark it is handed (a resumed run starts from the beginning)."""
+
+    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
+        return None
+
+
+class EmptyDiscoverySource(FilesSource):
+    """Check 5: claims ``discover`` but finds nothing."""
+
+    async def discover(self) -> Sequence[DiscoveredDataset]:
+        return []
+
+
+class StrictConfig(FilesSourceConfig):
+    """Check 6: a config whose validator indexes the raw data, raising KeyError for a missing key."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paths_first(cls, data: Any) -> Any:
+        data["paths"] = list(data["paths"])
+        return data
+
+
+class HangingSource(FilesSource):
+    """Check 6: when its files cannot be reached it retries forever instead of failing."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        try:
+            async for page in super().stream_pages(ctx, batch_size):
+                yield page
+        except ConfigError:
+            await asyncio.Event().wait()
+
+
+class LeakySource(FilesSource):
+    """Check 6: a malformed record escapes as a ValueError instead of a DataError."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        try:
+            async for page in super().stream_pages(ctx, batch_size):
+                yield page
+        except DataError as exc:
+            raise ValueError(exc.message) from None
+
+
+class EmptyIsAnErrorSource(FilesSource):
+    """Check 6: an empty dataset raises instead of giving an empty result."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        rows = 0
+        async for page in super().stream_pages(ctx, batch_size):
+            rows += page.num_rows
+            yield page
+        if not rows:
+            raise DataError("no rows", where=self.dataset_uri())
+
+
+# -- bounded sinks (sql) ------------------------------------------------------------------------------
+
+
+class TokenBlindSink(SqlSink):
+    """Check 4: its idempotent write ignores the commit token (a replayed page is written again)."""
+
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        written = await self.write_batch(records)
+        await super().write_batch_idempotent(records.slice(0, 0), token)  # the token still moves
+        return written
+
+
+class AppendingUpsertSink(SqlSink):
+    """Check 4: configured to upsert by key, it appends (and still says it dedups by key)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.mode = WritePolicy.APPEND
+
+    def dedups_by_key(self) -> bool:
+        return bool(self.config.key)
+
+
+class NoEvolutionSink(SqlSink):
+    """Check 5: claims schema evolution but ``evolve_schema`` does nothing."""
+
+    async def evolve_schema(self, changes: Sequence[AddColumn]) -> None:
+        return None
+
+
+# -- stream sources -----------------------------------------------------------------------------------
+
+
+class WrappedSession(StreamSession):
+    """A session forwarding everything to the real one; subclasses break one method."""
+
+    def __init__(self, inner: StreamSession, opened: int) -> None:
+        self.inner = inner
+        self.opened = opened
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        return await self.inner.read(sink, limits, cancel)
+
+    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
+        await self.inner.acknowledge(coverage, authority)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    @property
+    def exhausted(self) -> bool:
+        return self.inner.exhausted
+
+
+class WrappedSource(StreamSource):
+    """A stream source whose sessions are wrapped in ``session_type`` (counting opens from 1)."""
+
+    def __init__(self, inner: StreamSource, session_type: type[WrappedSession]) -> None:
+        self.inner = inner
+        self.session_type = session_type
+        self.connector_name = inner.connector_name
+
+    def capabilities(self) -> SourceCapabilities:
+        return self.inner.capabilities()
+
+    def codecs(self) -> Sequence[PositionCodec[Any]]:
+        return self.inner.codecs()
+
+    async def open(
+        self,
+        resources: Sequence[str],
+        resume_positions: Sequence[Position],
+        membership: Membership,
+        worker: WorkerIdentity,
+    ) -> StreamSession:
+        inner = await self.inner.open(resources, resume_positions, membership, worker)
+        return self.session_type(inner, _next_open())
+
+
+_OPENED = [0]
+
+
+def _next_open() -> int:
+    """A number per session opened: what an attempt-based identity would be built from."""
+    _OPENED[0] += 1
+    return _OPENED[0]
+
+
+class ForwardingSink(StreamRecordSink):
+    """Forwards a read's writes and controls to the pipeline; subclasses change one thing."""
+
+    def __init__(self, inner: StreamRecordSink) -> None:
+        self.inner = inner
+
+    async def write(
+        self, domain: OrderingDomain, rows: Records, identities: Identities, *, resource: str | None = None
+    ) -> None:
+        await self.inner.write(domain, rows, identities, resource=resource)
+
+    async def control(self, control: Control) -> None:
+        await self.inner.control(control)
+
+    async def reject(self, record: RejectedRecord) -> None:
+        await self.inner.reject(record)
+
+
+class ImpatientSession(WrappedSession):
+    """Slow sink: gives up when the pipeline blocks it longer than 0.3 s."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        return await asyncio.wait_for(self.inner.read(sink, limits, cancel), 0.3)
+
+
+class DeafSession(WrappedSession):
+    """Cancellation: never hears the runner's cancel token."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        return await self.inner.read(sink, limits, CancelToken())
+
+
+class CutTransactionSession(WrappedSession):
+    """Partial transaction: stops inside a source transaction and covers its rows anyway."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        stop = CancelToken()
+        cut: list[DomainCoverage] = []
+
+        class Cutter(ForwardingSink):
+            inside = False
+
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                await self.inner.write(domain, rows, identities, resource=resource)
+                if self.inside and not cut:
+                    cut.append(DomainCoverage(domain, None, identities.positions[-1]))
+                    stop.cancel()
+
+            async def control(self, control: Control) -> None:
+                if not cut:
+                    await self.inner.control(control)
+                    self.inside = isinstance(control, TransactionBegin) or (
+                        self.inside and not isinstance(control, TransactionEnd)
+                    )
+
+        coverage = await self.inner.read(Cutter(sink), limits, stop)
+        return Coverage(tuple(cut)) if cut else coverage
+
+
+class UnaskingSession(WrappedSession):
+    """Ownership: acknowledges without asking the authority."""
+
+    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
+        async def always() -> None:
+            return None
+
+        await self.inner.acknowledge(coverage, always)
+
+
+class DroppingSession(WrappedSession):
+    """Unwritten position: drops the row with id 5 on its way to the pipeline, and covers it anyway."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        class Dropper(ForwardingSink):
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                assert isinstance(rows, pa.RecordBatch)
+                keep = pc.not_equal(rows.column("id"), 5)
+                kept = [p for p, k in zip(identities.positions, keep.to_pylist(), strict=True) if k]
+                await self.inner.write(domain, rows.filter(keep), Identities(kept), resource=resource)
+
+        return await self.inner.read(Dropper(sink), limits, cancel)
+
+
+class ReidentifyingSession(WrappedSession):
+    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        attempt = self.opened
+
+        class Renumber(ForwardingSink):
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                renumbered = Identities(identities.positions, [attempt] * len(identities))
+                await self.inner.write(domain, rows, renumbered, resource=resource)
+
+        return await self.inner.read(Renumber(sink), limits, cancel)
+
+
+def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpec:
+    return wrapping(name, Role.STREAM_SOURCE, lambda inner: WrappedSource(inner, session_type))
+
+
+# -- streaming sinks ----------------------------------------------------------------------------------
+
+
+class WrappedSinkSession(StreamingSinkSession):
+    """A sink session forwarding everything to the real one; subclasses break one method."""
+
+    def __init__(self, inner: StreamingSinkSession, opened: int) -> None:
+        self.inner = inner
+        self.opened = opened
+        self.active: EpochId | None = None
+        self.background: list[asyncio.Task[Any]] = []
+
+    async def last_committed(self) -> SinkCommitState | None:
+        return await self.inner.last_committed()
+
+    async def begin_epoch(self, epoch: EpochId) -> None:
+        await self.inner.begin_epoch(epoch)
+        self.active = epoch
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        await self.inner.apply(epoch, batch)
+
+    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
+        receipts = await self.inner.commit_epoch(epoch, coverage)
+        self.active = None
+        return receipts
+
+    async def abort_epoch(self, epoch: EpochId) -> None:
+        await self.inner.abort_epoch(epoch)
+        self.active = None
+
+    async def close_session(self) -> None:
+        await self.inner.close_session()
+
+
+class WrappedStreamingSink(StreamingSink):
+    """A streaming sink whose sessions are wrapped in ``session_type``; ``claims`` overrides
+    capability fields."""
+
+    def __init__(
+        self,
+        inner: StreamingSink,
+        session_type: type[WrappedSinkSession],
+        claims: dict[str, Any] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.session_type = session_type
+        self.claims = claims or {}
+        self.connector_name = inner.connector_name
+
+    def capabilities(self) -> SinkCapabilities:
+        from dataclasses import replace
+
+        return replace(self.inner.capabilities(), **self.claims)
+
+    async def open(
+        self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
+    ) -> StreamingSinkSession:
+        return self.session_type(await self.inner.open(stream, policy, key, worker), _next_open())
+
+
+class SwallowingSession(WrappedSinkSession):
+    """Failed writes: a commit whose writes were refused reports success with no receipts."""
+
+    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
+        try:
+            return await super().commit_epoch(epoch, coverage)
+        except FaucetError:
+            return ()
+
+
+class LateCommitSession(WrappedSinkSession):
+    """Uncertain commit: a commit the caller gives up on goes on in the background, and
+    ``close_session`` returns at once, leaving it (and the real close) to finish later."""
+
+    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
+        async def later() -> tuple[Receipt, ...]:
+            await asyncio.sleep(0.05)
+            return await self.inner.commit_epoch(epoch, coverage)
+
+        task = asyncio.ensure_future(later())
+        self.background.append(task)
+        return await asyncio.shield(task)
+
+    async def close_session(self) -> None:
+        pending = list(self.background)
+
+        async def close_later() -> None:
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self.inner.close_session()
+
+        self.background.append(asyncio.ensure_future(close_later()))
+        _KEEP.extend(self.background)
+
+
+class LenientSession(WrappedSinkSession):
+    """Lifecycle: an apply outside an epoch is accepted, in an epoch of its own that it commits."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        if self.active is None:
+            await self.inner.begin_epoch(epoch)
+            await self.inner.apply(epoch, batch)
+            await self.inner.commit_epoch(epoch, Coverage())
+            return
+        await self.inner.apply(epoch, batch)
+
+
+class EagerCloseSession(WrappedSinkSession):
+    """Shutdown: ``close_session`` returns at once and commits the outstanding epoch afterwards."""
+
+    async def close_session(self) -> None:
+        active = self.active
+
+        async def finish() -> None:
+            await asyncio.sleep(0.05)
+            if active is not None:
+                await self.inner.commit_epoch(active, Coverage())
+            await self.inner.close_session()
+
+        _KEEP.append(asyncio.ensure_future(finish()))
+
+
+class AttemptIdentitySession(WrappedSinkSession):
+    """Replay: gives each row an identity made from the session (the attempt), not the source."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        renumbered = Identities(batch.identities.positions, [self.opened] * len(batch.identities))
+        await self.inner.apply(
+            epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
+        )
+
+
+_KEEP: list[asyncio.Task[Any]] = []
+"""Background tasks of the broken sessions, kept referenced until their loop ends."""
+
+
+def streaming_sink(
+    name: str, session_type: type[WrappedSinkSession], claims: dict[str, Any] | None = None
+) -> ConnectorSpec:
+    return wrapping(
+        name, Role.STREAMING_SINK, lambda inner: WrappedStreamingSink(inner, session_type, claims)
+    )

@@ -1,0 +1,499 @@
+"""The PostgreSQL streaming sink against the real PostgreSQL of the test session.
+
+Faults are injected at exact points: a connection whose COMMIT reaches the server but whose answer is
+lost (a thin wrapper around the real connection), a server process terminated from another connection
+just before COMMIT, and a read-back connection that cannot be opened.
+"""
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pytest
+from faucet_postgres.common import connect
+from faucet_postgres.config import PostgresConnection, PostgresStreamingSinkConfig
+from faucet_postgres.stream_sink import PostgresStreamingSink, PostgresStreamingSinkSession
+
+from faucet_dagster.protocol import (
+    ConfigError,
+    ConnectionFailed,
+    Coverage,
+    DataError,
+    DomainCoverage,
+    EpochId,
+    EpochMismatch,
+    Identities,
+    LifecycleError,
+    OrderingDomain,
+    OwnershipLost,
+    Role,
+    SchemaError,
+    SinkBatch,
+    UncertainOutcome,
+    WorkerIdentity,
+    WritePolicy,
+    get_connector,
+)
+
+STREAM = "orders_stream"
+DOMAIN = OrderingDomain("nats", "orders", "", "2024-01-01T00:00:00Z#1", "nats.stream_sequence")
+WORKER = WorkerIdentity("worker-a", 1)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def epoch(sequence: int, token: int = 1) -> EpochId:
+    return EpochId(STREAM, sequence, token)
+
+
+def batch(
+    at: EpochId, rows: Sequence[dict[str, Any]], positions: Sequence[int], resource: str = "orders"
+) -> SinkBatch:
+    records = pa.RecordBatch.from_pylist(
+        list(rows), schema=pa.schema([("id", pa.int64()), ("name", pa.string()), ("version", pa.int64())])
+    )
+    return SinkBatch(at, resource, DOMAIN, records, Identities([str(p) for p in positions]))
+
+
+def covering(start: int | None, end: int) -> Coverage:
+    return Coverage((DomainCoverage(DOMAIN, None if start is None else str(start), str(end)),))
+
+
+def rows(ids: Sequence[int], version: int = 1) -> list[dict[str, Any]]:
+    return [{"id": i, "name": f"n{i}v{version}", "version": version} for i in ids]
+
+
+def sink_for(url: str, **settings: Any) -> PostgresStreamingSink:
+    return PostgresStreamingSink(PostgresStreamingSinkConfig(url=url, table="orders", **settings))
+
+
+def table(url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT id, name, version FROM orders ORDER BY id, name").fetchall()
+
+
+async def commit_one(
+    session: PostgresStreamingSinkSession, at: EpochId, ids: Sequence[int], start: int | None, end: int
+) -> None:
+    await session.begin_epoch(at)
+    await session.apply(at, batch(at, rows(ids), ids))
+    await session.commit_epoch(at, covering(start, end))
+
+
+def test_registered_as_the_streaming_sink_role_of_postgres(postgres_url: str) -> None:
+    spec = get_connector("postgres")
+    built = spec.streaming_sink({"url": postgres_url, "table": "orders"})
+    capabilities = built.capabilities()
+    assert Role.STREAMING_SINK in spec.roles
+    assert capabilities.continuous_policies == {
+        WritePolicy.APPEND,
+        WritePolicy.UPSERT,
+        WritePolicy.VERSIONED_UPSERT,
+    }
+    assert capabilities.atomic_watermark and capabilities.owner_fencing
+
+
+def test_append_epochs_commit_rows_watermark_and_receipts(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            assert await session.last_committed() is None
+            first = epoch(1)
+            await session.begin_epoch(first)
+            await session.apply(first, batch(first, rows([1, 2]), [1, 2]))
+            await session.apply(first, batch(first, rows([3]), [3]))
+            receipts = await session.commit_epoch(first, covering(None, 3))
+            assert [(r.resource, r.rows_written, r.rows_skipped) for r in receipts] == [("orders", 3, 0)]
+            assert receipts[0].details["first_position"] == "1"
+            assert receipts[0].details["last_position"] == "3"
+            assert receipts[0].details["table"] == "public.orders"
+            state = await session.last_committed()
+            assert state is not None
+            assert state.epoch == first
+            assert [(p.domain, p.value) for p in state.watermarks] == [(DOMAIN, "3")]
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2, 3]
+
+
+def test_replayed_rows_at_or_below_the_watermark_are_dropped(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            await commit_one(session, epoch(1), range(1, 11), None, 10)
+            # The epoch is replayed (its certificate was lost), and reads on further.
+            replay = epoch(2)
+            await session.begin_epoch(replay)
+            await session.apply(replay, batch(replay, rows(range(5, 16)), range(5, 16)))
+            receipts = await session.commit_epoch(replay, covering(None, 15))
+            assert (receipts[0].rows_written, receipts[0].rows_skipped) == (5, 6)
+            # A replay entirely at or below the watermark writes nothing and keeps the watermark.
+            again = epoch(3)
+            await session.begin_epoch(again)
+            await session.apply(again, batch(again, rows(range(1, 16)), range(1, 16)))
+            receipts = await session.commit_epoch(again, covering(None, 12))
+            assert (receipts[0].rows_written, receipts[0].rows_skipped) == (0, 15)
+            state = await session.last_committed()
+            assert state is not None and [p.value for p in state.watermarks] == ["15"]
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == list(range(1, 16))
+
+
+def test_upsert_converges_on_replay(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.UPSERT, ("id",), WORKER)
+        try:
+            first = epoch(1)
+            await session.begin_epoch(first)
+            # The same key twice in one batch: the later row wins.
+            await session.apply(first, batch(first, [*rows([1, 2]), *rows([1], version=2)], [1, 2, 3]))
+            await session.commit_epoch(first, covering(None, 3))
+            second = epoch(2)
+            await session.begin_epoch(second)
+            await session.apply(second, batch(second, rows([2, 3], version=3), [4, 5]))
+            await session.commit_epoch(second, covering(3, 5))
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    expected = [(1, "n1v2", 2), (2, "n2v3", 3), (3, "n3v3", 3)]
+    assert table(postgres_url) == expected
+
+    async def replay() -> None:
+        # A new worker replays everything from the start under a new epoch: nothing changes.
+        session = await sink_for(postgres_url).open(
+            STREAM, WritePolicy.UPSERT, ("id",), WorkerIdentity("worker-b", 2)
+        )
+        try:
+            at = epoch(3, token=2)
+            await session.begin_epoch(at)
+            await session.apply(at, batch(at, [*rows([1, 2]), *rows([1], version=2)], [1, 2, 3]))
+            await session.apply(at, batch(at, rows([2, 3], version=3), [4, 5]))
+            receipts = await session.commit_epoch(at, covering(None, 5))
+            assert (receipts[0].rows_written, receipts[0].rows_skipped) == (0, 5)
+        finally:
+            await session.close_session()
+
+    run(replay())
+    assert table(postgres_url) == expected
+
+
+def test_versioned_upsert_applies_only_newer_versions(postgres_url: str) -> None:
+    async def scenario() -> None:
+        sink = sink_for(postgres_url, version_column="version")
+        session = await sink.open(STREAM, WritePolicy.VERSIONED_UPSERT, ("id",), WORKER)
+        try:
+            at = epoch(1)
+            await session.begin_epoch(at)
+            # Out of order within a batch and across batches: the highest version wins.
+            await session.apply(at, batch(at, [*rows([1], version=5), *rows([1], version=3)], [1, 2]))
+            await session.apply(at, batch(at, [*rows([1], version=4), *rows([2], version=1)], [3, 4]))
+            await session.apply(at, batch(at, rows([2], version=2), [5]))
+            await session.commit_epoch(at, covering(None, 5))
+            with pytest.raises(DataError, match="null in key or version"):
+                bad = epoch(2)
+                await session.begin_epoch(bad)
+                await session.apply(bad, batch(bad, [{"id": 9, "name": "x", "version": None}], [6]))
+            await session.abort_epoch(epoch(2))
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert table(postgres_url) == [(1, "n1v5", 5), (2, "n2v2", 2)]
+
+
+def test_lifecycle_and_epoch_mismatches_are_refused(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            one, two = epoch(1), epoch(2)
+            with pytest.raises(LifecycleError):
+                await session.apply(one, batch(one, rows([1]), [1]))
+            with pytest.raises(LifecycleError):
+                await session.commit_epoch(one, covering(None, 1))
+            with pytest.raises(LifecycleError):
+                await session.abort_epoch(one)
+            with pytest.raises(EpochMismatch):
+                await session.begin_epoch(epoch(1, token=7))
+            await session.begin_epoch(one)
+            with pytest.raises(LifecycleError):
+                await session.begin_epoch(one)
+            with pytest.raises(EpochMismatch):
+                await session.apply(one, batch(two, rows([1]), [1]))
+            with pytest.raises(EpochMismatch):
+                await session.apply(two, batch(two, rows([1]), [1]))
+            with pytest.raises(EpochMismatch):
+                await session.commit_epoch(two, covering(None, 1))
+            await session.apply(one, batch(one, rows([1]), [1]))
+            await session.commit_epoch(one, covering(None, 1))
+            with pytest.raises(LifecycleError):
+                await session.apply(one, batch(one, rows([2]), [2]))
+            with pytest.raises(LifecycleError):
+                await session.commit_epoch(one, covering(None, 1))
+        finally:
+            await session.close_session()
+        with pytest.raises(LifecycleError):
+            await session.begin_epoch(two)
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1]
+
+
+def test_a_failed_apply_leaves_only_abort_and_writes_nothing(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url, create_tables=False).open(
+            STREAM, WritePolicy.APPEND, (), WORKER
+        )
+        try:
+            at = epoch(1)
+            await session.begin_epoch(at)
+            with pytest.raises(ConfigError, match="does not exist"):
+                await session.apply(at, batch(at, rows([1]), [1]))
+            await session.abort_epoch(at)
+        finally:
+            await session.close_session()
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE orders (id bigint, name text)")
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            at = epoch(1)
+            await session.begin_epoch(at)
+            with pytest.raises(SchemaError, match="version"):
+                await session.apply(at, batch(at, rows([2]), [2]))
+            with pytest.raises(LifecycleError, match="abort"):
+                await session.apply(at, batch(at, rows([3]), [3]))
+            with pytest.raises(LifecycleError, match="abort"):
+                await session.commit_epoch(at, covering(None, 2))
+            await session.abort_epoch(at)
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    with psycopg.connect(postgres_url) as conn:
+        assert conn.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+
+
+def test_a_stale_fencing_token_commits_nothing(postgres_url: str) -> None:
+    async def scenario() -> None:
+        old = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        new: PostgresStreamingSinkSession | None = None
+        try:
+            stale = epoch(1)
+            await old.begin_epoch(stale)
+            await old.apply(stale, batch(stale, rows([1, 2]), [1, 2]))
+            # A second worker takes the stream over: opening claims the fence with token 2.
+            new = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WorkerIdentity("b", 2))
+            with pytest.raises(OwnershipLost):
+                await old.commit_epoch(stale, covering(None, 2))
+            await old.abort_epoch(stale)
+            assert await new.last_committed() is None
+            current = epoch(1, token=2)
+            await new.begin_epoch(current)
+            await new.apply(current, batch(current, rows([1, 2]), [1, 2]))
+            await new.commit_epoch(current, covering(None, 2))
+            with pytest.raises(OwnershipLost):
+                await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        finally:
+            await old.close_session()
+            if new is not None:
+                await new.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2]
+
+
+class _LostAnswer:
+    """A real connection whose next COMMIT, once armed, reaches the server but its answer is lost
+    (``after``), finds its server process terminated just before (``before``), or stalls before or
+    after reaching the server (``stall_before``, ``stall_after``) until the caller gives up. Either way
+    the client cannot know the outcome from what it saw."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], config: PostgresConnection) -> None:
+        self._conn = conn
+        self._config = config
+        self.mode: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def commit(self) -> None:
+        mode, self.mode = self.mode, None
+        if mode == "stall_before":
+            await asyncio.sleep(30)
+        if mode == "before":
+            killer = await connect(self._config, autocommit=True)
+            try:
+                await killer.execute("SELECT pg_terminate_backend(%s)", (self._conn.info.backend_pid,))
+            finally:
+                await killer.close()
+            await asyncio.sleep(0.2)
+        await self._conn.commit()
+        if mode == "after":
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        if mode == "stall_after":
+            await asyncio.sleep(30)
+
+
+class _Faults:
+    """A ``connect`` for the sink: session connections are wrapped; read-back connections can fail."""
+
+    def __init__(self) -> None:
+        self.sessions: list[_LostAnswer] = []
+        self.refuse_probes = False
+
+    async def __call__(self, config: PostgresConnection, *, autocommit: bool = False) -> Any:
+        if autocommit and self.refuse_probes:
+            raise ConnectionFailed("the server cannot be reached (injected)", where="test")
+        conn = await connect(config, autocommit=autocommit)
+        if autocommit:
+            return conn
+        wrapped = _LostAnswer(conn, config)
+        self.sessions.append(wrapped)
+        return wrapped
+
+
+def faulty_sink(url: str, faults: _Faults) -> PostgresStreamingSink:
+    return PostgresStreamingSink(PostgresStreamingSinkConfig(url=url, table="orders"), connect=faults)
+
+
+async def second_epoch_armed(session: PostgresStreamingSinkSession, faults: _Faults, mode: str) -> EpochId:
+    """Commit epoch 1 (rows 1 and 2), begin epoch 2 with rows 3 and 4, and arm ``mode`` for its commit."""
+    await commit_one(session, epoch(1), [1, 2], None, 2)
+    at = epoch(2)
+    await session.begin_epoch(at)
+    await session.apply(at, batch(at, rows([3, 4]), [3, 4]))
+    faults.sessions[-1].mode = mode
+    return at
+
+
+def test_a_commit_whose_answer_was_lost_is_resolved_as_committed(postgres_url: str) -> None:
+    async def scenario() -> None:
+        faults = _Faults()
+        session = await faulty_sink(postgres_url, faults).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            at = await second_epoch_armed(session, faults, "after")
+            receipts = await session.commit_epoch(at, covering(2, 4))
+            assert receipts[0].rows_written == 2
+            state = await session.last_committed()
+            assert state is not None and state.epoch == at and state.watermarks[0].value == "4"
+            # The session goes on, on a new connection.
+            await commit_one(session, epoch(3), [5], 4, 5)
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2, 3, 4, 5]
+
+
+def test_a_commit_whose_connection_died_before_it_is_resolved_as_not_committed(postgres_url: str) -> None:
+    async def scenario() -> None:
+        faults = _Faults()
+        session = await faulty_sink(postgres_url, faults).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            at = await second_epoch_armed(session, faults, "before")
+            with pytest.raises(ConnectionFailed, match="did not take effect"):
+                await session.commit_epoch(at, covering(2, 4))
+            await session.abort_epoch(at)
+            state = await session.last_committed()
+            assert state is not None and state.epoch == epoch(1)
+            # The runner retries the epoch: it lands once.
+            await commit_one(session, at, [3, 4], 2, 4)
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2, 3, 4]
+
+
+def test_an_unresolvable_commit_is_uncertain_until_the_close(postgres_url: str) -> None:
+    async def scenario() -> None:
+        faults = _Faults()
+        session = await faulty_sink(postgres_url, faults).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        at = epoch(1)
+        await session.begin_epoch(at)
+        await session.apply(at, batch(at, rows([1]), [1]))
+        faults.sessions[-1].mode = "after"
+        faults.refuse_probes = True
+        with pytest.raises(UncertainOutcome):
+            await session.commit_epoch(at, covering(None, 1))
+        with pytest.raises(UncertainOutcome):
+            await session.begin_epoch(epoch(2))
+        with pytest.raises(UncertainOutcome):
+            await session.close_session()
+        # The outcome was in fact a commit: a later reader sees it, exactly once.
+        reader = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            state = await reader.last_committed()
+            assert state is not None and state.epoch == at
+        finally:
+            await reader.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1]
+
+
+def test_close_with_outstanding_work(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        at = epoch(1)
+        await session.begin_epoch(at)
+        await session.apply(at, batch(at, rows([1, 2]), [1, 2]))
+        # An active epoch with applied rows: nothing was committed, so nothing can land later.
+        await session.close_session()
+        await session.close_session()
+        with pytest.raises(LifecycleError):
+            await session.commit_epoch(at, covering(None, 2))
+
+        # A commit interrupted while waiting for its answer: the close resolves it first.
+        for mode in ("stall_before", "stall_after"):
+            faults = _Faults()
+            interrupted = await faulty_sink(postgres_url, faults).open(STREAM, WritePolicy.APPEND, (), WORKER)
+            await interrupted.begin_epoch(at)
+            await interrupted.apply(at, batch(at, rows([3]), [3]))
+            faults.sessions[-1].mode = mode
+            task = asyncio.ensure_future(interrupted.commit_epoch(at, covering(None, 3)))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            with pytest.raises(UncertainOutcome):
+                await interrupted.begin_epoch(epoch(2))
+            await interrupted.close_session()
+            state = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+            try:
+                committed = await state.last_committed()
+            finally:
+                await state.close_session()
+            assert (committed is not None) == (mode == "stall_after")
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [3]
+
+
+def test_abort_discards_the_epoch_with_the_table_it_created(postgres_url: str) -> None:
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            at = epoch(1)
+            await session.begin_epoch(at)
+            await session.apply(at, batch(at, rows([1, 2]), [1, 2]))
+            await session.abort_epoch(at)
+            with psycopg.connect(postgres_url) as conn:
+                assert conn.execute("SELECT to_regclass('public.orders')").fetchone() == (None,)
+            assert await session.last_committed() is None
+            # The same epoch again, after the abort: the table is created again and the rows land once.
+            await commit_one(session, at, [1, 2], None, 2)
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2]

@@ -1,0 +1,353 @@
+"""The SQL (SQLAlchemy) source and sink against SQLite files in tmp_path and the real PostgreSQL."""
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pyarrow as pa
+import pytest
+import sqlalchemy as sa
+
+from faucet_dagster.protocol import (
+    AddColumn,
+    CommitToken,
+    ConfigError,
+    ConnectionFailed,
+    JsonValue,
+    Ordering,
+    Role,
+    SchemaError,
+    Sink,
+    Source,
+    UnsupportedOperation,
+    WritePolicy,
+    get_connector,
+)
+
+INJECTION = 'x"; DROP TABLE victim; --'
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'warehouse.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    url = sa.engine.make_url(db_url)
+    if url.drivername == "postgresql":
+        url = url.set(drivername="postgresql+psycopg")
+    created = sa.create_engine(url)
+    yield created
+    created.dispose()
+
+
+def source(url: str, **config: Any) -> Source:
+    return get_connector("sql").source({"url": url, **config})
+
+
+def sink(url: str, **config: Any) -> Sink:
+    return get_connector("sql").sink({"url": url, **config})
+
+
+async def sync(src: Source, dst: Sink, batch_size: int, bookmark: JsonValue = None) -> tuple[int, JsonValue]:
+    """A minimal bounded sync: every page written, the last bookmark returned."""
+    if bookmark is not None:
+        src.apply_start_bookmark(bookmark)
+    moved = 0
+    async for page in src.stream_pages({}, batch_size):
+        assert isinstance(page.records, pa.RecordBatch)
+        moved += await dst.write_batch(page.records)
+        bookmark = page.bookmark
+    await dst.flush()
+    await dst.finish()
+    return moved, bookmark
+
+
+def create_orders(engine: sa.Engine, name: str = "orders") -> sa.Table:
+    table = sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("updated", sa.BigInteger, nullable=True),
+        sa.Column("name", sa.Text),
+        sa.Column("amount", sa.Numeric(10, 2)),
+    )
+    table.create(engine)
+    return table
+
+
+def insert_orders(engine: sa.Engine, table: sa.Table, ids: range, updated: int | None = None) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(table),
+            [
+                {"id": i, "updated": i if updated is None else updated, "name": f"n{i}", "amount": i / 4}
+                for i in ids
+            ],
+        )
+
+
+def rows_of(engine: sa.Engine, name: str, order_by: str = "id") -> list[tuple[Any, ...]]:
+    table = sa.Table(name, sa.MetaData(), autoload_with=engine)
+    with engine.connect() as conn:
+        return [tuple(row) for row in conn.execute(sa.select(table).order_by(table.c[order_by]))]
+
+
+def table_names(engine: sa.Engine) -> set[str]:
+    return set(sa.inspect(engine).get_table_names())
+
+
+def test_config_schemas_are_valid_and_configs_are_checked_offline() -> None:
+    spec = get_connector("sql")
+    for role in (Role.SOURCE, Role.SINK):
+        jsonschema.Draft202012Validator.check_schema(spec.roles[role].config_model.json_schema())
+    with pytest.raises(ConfigError) as info:
+        sink("postgresql://app:hunter2@db/x", table="t")
+    assert "hunter2" not in str(info.value) and "auth" in str(info.value)
+    with pytest.raises(ConfigError, match="key"):
+        sink("sqlite:///x.db", table="t", mode="upsert")
+    with pytest.raises(ConfigError, match="replace"):
+        sink("mssql+pyodbc://app@db/x", table="t", mode="replace")
+    built = sink(
+        "postgresql://app@db.invalid/x",
+        table="t",
+        auth={"type": "user_password", "config": {"username": "app", "password": "hunter2"}},
+    )
+    assert "hunter2" not in built.dataset_uri()
+    assert built.capabilities().bounded_policies == {WritePolicy.APPEND}
+    upsert = sink("sqlite:///x.db", table="t", mode="upsert", key=["id"])
+    caps = upsert.capabilities()
+    assert caps.bounded_policies == {WritePolicy.UPSERT} and caps.atomic_watermark and caps.partial_results
+    assert upsert.dedups_by_key()
+    replace = sink("sqlite:///x.db", table="t", mode="replace")
+    assert not replace.capabilities().atomic_watermark
+    with pytest.raises(UnsupportedOperation):
+        asyncio.run(replace.last_committed_token())
+    src = source("sqlite:///x.db", table="t", cursor="u", columns=["id", "u"])
+    assert src.capabilities().ordering is Ordering.STRICT_GLOBAL
+    assert src.capabilities().columns == ("id", "u") and src.capabilities().deterministic
+
+
+@pytest.mark.parametrize("row_values", ["auto", "expanded"])
+def test_ten_thousand_rows_sharing_one_cursor_value_arrive_exactly_once(
+    db_url: str, engine: sa.Engine, row_values: str
+) -> None:
+    orders = create_orders(engine)
+    insert_orders(engine, orders, range(10_000), updated=7)
+    insert_orders(engine, orders, range(10_000, 10_010), updated=3)
+    src = source(db_url, table="orders", cursor="updated", row_values=row_values)
+    seen: list[int] = []
+
+    async def read() -> None:
+        async for page in src.stream_pages({}, 999):
+            assert isinstance(page.records, pa.RecordBatch) and page.num_rows <= 999
+            seen.extend(page.records.column("id").to_pylist())
+
+    asyncio.run(read())
+    assert seen == list(range(10_000, 10_010)) + list(range(10_000))
+
+
+def test_append_then_resume_moves_only_new_rows(db_url: str, engine: sa.Engine) -> None:
+    orders = create_orders(engine)
+    insert_orders(engine, orders, range(1, 26))
+    moved, bookmark = asyncio.run(
+        sync(source(db_url, table="orders", cursor="updated"), sink(db_url, table="copy"), 10)
+    )
+    assert moved == 25 and bookmark is not None
+    insert_orders(engine, orders, range(26, 31))
+    moved, bookmark = asyncio.run(
+        sync(source(db_url, table="orders", cursor="updated"), sink(db_url, table="copy"), 10, bookmark)
+    )
+    assert moved == 5
+    assert [row[0] for row in rows_of(engine, "copy")] == list(range(1, 31))
+    moved, _ = asyncio.run(
+        sync(source(db_url, table="orders", cursor="updated"), sink(db_url, table="copy"), 10, bookmark)
+    )
+    assert moved == 0
+    copy_schema = asyncio.run(sink(db_url, table="copy").current_schema())
+    assert copy_schema is not None and copy_schema.field("amount").type == pa.decimal128(10, 2)
+
+
+def test_upsert_converges_when_pages_are_replayed(db_url: str, engine: sa.Engine) -> None:
+    dst = sink(db_url, table="people", mode="upsert", key=["id"])
+    first = pa.record_batch({"id": [1, 2, 3, 2], "name": ["a", "b", "c", "b2"]})
+    second = pa.record_batch({"id": [3, 4], "name": ["c2", "d"]})
+
+    async def run() -> None:
+        for batch in (first, second, first, second):
+            await dst.write_batch(batch)
+
+    asyncio.run(run())
+    assert rows_of(engine, "people") == [(1, "a"), (2, "b2"), (3, "c2"), (4, "d")]
+
+
+def test_watermark_skips_replayed_tokens_and_is_scoped_by_sync_id(db_url: str, engine: sa.Engine) -> None:
+    one = sink(db_url, table="events")
+    other = sink(db_url, table="events", sync_id="second-sync")
+    batch = pa.record_batch({"id": [1, 2, 3]})
+
+    async def run() -> list[Any]:
+        return [
+            await one.last_committed_token(),
+            await one.write_batch_idempotent(batch, CommitToken(3)),
+            await one.write_batch_idempotent(batch, CommitToken(3)),
+            await one.write_batch_idempotent(batch, CommitToken(2)),
+            await one.last_committed_token(),
+            await other.last_committed_token(),
+            await other.write_batch_idempotent(batch, CommitToken(1)),
+            await other.last_committed_token(),
+        ]
+
+    assert asyncio.run(run()) == [None, 3, 0, 0, CommitToken(3), None, 3, CommitToken(1)]
+    assert len(rows_of(engine, "events")) == 6
+
+
+def test_replace_swaps_atomically_while_a_reader_polls(db_url: str, engine: sa.Engine) -> None:
+    old = sink(db_url, table="snapshot", mode="replace")
+    asyncio.run(old.write_batch(pa.record_batch({"id": list(range(300))})))
+    asyncio.run(old.finish())
+    assert len(rows_of(engine, "snapshot")) == 300
+
+    counts: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with engine.connect() as conn:
+            while not stop.is_set():
+                counts.append(conn.execute(sa.text("SELECT count(*) FROM snapshot")).scalar_one())
+                conn.rollback()
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    new = sink(db_url, table="snapshot", mode="replace")
+
+    async def load() -> None:
+        for start in range(0, 500, 50):
+            await new.write_batch(pa.record_batch({"id": list(range(start, start + 50))}))
+            await asyncio.sleep(0.01)
+        await new.finish()
+        await asyncio.sleep(0.1)
+
+    try:
+        asyncio.run(load())
+    finally:
+        stop.set()
+        reader.join()
+    assert set(counts) <= {300, 500}, sorted(set(counts))
+    assert counts[0] == 300 and counts[-1] == 500
+    assert [row[0] for row in rows_of(engine, "snapshot")] == list(range(500))
+    assert table_names(engine) == {"snapshot"}
+
+
+def test_partial_results_name_bad_rows_and_good_rows_land(db_url: str, engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE checked (id BIGINT NOT NULL, qty BIGINT CHECK (qty >= 0))"))
+    dst = sink(db_url, table="checked")
+    ids = list(range(100))
+    qty = [(-1 if i in (7, 60) else i) for i in ids]
+    batch = pa.record_batch({"id": [None if i == 33 else i for i in ids], "qty": qty})
+    result = asyncio.run(dst.write_batch_partial(batch))
+    assert [row.index for row in result.rejected] == [7, 33, 60]
+    assert result.written == 97
+    reasons = {row.index: row.reason.lower() for row in result.rejected}
+    assert "check" in reasons[7] and "null" in reasons[33]
+    landed = [row[0] for row in rows_of(engine, "checked")]
+    assert landed == [i for i in ids if i not in (7, 33, 60)]
+
+
+def test_schema_evolution_adds_a_column_or_refuses_it(db_url: str, engine: sa.Engine) -> None:
+    asyncio.run(sink(db_url, table="evolving").write_batch(pa.record_batch({"id": [1]})))
+    wider = pa.record_batch({"id": [2], "note": ["new"]})
+    frozen = sink(db_url, table="evolving", schema_evolution=False)
+    assert not frozen.capabilities().schema_evolution
+    with pytest.raises(SchemaError, match="note"):
+        asyncio.run(frozen.write_batch(wider))
+    with pytest.raises(SchemaError):
+        asyncio.run(frozen.evolve_schema([AddColumn("note", pa.string())]))
+    assert rows_of(engine, "evolving") == [(1,)]
+
+    evolving = sink(db_url, table="evolving")
+    asyncio.run(evolving.evolve_schema([AddColumn("score", pa.float64())]))
+    asyncio.run(evolving.evolve_schema([AddColumn("score", pa.float64())]))  # idempotent
+    asyncio.run(evolving.write_batch(wider))
+    assert rows_of(engine, "evolving") == [(1, None, None), (2, None, "new")]
+
+
+def test_hostile_table_and_column_names_create_nothing_else(db_url: str, engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE victim (id INTEGER)"))
+    column = 'a "quoted"; col; DROP TABLE victim; --'
+    dst = sink(db_url, table=INJECTION, mode="upsert", key=["my key"])
+    batch = pa.record_batch({"my key": [1, 2], column: ["x", "y"]})
+    asyncio.run(dst.write_batch(batch))
+    asyncio.run(dst.write_batch_idempotent(pa.record_batch({"my key": [2], column: ["z"]}), CommitToken(1)))
+    assert table_names(engine) == {"victim", INJECTION, "_faucet_watermarks"}
+    assert rows_of(engine, INJECTION, order_by="my key") == [(1, "x"), (2, "z")]
+    src = source(db_url, table=INJECTION, cursor="my key", columns=[column])
+    pages = asyncio.run(_collect(src, 1))
+    assert [page.records.column(column).to_pylist() for page in pages] == [["x"], ["z"]]
+
+
+async def _collect(src: Source, batch_size: int) -> list[Any]:
+    return [page async for page in src.stream_pages({}, batch_size)]
+
+
+def test_discover_lists_tables_and_columns(db_url: str, engine: sa.Engine) -> None:
+    create_orders(engine)
+    found = {dataset.name: dataset for dataset in asyncio.run(source(db_url, table="orders").discover())}
+    assert "orders" in found
+    schema = found["orders"].schema
+    assert schema is not None and schema.names == ["id", "updated", "name", "amount"]
+    assert schema.field("id").type == pa.int64() and schema.field("amount").type == pa.decimal128(10, 2)
+    assert found["orders"].details["primary_key"] == "id"
+
+
+def test_a_bookmark_for_another_cursor_is_refused(db_url: str, engine: sa.Engine) -> None:
+    orders = create_orders(engine)
+    insert_orders(engine, orders, range(3))
+    _, bookmark = asyncio.run(
+        sync(source(db_url, table="orders", cursor="updated"), sink(db_url, table="c"), 2)
+    )
+    other = source(db_url, table="orders")
+    other.apply_start_bookmark(bookmark)
+    with pytest.raises(ConfigError, match="cursor or key changed"):
+        asyncio.run(_collect(other, 2))
+
+
+def test_missing_sqlite_file_table_and_dead_host_raise_faucet_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.db"
+    with pytest.raises(ConfigError) as info:
+        asyncio.run(source(f"sqlite:///{missing}", table="t").check())
+    assert str(missing) in str(info.value)
+    assert not missing.exists()
+
+    asyncio.run(sink(f"sqlite:///{tmp_path / 'made.db'}", table="t").write_batch(pa.record_batch({"a": [1]})))
+    with pytest.raises(ConfigError, match="nope"):
+        asyncio.run(source(f"sqlite:///{tmp_path / 'made.db'}", table="nope").check())
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dead = f"postgresql://postgres@127.0.0.1:{port}/db"
+    with pytest.raises(ConnectionFailed) as failed:
+        asyncio.run(source(dead, table="t").check())
+    assert f"127.0.0.1:{port}" in str(failed.value)
+    with pytest.raises(ConnectionFailed):
+        asyncio.run(sink(dead, table="t").write_batch(pa.record_batch({"a": [1]})))
+
+
+def test_a_sqlite_sink_under_an_unusable_folder_raises_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError) as info:
+        unusable = sink(f"sqlite:///{blocker / 'orders.db'}", table="t")
+        asyncio.run(unusable.write_batch(pa.record_batch({"a": [1]})))
+    assert str(blocker) in str(info.value)

@@ -1,0 +1,91 @@
+"""Helpers for end-to-end stream tests: sensor ticks on a persistent instance, and reading NATS back."""
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dagster as dg
+import nats
+
+from faucet_dagster.protocol import ConnectionFailed, EpochCertificate
+from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
+from faucet_dagster.state import StateStore
+
+
+def evaluate_ticks(
+    stream: FaucetStream, before_ticks: Sequence[Callable[[], None]], budget_seconds: float = 8
+) -> tuple[list[int], list[EpochCertificate]]:
+    """Run ``before()`` then one sensor tick, for each of ``before_ticks``, on one instance.
+
+    Returns the certificate sequences the ticks reported (in order, each materialization checked to
+    carry the plan's delivery) and the certificates in the state store. The sensor caches its runner
+    (open sessions) per process: :func:`close_cached_streams` closes it here, while the servers still
+    run.
+    """
+    sensor = faucet_stream_sensor(stream, budget_seconds=budget_seconds)
+    reported: list[int] = []
+    cursor: str | None = None
+    try:
+        with dg.instance_for_test() as instance:
+            for before in before_ticks:
+                before()
+                result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+                cursor = result.cursor
+                for event in result.asset_events:
+                    if isinstance(event, dg.AssetMaterialization):
+                        reported.append(int(str(event.metadata["faucet/sequence"].value)))
+    finally:
+        close_cached_streams()
+    store = StateStore(stream.state_url)
+    try:
+        return reported, store.certificates(stream.name)
+    finally:
+        store.close()
+
+
+def lose_certificate(store: StateStore, monkeypatch: Any, nth: int) -> None:
+    """Make the ``nth`` certificate the store is asked to persist fail, as if the store went away:
+    the crash after the destination commit and before the certificate, injected at that exact point."""
+    persist = store.append_certificate
+    calls = {"n": 0}
+
+    def append_certificate(certificate: EpochCertificate, lease: Any) -> bool:
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise ConnectionFailed("the state store went away", where="test")
+        return persist(certificate, lease)
+
+    monkeypatch.setattr(store, "append_certificate", append_certificate)
+
+
+def chained_ends(certificates: Sequence[EpochCertificate]) -> dict[str, str]:
+    """Check each domain's coverage starts where its previous one ended; return the last end per
+    partition."""
+    ends: dict[str, str] = {}
+    for certificate in certificates:
+        for item in certificate.coverage:
+            partition = item.domain.partition
+            assert item.start == ends.get(partition), f"partition {partition} does not chain"
+            ends[partition] = item.end
+    return ends
+
+
+async def stored_messages(url: str, stream: str) -> list[tuple[int, dict[str, Any], str]]:
+    """Every message of JetStream ``stream``: (sequence, JSON payload, its Nats-Msg-Id header)."""
+    client = await nats.connect(url)
+    try:
+        jsm = client.jetstream()
+        info = await jsm.stream_info(stream)
+        found = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
+            message = await jsm.get_msg(stream, seq)
+            payload = json.loads(message.data or b"")
+            found.append((seq, payload, (message.headers or {}).get("Nats-Msg-Id", "")))
+        return found
+    finally:
+        await client.close()
+
+
+async def stored_ids(url: str, stream: str) -> list[int]:
+    """The ``id`` field of every message of JetStream ``stream``, in stream order."""
+    return [int(payload["id"]) for _, payload, _ in await stored_messages(url, stream)]

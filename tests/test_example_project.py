@@ -1,0 +1,100 @@
+"""README command one on a fresh copy of the example project: no servers, twice, then `dg list defs`."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "example_project"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of the example as a fresh clone has it: no generated data, no Dagster home."""
+    copy = tmp_path / "example_project"
+    shutil.copytree(
+        EXAMPLE, copy, ignore=shutil.ignore_patterns(".faucet_data", ".dagster_home", "__pycache__")
+    )
+    return copy
+
+
+def run(project: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != "DAGSTER_HOME"}
+    return subprocess.run(
+        command, cwd=project, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def moved(output: str) -> int:
+    found = re.search(r"^moved (\d+) rows in total", output, re.MULTILINE)
+    assert found, output
+    return int(found.group(1))
+
+
+def test_command_one_moves_the_samples_once_then_nothing(project: Path) -> None:
+    first = run(project, sys.executable, "-m", "example_project")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert moved(first.stdout) == 290_000
+    assert re.search(r"^customers\s+-\s+50000\s+50000\s+0\s+effectively_once$", first.stdout, re.MULTILINE)
+    assert len(re.findall(r"^orders\s+2024-\d\d\.csv\s+20000\s+20000\s", first.stdout, re.MULTILINE)) == 12
+    assert (project / ".faucet_data" / "warehouse.db").is_file()
+    assert (project / ".dagster_home" / "dagster.yaml").is_file()
+
+    second = run(project, sys.executable, "-m", "example_project")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert moved(second.stdout) == 0
+
+
+def test_the_component_loads_from_defs_yaml_through_dg(project: Path) -> None:
+    dg = Path(sys.executable).with_name("dg")
+    listed = run(project, str(dg), "list", "defs", "--json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    defs = json.loads(listed.stdout)
+    assets = {asset["asset_key"]: asset for asset in defs["assets"]}
+    for name in ("customers", "orders"):
+        assert set(assets[name]["kinds"]) == {"faucet", "files", "sql"}
+        assert assets[name]["group_name"] == "shop"
+        assert assets[name]["source"].endswith("defs/shop/defs.yaml:3")
+    assert [schedule["name"] for schedule in defs["schedules"]] == ["faucet_orders_schedule"]
+
+
+def test_the_scaffolder_writes_a_component_that_loads(project: Path) -> None:
+    shutil.rmtree(project / "example_project" / "defs" / "shop")
+    dg = str(Path(sys.executable).with_name("dg"))
+    scaffolded = run(project, dg, "scaffold", "defs", "faucet_dagster.components.FaucetComponent", "ingest")
+    assert scaffolded.returncode == 0, scaffolded.stdout + scaffolded.stderr
+    written = (project / "example_project" / "defs" / "ingest" / "defs.yaml").read_text()
+    assert written.startswith("type: faucet_dagster.components.FaucetComponent")
+    listed = run(project, dg, "list", "defs", "--json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    [orders] = [asset for asset in json.loads(listed.stdout)["assets"] if asset["asset_key"] == "orders"]
+    assert set(orders["kinds"]) == {"faucet", "files", "sql"}
+
+
+def test_the_same_assets_pointed_at_postgresql(project: Path, postgres_url: str) -> None:
+    # What the README says: replace the warehouse connection in defs.yaml.
+    defs_yaml = project / "example_project" / "defs" / "shop" / "defs.yaml"
+    sqlite = (
+        "connector: sql\n      config:\n"
+        '        url: "sqlite:///{{ context.project_root }}/.faucet_data/warehouse.db"'
+    )
+    text = defs_yaml.read_text()
+    assert sqlite in text
+    defs_yaml.write_text(
+        text.replace(sqlite, f"connector: postgres\n      config:\n        url: {postgres_url}")
+    )
+    first = run(project, sys.executable, "-m", "example_project")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert moved(first.stdout) == 290_000
+    with psycopg.connect(postgres_url) as connection:
+        counts = [
+            connection.execute(f"SELECT count(*), count(DISTINCT {key}) FROM {table}").fetchone()
+            for table, key in (("customers", "customer_id"), ("orders", "order_id"))
+        ]
+    assert counts == [(50_000, 50_000), (240_000, 240_000)]

@@ -1,0 +1,227 @@
+"""The planner truth table: every rule with a pair it accepts and a pair it refuses."""
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+
+from faucet_dagster.planner import Code, Mechanism, plan
+from faucet_dagster.protocol import (
+    Delivery,
+    Durability,
+    Emits,
+    Mode,
+    Operation,
+    Ordering,
+    PlanError,
+    Replay,
+    SinkCapabilities,
+    SourceCapabilities,
+    WritePolicy,
+)
+
+LOG_SOURCE = SourceCapabilities(
+    emits=Emits.MESSAGES,
+    operations=frozenset({Operation.INSERT}),
+    ordering=Ordering.PARTITION,
+    replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
+    bounded=True,
+    continuous=True,
+    deterministic=True,
+    event_identity=True,
+    columns=("id", "payload"),
+)
+TABLE_SOURCE = replace(LOG_SOURCE, emits=Emits.ROWS, ordering=Ordering.STRICT_GLOBAL, continuous=False)
+CDC_SOURCE = replace(
+    LOG_SOURCE,
+    emits=Emits.CHANGES,
+    operations=frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+    ordering=Ordering.STRICT_GLOBAL,
+    transaction_boundaries=True,
+)
+TABLE_SINK = SinkCapabilities(
+    bounded_policies=frozenset(WritePolicy),
+    continuous_policies=frozenset(
+        {WritePolicy.APPEND, WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.APPLY_CHANGES}
+    ),
+    durability=Durability.TRANSACTIONAL,
+    atomic_watermark=True,
+    owner_fencing=True,
+)
+PLAIN_SINK = SinkCapabilities(
+    bounded_policies=frozenset({WritePolicy.APPEND}), continuous_policies=frozenset({WritePolicy.APPEND})
+)
+
+
+def refused(*args: object, **kwargs: object) -> tuple[str, ...]:
+    with pytest.raises(PlanError) as caught:
+        plan(*args, **kwargs)  # type: ignore[arg-type]
+    assert all(isinstance(violation.rule, int) for violation in caught.value.violations)
+    return caught.value.codes
+
+
+# Rule 1: continuous needs a continuous, replayable source.
+def test_rule1_accepts_replayable_continuous_source() -> None:
+    assert plan(LOG_SOURCE, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPEND).mode is Mode.CONTINUOUS
+
+
+def test_rule1_refuses_best_effort_and_non_continuous_sources() -> None:
+    best_effort = replace(LOG_SOURCE, replay=Replay.BEST_EFFORT)
+    assert refused(best_effort, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPEND) == (
+        Code.SOURCE_NOT_REPLAYABLE,
+    )
+    batch_only = replace(LOG_SOURCE, continuous=False)
+    assert refused(batch_only, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPEND) == (
+        Code.SOURCE_NOT_CONTINUOUS,
+    )
+    stream_only = replace(LOG_SOURCE, bounded=False)
+    assert refused(stream_only, TABLE_SINK, Mode.BOUNDED, WritePolicy.APPEND) == (Code.SOURCE_NOT_BOUNDED,)
+
+
+# Rule 2: the policy must be supported in the mode asked for; bounded never implies continuous.
+def test_rule2_accepts_supported_policy() -> None:
+    assert plan(LOG_SOURCE, PLAIN_SINK, Mode.BOUNDED, WritePolicy.APPEND).policy is WritePolicy.APPEND
+
+
+def test_rule2_bounded_support_does_not_imply_streaming() -> None:
+    sink = replace(TABLE_SINK, continuous_policies=frozenset({WritePolicy.APPEND}))
+    with pytest.raises(PlanError) as caught:
+        plan(LOG_SOURCE, sink, Mode.CONTINUOUS, WritePolicy.VERSIONED_UPSERT, ("id",))
+    assert caught.value.codes == (Code.POLICY_NOT_SUPPORTED,)
+    assert "bounded support never implies streaming support" in caught.value.violations[0].message
+    assert plan(LOG_SOURCE, sink, Mode.BOUNDED, WritePolicy.VERSIONED_UPSERT, ("id",)).mode is Mode.BOUNDED
+
+
+# Rule 3: REPLACE is never continuous.
+def test_rule3_replace_is_bounded_only() -> None:
+    assert plan(LOG_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.REPLACE).policy is WritePolicy.REPLACE
+    sink = replace(TABLE_SINK, continuous_policies=frozenset(WritePolicy))
+    assert refused(LOG_SOURCE, sink, Mode.CONTINUOUS, WritePolicy.REPLACE) == (Code.REPLACE_NOT_CONTINUOUS,)
+
+
+# Rule 4: an order-dependent policy needs strict global order.
+def test_rule4_order_dependent_policy_needs_strict_global_order() -> None:
+    accepted = plan(CDC_SOURCE, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, ("id",))
+    assert accepted.policy is WritePolicy.APPLY_CHANGES
+    for ordering in (Ordering.PARTITION, Ordering.TRANSACTION, Ordering.NONE):
+        source = replace(CDC_SOURCE, ordering=ordering)
+        assert refused(source, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, ("id",)) == (
+            Code.ORDER_DEPENDENT_POLICY,
+        )
+
+
+def test_rule4_versioned_upsert_is_order_independent() -> None:
+    assert refused(LOG_SOURCE, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.UPSERT, ("id",)) == (
+        Code.ORDER_DEPENDENT_POLICY,
+    )
+    accepted = plan(LOG_SOURCE, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.VERSIONED_UPSERT, ("id",))
+    assert Mechanism.KEYED_UPSERT in accepted.mechanisms
+
+
+# Rule 5: every emitted operation must be accepted by the policy.
+def test_rule5_operations_must_be_accepted() -> None:
+    plan(CDC_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.APPLY_CHANGES, ("id",))
+    codes = refused(CDC_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.APPEND)
+    assert codes == (Code.OPERATION_NOT_ACCEPTED, Code.OPERATION_NOT_ACCEPTED)
+
+
+def test_rule5_uses_the_sinks_declared_operations() -> None:
+    sink = replace(TABLE_SINK, accepted_operations={WritePolicy.APPEND: frozenset()})
+    assert refused(LOG_SOURCE, sink, Mode.BOUNDED, WritePolicy.APPEND) == (Code.OPERATION_NOT_ACCEPTED,)
+
+
+# Rule 6: a keyed policy needs a non-empty key that exists in the source schema.
+def test_rule6_key_required_and_known() -> None:
+    assert plan(TABLE_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT, ("id",)).key == ("id",)
+    assert refused(TABLE_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT) == (Code.KEY_REQUIRED,)
+    assert refused(TABLE_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT, ("",)) == (Code.KEY_REQUIRED,)
+    assert refused(TABLE_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT, ("nope",)) == (
+        Code.KEY_NOT_IN_SCHEMA,
+    )
+    unknown_schema = replace(TABLE_SOURCE, columns=None)
+    assert plan(unknown_schema, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT, ("anything",)).key == (
+        "anything",
+    )
+
+
+# Rule 7: effectively-once only where a mechanism proves it.
+def test_rule7_atomic_watermark() -> None:
+    accepted = plan(
+        LOG_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.APPEND, delivery=Delivery.EFFECTIVELY_ONCE
+    )
+    assert accepted.delivery is Delivery.EFFECTIVELY_ONCE
+    assert accepted.mechanisms == (Mechanism.ATOMIC_WATERMARK,)
+    for kwargs in ({"dead_letter": True}, {"durable_state": False}):
+        assert refused(
+            LOG_SOURCE,
+            TABLE_SINK,
+            Mode.BOUNDED,
+            WritePolicy.APPEND,
+            delivery=Delivery.EFFECTIVELY_ONCE,
+            **kwargs,
+        ) == (Code.EFFECTIVELY_ONCE_UNREACHABLE,)
+    nondeterministic = replace(LOG_SOURCE, deterministic=False)
+    with pytest.raises(PlanError) as caught:
+        plan(
+            nondeterministic, TABLE_SINK, Mode.BOUNDED, WritePolicy.APPEND, delivery=Delivery.EFFECTIVELY_ONCE
+        )
+    assert "the source is not deterministic" in caught.value.violations[0].message
+
+
+def test_rule7_keyed_upsert_holds_with_a_dead_letter_route() -> None:
+    accepted = plan(
+        TABLE_SOURCE,
+        TABLE_SINK,
+        Mode.BOUNDED,
+        WritePolicy.UPSERT,
+        ("id",),
+        delivery=Delivery.EFFECTIVELY_ONCE,
+        dead_letter=True,
+    )
+    assert accepted.mechanisms == (Mechanism.KEYED_UPSERT,)
+
+
+def test_rule7_event_identity_dedup_states_its_window() -> None:
+    sink = replace(PLAIN_SINK, dedup_by_event_identity=True, dedup_window=timedelta(minutes=2))
+    accepted = plan(LOG_SOURCE, sink, Mode.CONTINUOUS, WritePolicy.APPEND, delivery=Delivery.EFFECTIVELY_ONCE)
+    assert accepted.mechanisms == (Mechanism.EVENT_IDENTITY_DEDUP,)
+    assert accepted.dedup_window == timedelta(minutes=2)
+    assert "120s" in accepted.summary()
+    no_identity = replace(LOG_SOURCE, event_identity=False)
+    assert refused(
+        no_identity, sink, Mode.CONTINUOUS, WritePolicy.APPEND, delivery=Delivery.EFFECTIVELY_ONCE
+    ) == (Code.EFFECTIVELY_ONCE_UNREACHABLE,)
+
+
+def test_rule7_at_least_once_is_promised_honestly() -> None:
+    accepted = plan(LOG_SOURCE, PLAIN_SINK, Mode.CONTINUOUS, WritePolicy.APPEND)
+    assert accepted.delivery is Delivery.AT_LEAST_ONCE
+    assert accepted.mechanisms == ()
+    assert any("duplicate" in reason for reason in accepted.reasons)
+
+
+def test_every_violation_is_reported_not_only_the_first() -> None:
+    source = SourceCapabilities(
+        emits=Emits.CHANGES,
+        operations=frozenset({Operation.INSERT, Operation.DELETE}),
+        ordering=Ordering.PARTITION,
+        replay=Replay.BEST_EFFORT,
+        bounded=False,
+        continuous=False,
+    )
+    sink = replace(PLAIN_SINK, accepted_operations={WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT})})
+    with pytest.raises(PlanError) as caught:
+        plan(source, sink, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, delivery=Delivery.EFFECTIVELY_ONCE)
+    assert set(caught.value.codes) == {
+        Code.SOURCE_NOT_CONTINUOUS,
+        Code.SOURCE_NOT_REPLAYABLE,
+        Code.POLICY_NOT_SUPPORTED,
+        Code.ORDER_DEPENDENT_POLICY,
+        Code.OPERATION_NOT_ACCEPTED,
+        Code.KEY_REQUIRED,
+        Code.EFFECTIVELY_ONCE_UNREACHABLE,
+    }
+    assert {violation.rule for violation in caught.value.violations} == {1, 2, 4, 5, 6, 7}
+    message = str(caught.value)
+    for code in caught.value.codes:
+        assert f"[{code}]" in message
