@@ -26,7 +26,16 @@ installed ``connector`` directly; its ``config`` is merged over the connection's
 ``{{ env.NAME }}`` template would instead be rendered into the definitions when they load.
 
 The attributes are grouped by kind (``connections``, ``syncs``) so that other kinds of declarations,
-continuous ``streams``, sit beside ``syncs`` and share the same ``connections``.
+continuous ``streams``, sit beside ``syncs`` and share the same ``connections``:
+
+.. code-block:: yaml
+
+      streams:                          # continuous streams: a sink asset, its check and a sensor each
+        - name: events
+          enabled: "{{ env.EVENTS_NATS_URL is not none }}"   # optional: declared only where configured
+          source: {connector: nats, config: {servers: [{env: EVENTS_NATS_URL}], stream: EVENTS}}
+          sink: {connection: warehouse, config: {table: events}}
+          resources: [EVENTS]
 """
 
 from collections.abc import Mapping
@@ -125,10 +134,13 @@ class StreamModel(dg.Model, dg.Resolvable):
     """A continuous stream: a sensor runs its epochs, their certificates materialize the sink asset.
 
     ``resources`` are what the source reads (a NATS stream, Kafka topics); ``policy`` and ``key`` how
-    the sink applies them; ``running`` starts the sensor without a click in the UI.
+    the sink applies them; ``running`` starts the sensor without a click in the UI. ``enabled: false``
+    leaves the stream out of the definitions (no asset, check or sensor): a template such as
+    ``"{{ env.EVENTS_URL is not none }}"`` declares a stream only where its servers are configured.
     """
 
     name: str
+    enabled: bool = True
     source: EndpointModel
     sink: EndpointModel
     resources: list[str]
@@ -177,7 +189,8 @@ class FaucetComponentScaffolder(dg.Scaffolder[Any]):
 
 @dg.scaffold_with(FaucetComponentScaffolder)
 class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
-    """Faucet syncs declared in YAML: each sync becomes a partition-aware asset (see the module doc)."""
+    """Faucet syncs and streams declared in YAML: each sync becomes a partition-aware asset, each stream
+    a sink asset with its certificate check and sensor (see the module doc)."""
 
     connections: dict[str, ConnectionModel] = {}
     syncs: list[SyncModel] = []
@@ -186,22 +199,25 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
     @classmethod
     def get_spec(cls) -> dg.ComponentTypeSpec:
         return dg.ComponentTypeSpec(
-            description="Bounded faucet syncs as Dagster assets, bookmarks in run storage.",
+            description=(
+                "Bounded faucet syncs as Dagster assets, bookmarks in run storage; continuous streams "
+                "as sensors that certify epochs."
+            ),
             tags=["faucet", "ingestion"],
-            produces=["asset", "schedule"],
+            produces=["asset", "schedule", "sensor", "asset_check"],
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return dg.Definitions.merge(self.build_sync_defs(), self.build_stream_defs())
 
     def build_stream_defs(self) -> dg.Definitions:
-        """The sink asset, certificate check and sensor of each of ``streams``."""
+        """The sink asset, certificate check and sensor of each enabled one of ``streams``."""
         connections = {
             name: FaucetConnection(connector=model.connector, config=dict(model.config))
             for name, model in self.connections.items()
         }
         defs = []
-        for model in self.streams:
+        for model in (model for model in self.streams if model.enabled):
             stream = _stream(model, connections)
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
             defs.append(

@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from faucet_dagster.protocol import (
     Delivery,
+    Emits,
     Mode,
     Ordering,
     PlanError,
@@ -34,6 +35,7 @@ class Code(StrEnum):
     REPLACE_NOT_CONTINUOUS = "replace-not-continuous"
     ORDER_DEPENDENT_POLICY = "order-dependent-policy"
     OPERATION_NOT_ACCEPTED = "operation-not-accepted"
+    CHANGES_REQUIRED = "changes-required"
     KEY_REQUIRED = "key-required"
     KEY_NOT_IN_SCHEMA = "key-not-in-schema"
     EFFECTIVELY_ONCE_UNREACHABLE = "effectively-once-unreachable"
@@ -197,7 +199,7 @@ def _check_operations(
     source: SourceCapabilities, sink: SinkCapabilities, policy: WritePolicy
 ) -> list[Violation]:
     accepted = sink.operations_for(policy)
-    return [
+    found = [
         Violation(
             Code.OPERATION_NOT_ACCEPTED,
             5,
@@ -206,6 +208,18 @@ def _check_operations(
         )
         for operation in sorted(source.operations - accepted)
     ]
+    if policy is WritePolicy.APPLY_CHANGES and source.emits is not Emits.CHANGES:
+        # Applying changes needs change events (each row with its operation, in commit order); a
+        # message or row source has none to apply, whatever its order.
+        found.append(
+            Violation(
+                Code.CHANGES_REQUIRED,
+                5,
+                f"apply_changes applies change events (insert, update, delete per row); the source emits "
+                f"{source.emits.value}, not changes (use append, upsert or versioned_upsert)",
+            )
+        )
+    return found
 
 
 def _check_key(

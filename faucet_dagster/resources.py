@@ -13,12 +13,13 @@ keeps it as a ``SecretStr`` from there on. What Dagster shows of the resource is
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
 
+from faucet_dagster.cdc_cli import setup_change_source
 from faucet_dagster.protocol import ConfigError, ConnectorSpec, Sink, Source, get_connector
 
 
@@ -55,6 +56,16 @@ class FaucetConnection(dg.ConfigurableResource["FaucetConnection"]):
     def build_sink(self, overrides: Mapping[str, Any] | None = None) -> Sink:
         """Build the connector's sink from the merged config (no I/O: factories do not connect)."""
         return self.spec().sink(self.resolved_config(overrides))
+
+    def setup_replication(self, tables: Sequence[str] = (), **config: Any) -> dict[str, Any]:
+        """Create the replication slot and publication this connection's change source reads, as
+        ``faucet cdc setup`` does (idempotent; blocks until done). ``config`` adds the source's own
+        settings (``slot=``, ``publication=``); ``tables`` default to the config's. Returns what the
+        setup found or made (slot, publication, tables, incarnation, created_lsn, ...).
+
+        Raises ConfigError naming the problem (``wal_level`` is not ``logical``, a table is missing).
+        """
+        return setup_change_source(self.connector, self.resolved_config(config), tables)
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,15 @@ def test_rule5_operations_must_be_accepted() -> None:
     assert codes == (Code.OPERATION_NOT_ACCEPTED, Code.OPERATION_NOT_ACCEPTED)
 
 
+def test_rule5_apply_changes_needs_change_events_whatever_the_order() -> None:
+    plan(CDC_SOURCE, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, ("id",))
+    ordered_messages = replace(LOG_SOURCE, ordering=Ordering.STRICT_GLOBAL)
+    with pytest.raises(PlanError) as caught:
+        plan(ordered_messages, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, ("id",))
+    assert caught.value.codes == (Code.CHANGES_REQUIRED,)
+    assert "emits messages, not changes" in caught.value.violations[0].message
+
+
 def test_rule5_uses_the_sinks_declared_operations() -> None:
     sink = replace(TABLE_SINK, accepted_operations={WritePolicy.APPEND: frozenset()})
     assert refused(LOG_SOURCE, sink, Mode.BOUNDED, WritePolicy.APPEND) == (Code.OPERATION_NOT_ACCEPTED,)

@@ -33,12 +33,12 @@ import pyarrow.csv as pa_csv
 from psycopg import sql
 
 from bench.context import BenchContext
+from bench.peers import ROOT, peer_script, peer_venv, run_peer
 from bench.registry import Measurement, scenario
 from bench.scenarios.connectors import _check, _pg_sink, _target, csv_file, sqlite_file
 from faucet_dagster.protocol import Sink, Source, get_connector
 from faucet_dagster.runner.bounded import BoundedSyncResult, SyncSettings, run_bounded_sync
 
-ROOT = Path(__file__).resolve().parents[2]
 RSS_ROWS = (1_000_000, 5_000_000)
 
 
@@ -85,22 +85,12 @@ def sql_to_pg_append(ctx: BenchContext) -> Measurement:
 # -- peers -------------------------------------------------------------------------------------------
 
 
-def _venv(variable: str, default: str) -> Path | None:
-    folder = Path(os.environ.get(variable) or ROOT / default)
-    return folder if (folder / "bin" / "python").exists() else None
-
-
 def _sling_binary() -> Path | None:
-    venv = _venv("SLING_VENV", ".venv-sling")
+    venv = peer_venv("SLING_VENV", ".venv-sling")
     if venv is None:
         return None
     found = sorted(venv.glob("lib/python3*/site-packages/sling_linux_amd64/bin/sling-linux-amd64"))
     return found[0] if found else None
-
-
-def _peer_script(name: str) -> Path | None:
-    path = Path(os.environ.get("FAUCET_PEER_SCRIPTS", "/work/shared/bench")) / name
-    return path if path.is_file() else None
 
 
 def _libpq_url(url: str, **extra: str) -> str:
@@ -141,30 +131,20 @@ def sling_csv_to_pg(ctx: BenchContext) -> Measurement:
 
 def dlt_append(ctx: BenchContext) -> Measurement:
     """dlt (the shared dlt_peer.py) appending N generated rows into PostgreSQL; its own reported rate."""
-    venv, script = _venv("DLT_VENV", ".venv-dlt"), _peer_script("dlt_peer.py")
+    venv, script = peer_venv("DLT_VENV", ".venv-dlt"), peer_script("dlt_peer.py")
     assert venv is not None and script is not None
     env = {
         **os.environ,
         "PG_DSN": ctx.postgres_url.replace("postgresql://postgres@", "postgresql://postgres:x@"),
     }
-    done = subprocess.run(
-        [str(venv / "bin" / "python"), str(script), str(ctx.rows)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"dlt failed: {done.stderr[-2000:]}")
-    rates = json.loads(done.stdout.strip().splitlines()[-1])
+    rates = run_peer("dlt", [str(venv / "bin" / "python"), str(script), str(ctx.rows)], env)
     rate = float(rates["dlt_append"])
     return Measurement(ctx.rows, ctx.rows / rate)
 
 
 if _sling_binary() is not None:
     scenario("peer.sling_csv_to_pg", baseline="bounded.csv_to_pg_append")(sling_csv_to_pg)
-if _venv("DLT_VENV", ".venv-dlt") is not None and _peer_script("dlt_peer.py") is not None:
+if peer_venv("DLT_VENV", ".venv-dlt") is not None and peer_script("dlt_peer.py") is not None:
     scenario("peer.dlt_append", baseline="bounded.sql_to_pg_append")(dlt_append)
 
 

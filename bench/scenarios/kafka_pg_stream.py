@@ -22,6 +22,7 @@ from psycopg import sql
 
 from bench import data
 from bench.context import BenchContext
+from bench.peers import ROOT, peer_venv, run_peer
 from bench.registry import Measurement, scenario
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import ReadLimits
@@ -29,6 +30,7 @@ from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
 
 EPOCH_MESSAGES = 50_000
+QUIX_CHILD = ROOT / "bench" / "quix_child.py"
 COLUMNS = {"i": "int64", "name": "string", "score": "float64"}
 
 
@@ -84,3 +86,20 @@ def kafka_to_pg(ctx: BenchContext) -> Measurement:
 def kafka_to_pg_text(ctx: BenchContext) -> Measurement:
     """The continuous runner, Kafka payloads as text columns into PostgreSQL, APPEND, epochs of 50,000."""
     return _run(ctx, "text")
+
+
+# -- peer ----------------------------------------------------------------------------------------------
+
+
+def quix_kafka_to_pg(ctx: BenchContext) -> Measurement:
+    """quixstreams (its PostgreSQLSink) consuming the same topic into PostgreSQL, from the assignment."""
+    venv = peer_venv("QUIX_VENV", ".venv-quix")
+    assert venv is not None
+    topic, table = data.kafka_source_topic(ctx), ctx.unique("quix_pg")
+    command = [str(venv / "bin" / "python"), str(QUIX_CHILD), ctx.kafka_bootstrap, topic, ctx.postgres_url]
+    report = run_peer("quixstreams", [*command, table, str(ctx.rows)])
+    return Measurement(int(report["rows"]), float(report["seconds"]))
+
+
+if peer_venv("QUIX_VENV", ".venv-quix") is not None:
+    scenario("peer.quix_kafka_to_pg", baseline="stream.kafka_to_pg")(quix_kafka_to_pg)

@@ -8,19 +8,35 @@ through a server-side cursor, every message decoded by :func:`faucet_postgres.pg
 ``cdc.pg_source`` is the StreamSource: its session reads a copy of the slot in reads of 50,000 rows,
 types every value into Arrow, and writes rows and transaction controls to a counting sink; timed from
 opening the session to the last transaction end.
+
+Replicated end to end, into a table ``(id bigint PRIMARY KEY, k text, payload jsonb)`` of the same
+database, 50,000 change rows at a time:
+
+``cdc.raw_peek_decode_apply`` is the floor of a hand-written replicator: the peek-decode loop, and at
+the first transaction end after each 50,000 rows a COPY of the rows' texts into a temporary table, one
+``INSERT ... ON CONFLICT (id) DO UPDATE`` and a commit.
+``cdc.apply_changes`` is the product: the continuous runner (lease, begin, read through the pipeline,
+seal, the sink's APPLY_CHANGES commit, certificate in a SQLite state store, slot acknowledgement) from
+a copy of the slot, timed from the first lease to the last acknowledgement.
 """
 
 import asyncio
+import shutil
+import tempfile
 import time
+from typing import Any
 
 import psycopg
 from faucet_postgres import pgoutput
 from faucet_postgres.cdc import PostgresCdcSource, setup_replication
 from faucet_postgres.cdc_config import PostgresCdcConfig
+from faucet_postgres.config import PostgresStreamingSinkConfig
+from faucet_postgres.stream_sink import PostgresStreamingSink
 from psycopg import sql
 
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
+from bench.streams import run_until
 from faucet_dagster.protocol import (
     CancelToken,
     Control,
@@ -32,8 +48,11 @@ from faucet_dagster.protocol import (
     StreamRecordSink,
     TransactionEnd,
     WorkerIdentity,
+    WritePolicy,
     record_count,
 )
+from faucet_dagster.runner.continuous import StreamSpec
+from faucet_dagster.state import StateStore
 
 TRANSACTION_ROWS = 1_000
 READ_ROWS = 50_000
@@ -72,6 +91,19 @@ def _slot(ctx: BenchContext) -> PostgresCdcConfig:
     return ctx.shared("cdc_slot", prepare)
 
 
+async def _peek(
+    conn: psycopg.AsyncConnection[Any], config: PostgresCdcConfig
+) -> psycopg.AsyncServerCursor[Any]:
+    """A server-side cursor over every pgoutput message the slot holds (peeked: never consumed)."""
+    cursor = conn.cursor("peek", binary=True)
+    await cursor.execute(
+        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
+        "'proto_version', '1', 'publication_names', %s)",
+        (config.slot, config.publication),
+    )
+    return cursor
+
+
 @scenario("cdc.raw_peek_decode")
 def raw_peek_decode(ctx: BenchContext) -> Measurement:
     """pg_logical_slot_peek_binary_changes through a server-side cursor, every pgoutput message decoded."""
@@ -81,12 +113,7 @@ def raw_peek_decode(ctx: BenchContext) -> Measurement:
         inserts = 0
         async with await psycopg.AsyncConnection.connect(ctx.postgres_url) as conn:
             start = time.perf_counter()
-            cursor = conn.cursor("peek", binary=True)
-            await cursor.execute(
-                "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
-                "'proto_version', '1', 'publication_names', %s)",
-                (config.slot, config.publication),
-            )
+            cursor = await _peek(conn, config)
             while batch := await cursor.fetchmany(FETCH_ROWS):
                 for (data,) in batch:
                     if isinstance(pgoutput.decode(data), pgoutput.Insert):
@@ -142,3 +169,117 @@ def pg_source(ctx: BenchContext) -> Measurement:
             f"read {counted.rows} rows in {counted.transactions} transactions, expected {expected}"
         )
     return Measurement(counted.rows, seconds, {"transactions": counted.transactions})
+
+
+def _replica(ctx: BenchContext) -> str:
+    """A new, empty replica table for the dataset's rows (not timed)."""
+    table = ctx.unique("cdc_replica")
+    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (id bigint PRIMARY KEY, k text, payload jsonb)").format(
+                sql.Identifier(table)
+            )
+        )
+    return table
+
+
+def _check_replica(ctx: BenchContext, table: str) -> None:
+    with psycopg.connect(ctx.postgres_url) as conn:
+        count, last = conn.execute(
+            sql.SQL("SELECT count(*), max(id) FROM {}").format(sql.Identifier(table))
+        ).fetchone() or (0, None)
+    if (count, last) != (ctx.rows, ctx.rows - 1):
+        raise RuntimeError(
+            f"{table} holds {count} rows up to {last}, expected {ctx.rows} up to {ctx.rows - 1}"
+        )
+
+
+@scenario("cdc.raw_peek_decode_apply")
+def raw_peek_decode_apply(ctx: BenchContext) -> Measurement:
+    """Peek, decode, and per 50,000 rows COPY into a temp table, INSERT ... ON CONFLICT by key, commit."""
+    config, table = _slot(ctx), _replica(ctx)
+    target = sql.Identifier(table)
+
+    async def apply(writer: psycopg.AsyncConnection[Any], rows: list[tuple[str | None, ...]]) -> None:
+        async with writer.transaction():
+            await writer.execute(
+                sql.SQL("CREATE TEMP TABLE stage ON COMMIT DROP AS SELECT * FROM {} WITH NO DATA").format(
+                    target
+                )
+            )
+            async with (
+                writer.cursor() as cursor,
+                cursor.copy("COPY stage (id, k, payload) FROM STDIN") as copy,
+            ):
+                for row in rows:
+                    await copy.write_row(row)
+            await writer.execute(
+                sql.SQL(
+                    "INSERT INTO {} SELECT DISTINCT ON (id) * FROM stage ORDER BY id "
+                    "ON CONFLICT (id) DO UPDATE SET k = EXCLUDED.k, payload = EXCLUDED.payload"
+                ).format(target)
+            )
+
+    async def run() -> tuple[int, float]:
+        applied = 0
+        async with (
+            await psycopg.AsyncConnection.connect(ctx.postgres_url) as reader,
+            await psycopg.AsyncConnection.connect(ctx.postgres_url) as writer,
+        ):
+            start = time.perf_counter()
+            cursor = await _peek(reader, config)
+            pending: list[tuple[str | None, ...]] = []
+            while batch := await cursor.fetchmany(FETCH_ROWS):
+                for (data,) in batch:
+                    message = pgoutput.decode(data)
+                    if isinstance(message, pgoutput.Insert):
+                        pending.append(message.new.values)
+                    elif isinstance(message, pgoutput.Commit) and len(pending) >= READ_ROWS:
+                        await apply(writer, pending)
+                        applied, pending = applied + len(pending), []
+            if pending:
+                await apply(writer, pending)
+                applied += len(pending)
+            return applied, time.perf_counter() - start
+
+    applied, seconds = asyncio.run(run())
+    _check_replica(ctx, table)
+    return Measurement(applied, seconds)
+
+
+@scenario("cdc.apply_changes", baseline="cdc.raw_peek_decode_apply")
+def apply_changes(ctx: BenchContext) -> Measurement:
+    """The continuous runner, CDC to PostgreSQL APPLY_CHANGES, epochs of 50,000 change rows, certified."""
+    shared, table = _slot(ctx), _replica(ctx)
+    # A copy of the slot, from the same point: the runner acknowledges (advances) the slot it reads.
+    config = shared.model_copy(update={"slot": ctx.unique("cdc_copy")})
+    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (shared.slot, config.slot))
+
+    def drop_copy() -> None:
+        with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (config.slot,))
+
+    ctx.on_close(drop_copy)
+    asyncio.run(setup_replication(config))  # records the copy's incarnation
+    folder = tempfile.mkdtemp(prefix="faucet-bench-")
+    store = StateStore(f"sqlite:///{folder}/state.db")
+    spec = StreamSpec(
+        name=table,
+        source=PostgresCdcSource(config),
+        sink=PostgresStreamingSink(
+            PostgresStreamingSinkConfig(
+                url=ctx.postgres_url, tables={resource: table for resource in config.tables}
+            )
+        ),
+        resources=config.tables,
+        policy=WritePolicy.APPLY_CHANGES,
+        limits=ReadLimits(records=READ_ROWS, bytes=None, idle=1.0, age=None),
+    )
+    try:
+        seconds, epochs = asyncio.run(run_until(spec, store, ctx.rows))
+    finally:
+        store.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    _check_replica(ctx, table)
+    return Measurement(ctx.rows, seconds, {"epochs": epochs})

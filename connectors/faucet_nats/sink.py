@@ -5,10 +5,11 @@ subject with the header ``Nats-Msg-Id`` = the row's event identity digest (stabl
 collects the publish acknowledgements asynchronously, with many outstanding; the stream stores each
 message as soon as it acknowledges it, before the epoch commits. ``commit_epoch`` waits for every
 acknowledgement of the epoch, records the epoch and its per-domain watermark in a JetStream key-value
-bucket, and returns one receipt per resource (messages stored, duplicates the server suppressed,
-first and last stream sequence). ``abort_epoch`` cannot unpublish: what was published stays.
-``close_session`` returns only when no publish of the session can still land; otherwise it raises
-UncertainOutcome.
+bucket (compare-and-set: an epoch of a lower fencing token than the stored one raises OwnershipLost
+and never moves the watermark back), and returns one receipt per resource (messages stored,
+duplicates the server suppressed, first and last stream sequence). ``abort_epoch`` cannot
+unpublish: what was published stays. ``close_session`` returns only when no publish of the session
+can still land; otherwise it raises UncertainOutcome.
 
 Duplicates: the stream drops a message whose ``Nats-Msg-Id`` it saw within its ``duplicate_window``,
 so an epoch replayed within the window adds nothing; a replay older than the window duplicates. The
@@ -49,6 +50,7 @@ from faucet_dagster.protocol import (
     IntegrityError,
     LifecycleError,
     OrderingDomain,
+    OwnershipLost,
     Position,
     Receipt,
     Sink,
@@ -63,6 +65,9 @@ from faucet_dagster.protocol import (
 )
 from faucet_nats.jetstream import JetStreamApi, connect, stream_missing
 from faucet_nats.sink_config import NatsSinkConfig
+
+_WATERMARK_ATTEMPTS = 5
+"""Compare-and-set attempts of a watermark write before concurrent writers are reported."""
 
 
 def _subject_matches(pattern: str, subject: str) -> bool:
@@ -238,16 +243,22 @@ class NatsSinkSession(StreamingSinkSession):
         return self._publisher.where
 
     async def last_committed(self) -> SinkCommitState | None:
+        entry = await self._watermark_entry()
+        return None if entry is None else self._parse(entry.value)
+
+    async def _watermark_entry(self) -> KeyValue.Entry | None:
         try:
-            entry = await self._kv.get(self._key)
+            return await self._kv.get(self._key)
         except nats.js.errors.KeyNotFoundError:
             return None
         except (nats.errors.Error, OSError) as exc:
             raise ConnectionFailed(
                 f"reading the watermark failed: {type(exc).__name__}", where=self.where
             ) from exc
+
+    def _parse(self, value: bytes | None) -> SinkCommitState:
         try:
-            raw = json.loads(entry.value or b"")
+            raw = json.loads(value or b"")
             epoch = EpochId(**raw["epoch"])
             watermarks = tuple(
                 Position(OrderingDomain(**item["domain"]), item["position"]) for item in raw["watermarks"]
@@ -255,6 +266,41 @@ class NatsSinkSession(StreamingSinkSession):
         except (ValueError, KeyError, TypeError) as exc:
             raise IntegrityError("the stored watermark is not one this sink wrote", where=self.where) from exc
         return SinkCommitState(epoch, watermarks)
+
+    async def _store_watermark(self, epoch: EpochId, value: bytes) -> None:
+        """Store the epoch's watermark, unless an epoch of a higher fencing token is stored.
+
+        A worker that lost its lease and resumed (a zombie) must not move the watermark back under
+        its successor: the next worker would find the destination behind its certificates. The
+        write is compare-and-set on the entry's revision, so a write between the read and this one
+        is seen and judged again. Raises OwnershipLost for a stale epoch.
+        """
+        for _ in range(_WATERMARK_ATTEMPTS):
+            entry = await self._watermark_entry()
+            if entry is not None:
+                stored = self._parse(entry.value).epoch
+                if stored.fencing_token > epoch.fencing_token:
+                    raise OwnershipLost(
+                        f"epoch {stored} of fencing token {stored.fencing_token} is committed here: "
+                        f"epoch {epoch} is stale and does not move the watermark",
+                        where=self.where,
+                    )
+            try:
+                if entry is None:
+                    await self._kv.create(self._key, value)
+                else:
+                    await self._kv.update(self._key, value, last=entry.revision)
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue  # another session wrote in between: judge its epoch
+            except (nats.errors.Error, OSError) as exc:
+                raise ConnectionFailed(
+                    f"storing the watermark failed: {type(exc).__name__}", where=self.where
+                ) from exc
+        raise OwnershipLost(
+            f"the watermark kept changing while epoch {epoch} was committed: another session writes it",
+            where=self.where,
+        )
 
     async def begin_epoch(self, epoch: EpochId) -> None:
         self._check_open()
@@ -285,8 +331,9 @@ class NatsSinkSession(StreamingSinkSession):
         """Wait for every acknowledgement of the epoch, store the epoch and watermark, return receipts.
 
         UncertainOutcome when acknowledgements are missing after ``ack_timeout``; ConnectionFailed
-        when the stream refused a publish or the watermark could not be stored. The epoch stays
-        active after a failure, so the runner aborts it.
+        when the stream refused a publish or the watermark could not be stored; OwnershipLost when
+        an epoch of a higher fencing token is stored. The epoch stays active after a failure, so the
+        runner aborts it.
         """
         active = self._require_active(epoch, "commit")
         acks = {
@@ -300,12 +347,7 @@ class NatsSinkSession(StreamingSinkSession):
             "epoch": asdict(epoch),
             "watermarks": [{"domain": asdict(p.domain), "position": p.value} for p in watermarks],
         }
-        try:
-            await self._kv.put(self._key, json.dumps(record, sort_keys=True).encode())
-        except (nats.errors.Error, OSError) as exc:
-            raise ConnectionFailed(
-                f"storing the watermark failed: {type(exc).__name__}", where=self.where
-            ) from exc
+        await self._store_watermark(epoch, json.dumps(record, sort_keys=True).encode())
         self._active = None
         return tuple(
             _receipt(resource, resource_acks, self._publisher.config)

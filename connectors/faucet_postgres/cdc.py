@@ -34,7 +34,9 @@ Reading without consuming
     transaction of any size is written to the pipeline in ``batch_rows`` pieces and certified only at
     its end. The copy goes away with the connection (PostgreSQL also drops it on any error of that
     connection); after an interrupted or failed read the session makes a new copy and moves it to the
-    last boundary it delivered.
+    last boundary it delivered. Each call decodes up to the WAL insert position read just before it,
+    with the WAL flushed that far (see ``_flushed_through``): decoding to a flush position that lies
+    inside a record would wait for a transaction left open elsewhere in the cluster.
 
 Acknowledgement
     ``acknowledge`` awaits ``authority()`` and then ``pg_replication_slot_advance(slot, X + 1)``:
@@ -157,6 +159,12 @@ class PostgresCdcSource(StreamSource):
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         return (_CODEC,)
 
+    async def setup_replication(self, tables: Sequence[str] = ()) -> "ReplicationSetup":
+        """Create (or complete) this source's publication, marker and slot: :func:`setup_replication`
+        with this source's config. What ``faucet cdc setup`` and ``FaucetConnection.setup_replication``
+        call, through the connector registry."""
+        return await setup_replication(self.config, tables)
+
     async def open(
         self,
         resources: Sequence[str],
@@ -213,11 +221,12 @@ class _Table:
         self.relation = relation
         self.selected = selected
         self.resource = relation.qualified_name
-        self.schema = pg.relation_schema(relation)
+        self.key_indexes = key_indexes
+        """The columns whose change makes an update a delete and an insert (see :func:`_change_rows`);
+        the change rows mark them ``faucet.key`` (under REPLICA IDENTITY FULL: the primary key)."""
+        self.schema = pg.relation_schema(relation, key_indexes)
         self.where = f"table {self.resource}"
         self.width = len(relation.columns)
-        self.key_indexes = key_indexes
-        """The columns whose change makes an update a delete and an insert (see :func:`_change_rows`)."""
 
     def batch(self, rows: "_Rows") -> pa.RecordBatch:
         """The Arrow batch of buffered rows (raises :class:`DataError` for a value with no Arrow form)."""
@@ -481,9 +490,10 @@ class PostgresCdcSession(StreamSession):
         upto = self.config.changes_per_call
         if limits.records is not None:
             upto = max(1, min(upto, limits.records - writer.rows))
-        end = None if self._end is None else _CODEC.canonicalize(self._end)
         seen = 0
         try:
+            readable = await self._flushed_through(conn)
+            end = _CODEC.canonicalize(readable if self._end is None else min(readable, self._end))
             async with conn.transaction():
                 cursor = conn.cursor("faucet_cdc_changes", binary=True)
                 await cursor.execute(
@@ -507,6 +517,33 @@ class PostgresCdcSession(StreamSession):
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading changes", where=self._where) from exc
         return seen
+
+    async def _flushed_through(self, conn: Connection) -> int:
+        """A WAL position every record before which is flushed: where a decoding call may stop.
+
+        Left to itself, ``pg_logical_slot_get_changes`` decodes on to the flush position, and when
+        that falls inside a record it waits for the rest of the record to be flushed. It does, whenever
+        a transaction anywhere in the cluster wrote a record across a page boundary and stays open
+        (the WAL writer flushes whole pages): the call then waits until that transaction ends, which
+        may be never (the sink's own epoch transaction, on the same server). So the call stops at the
+        insert position read here, and when WAL was inserted past the flush position, a transaction
+        of our own commits first: its commit flushes the WAL up to it (no row, no change reaches the
+        stream: PostgreSQL skips empty transactions).
+        """
+        try:
+            cursor = await conn.execute(
+                "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
+            )
+            row = await cursor.fetchone()
+            assert row is not None  # one row by construction
+            inserted, flushed = _CODEC.validate(row[0]), _CODEC.validate(row[1])
+            if inserted > flushed:
+                async with conn.transaction():
+                    await conn.execute("SET LOCAL synchronous_commit = on")
+                    await conn.execute("SELECT pg_current_xact_id()")
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="flushing the WAL to decode", where=self._where) from exc
+        return inserted
 
     async def _apply(self, message: pg.Message, writer: _TransactionWriter) -> None:
         """Route one decoded message into ``writer``."""

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth, TokenAuth, UserPasswordAuth
 
 SSLMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
-PostgresWriteMode = Literal["append", "upsert", "replace", "delete"]
+PostgresWriteMode = Literal["append", "upsert", "replace", "delete", "apply_changes"]
 
 
 class PostgresConnection(ConnectorConfig):
@@ -128,7 +128,9 @@ class PostgresSourceConfig(PostgresTable):
 
 class PostgresSinkConfig(PostgresTable):
     """A table written by ``mode``: append (COPY), upsert or delete (by ``key``, through a staging
-    table), or replace (a new table swapped in at finish).
+    table), replace (a new table swapped in at finish), or apply_changes (change rows applied by key
+    in row order, see :mod:`faucet_postgres.changes`; ``key`` defaults to the rows' ``faucet.key``
+    columns).
 
     The table is created from the first batch's Arrow schema when missing (``key`` as its primary key
     in upsert mode). ``schema_evolution`` adds a column the table lacks (ADD COLUMN IF NOT EXISTS); off,

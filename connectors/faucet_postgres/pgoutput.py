@@ -350,20 +350,27 @@ def arrow_type(column: Column) -> pa.DataType:
     return common.arrow_type(PgColumn(column.name, type_name(column), "", column.type_modifier, False))
 
 
-def relation_schema(relation: Relation) -> pa.Schema:
+def relation_schema(relation: Relation, keys: Sequence[int] | None = None) -> pa.Schema:
     """The Arrow schema of a table's change rows: its columns, then the operation and unchanged columns.
 
     Every field is nullable (a delete carries only the key). Field metadata names the PostgreSQL type
-    (``faucet.pg_type``) and marks replica identity columns (``faucet.key``); the schema metadata names
-    the table and its replica identity setting.
+    (``faucet.pg_type``) and marks the columns that identify a row (``faucet.key``): the columns at
+    ``keys``, by default the replica identity columns. The schema metadata names the table and its
+    replica identity setting.
     """
+    identifying = (
+        {index for index, column in enumerate(relation.columns) if column.key} if keys is None else set(keys)
+    )
     fields = [
         pa.field(
             column.name,
             arrow_type(column),
-            metadata={"faucet.pg_type": type_name(column), "faucet.key": "true" if column.key else "false"},
+            metadata={
+                "faucet.pg_type": type_name(column),
+                "faucet.key": "true" if index in identifying else "false",
+            },
         )
-        for column in relation.columns
+        for index, column in enumerate(relation.columns)
     ]
     fields.append(pa.field(OPERATION_COLUMN, pa.string()))
     fields.append(pa.field(UNCHANGED_COLUMN, pa.list_(pa.string())))

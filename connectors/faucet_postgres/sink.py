@@ -8,6 +8,10 @@ Modes (one per configured sink; ``capabilities().bounded_policies`` is exactly t
   ON CONFLICT (key) DO UPDATE``; within a batch the last row of a key wins, so replayed pages converge.
   The table needs a unique constraint on ``key`` (a table this sink creates gets it as primary key).
 - ``delete``: COPY the batch's keys into a temporary staging table, then ``DELETE ... USING`` it.
+- ``apply_changes``: change rows (``__faucet_op`` insert/update/delete) COPYed into a temporary
+  staging table, then applied by key in row order with one set-based statement
+  (:mod:`faucet_postgres.changes`): per key, its last change in the page wins. Replayed pages are
+  skipped by the watermark, not by the key (re-applying an old page would move rows back).
 - ``replace``: pages are copied into a new table (``CREATE TABLE ... (LIKE target INCLUDING ALL)``,
   or from the first batch's schema when there is no target), committed page by page; ``finish()``
   drops the target and renames the new table into its place in one transaction. A reader blocks for
@@ -40,11 +44,13 @@ import pyarrow as pa
 from psycopg import sql
 
 from faucet_dagster.protocol import (
+    DEFAULT_POLICY_OPERATIONS,
     AddColumn,
     CommitToken,
     ConfigError,
     DataError,
     Durability,
+    Operation,
     PartialResult,
     SchemaError,
     Sink,
@@ -53,6 +59,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     bisect_rejections,
 )
+from faucet_postgres import changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -77,13 +84,18 @@ _STAGE_ORDER = "_faucet_ord"
 
 
 class PostgresSink(Sink):
-    """A bounded sink into one PostgreSQL table (see the module docstring)."""
+    """A bounded sink into one PostgreSQL table (see the module docstring). ``connect`` opens its
+    connection (:func:`faucet_postgres.common.connect`'s signature; fault tests wrap it to inject a
+    fault at an exact point)."""
 
     connector_name = "postgres"
     config_model = PostgresSinkConfig
 
-    def __init__(self, config: PostgresSinkConfig) -> None:
+    def __init__(
+        self, config: PostgresSinkConfig, *, connect: Callable[..., Awaitable[Connection]] = connect
+    ) -> None:
         self.config = config
+        self._connect = connect
         self.mode = WritePolicy(config.mode)
         digest = hashlib.sha1(f"{config.schema_name or ''}.{config.table}".encode()).hexdigest()[:16]
         self._stage = f"_faucet_stage_{digest}"
@@ -107,6 +119,12 @@ class PostgresSink(Sink):
     def capabilities(self) -> SinkCapabilities:
         return SinkCapabilities(
             bounded_policies=frozenset({self.mode}),
+            accepted_operations={
+                **DEFAULT_POLICY_OPERATIONS,
+                WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+            },
+            # apply_changes takes the key from the change rows (faucet.key) when none is configured.
+            requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),
             durability=Durability.TRANSACTIONAL,
             atomic_watermark=self.mode is not WritePolicy.REPLACE,
             schema_evolution=self.config.schema_evolution,
@@ -236,7 +254,7 @@ class PostgresSink(Sink):
 
     async def _connection(self) -> Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = await connect(self.config)
+            self._conn = await self._connect(self.config)
         return self._conn
 
     async def _in_transaction(self, doing: str, work: Callable[[Connection], Awaitable[T]]) -> T:
@@ -296,6 +314,11 @@ class PostgresSink(Sink):
         """The write table's columns for rows of ``schema``: created or evolved in this transaction."""
         pg_schema = await self._resolved_schema(conn)
         name = self._write_name()
+        key = self._created_key()
+        if self.mode is WritePolicy.APPLY_CHANGES:
+            # Change rows: the table has their data columns, keyed as the rows say.
+            key = changes.change_layout(schema, self.config.key, self.dataset_uri()).key
+            schema = changes.data_schema(schema)
         if self.mode is WritePolicy.REPLACE and not self._staged:
             columns = await self._create_stage(conn, schema)
         else:
@@ -308,7 +331,7 @@ class PostgresSink(Sink):
                     f"table {pg_schema}.{name} does not exist: nothing to delete from",
                     where=self.dataset_uri(),
                 )
-            columns = await create_table(conn, pg_schema, name, schema, self._created_key())
+            columns = await create_table(conn, pg_schema, name, schema, key)
         new = [field for field in schema if field.name not in columns]
         if new:
             if not self.config.schema_evolution:
@@ -339,6 +362,9 @@ class PostgresSink(Sink):
             await copy_batch(conn, target, batch, types)
             return
         if batch.num_rows == 0:
+            return
+        if self.mode is WritePolicy.APPLY_CHANGES:
+            await self._apply_changes(conn, target, columns, batch)
             return
         key = self.config.key
         names = batch.schema.names if self.mode is WritePolicy.UPSERT else list(key)
@@ -386,6 +412,22 @@ class PostgresSink(Sink):
                 )
             )
         await conn.execute(sql.SQL("DROP TABLE {}").format(stage))
+
+    async def _apply_changes(
+        self, conn: Connection, target: sql.Identifier, columns: dict[str, PgColumn], batch: pa.RecordBatch
+    ) -> None:
+        """APPLY_CHANGES: the page's change rows applied by key, in row order (a bounded page has no
+        positions: its rows are in source order)."""
+        where = self.dataset_uri()
+        layout = changes.change_layout(batch.schema, self.config.key, where)
+        order = pa.array(range(batch.num_rows), pa.int64())
+        rows = changes.staged_rows(
+            batch, layout, pa.repeat(pa.scalar(0, pa.int64()), batch.num_rows), order, where
+        )
+        stage = await changes.create_stage(conn, target, columns, layout)
+        await changes.stage(conn, stage, rows)
+        await changes.apply_stage(conn, target, stage, where)
+        await conn.execute(sql.SQL("DROP TABLE {}").format(stage.identifier))
 
     async def _create_stage(self, conn: Connection, schema: pa.Schema | None) -> dict[str, PgColumn] | None:
         """Drop a leftover new table and create this run's: like the target, or from ``schema`` when

@@ -5,15 +5,25 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
 * ``begin_epoch`` starts the transaction and reads the stream's per-domain watermarks in it;
 * ``apply`` drops the rows at or below their domain's watermark (a replay), then COPYs the rest into
   the table (APPEND), or into a temporary staging table merged with ``INSERT ... ON CONFLICT``
-  (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row);
-* ``commit_epoch`` checks the owner fence (the stream's row in the epochs table: the commit fails with
-  :class:`OwnershipLost` if a higher fencing token claimed the stream), records the epoch and moves the
-  watermarks, all in the same transaction, then commits. A commit whose answer is lost (the connection
-  dropped) is resolved: the old backend is made to exit (``pg_terminate_backend``) so its transaction
-  can no longer finish, and the epoch row is read back, compared by a random commit id. Unresolvable
-  means :class:`UncertainOutcome`;
+  (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row), or
+  stages change rows (APPLY_CHANGES) in a temporary table per destination table;
+* ``commit_epoch`` applies the staged changes (APPLY_CHANGES, below), checks the owner fence (the
+  stream's row in the epochs table: the commit fails with :class:`OwnershipLost` if a higher fencing
+  token claimed the stream), records the epoch and moves the watermarks, all in the same transaction,
+  then commits. A commit whose answer is lost (the connection dropped) is resolved: the old backend is
+  made to exit (``pg_terminate_backend``) so its transaction can no longer finish, and the epoch row is
+  read back, compared by a random commit id. Unresolvable means :class:`UncertainOutcome`;
 * ``abort_epoch`` rolls back. Everything of an epoch is tentative until its commit: abort undoes all
   of it, and nothing of earlier committed epochs.
+
+APPLY_CHANGES applies change rows (``__faucet_op`` insert/update/delete, ``__faucet_unchanged``) by key
+in commit order, whatever order the batches of the epoch arrived in: every row is staged with its
+position (which must be an integer position: an LSN, an offset, a sequence) and ordinal, and at commit
+each table gets its keys' last changes in one set-based statement (:mod:`faucet_postgres.changes`).
+Tables are applied one after another in the epoch's transaction, so foreign keys between replicated
+tables must be ``DEFERRABLE INITIALLY DEFERRED`` in the destination. The key is the stream's key, else
+each table's ``faucet.key`` columns (the PostgreSQL change source marks its replica identity). A table
+is fed from one ordering domain only: changes of two domains have no common order.
 
 ``open`` claims the fence (the epochs row's token becomes the worker's, unless a higher one holds it:
 then OwnershipLost), so an older worker's commit fails from that moment on, checked by the database
@@ -32,6 +42,7 @@ import pyarrow.compute as pc
 from psycopg import sql
 
 from faucet_dagster.protocol import (
+    DEFAULT_POLICY_OPERATIONS,
     ConfigError,
     ConnectionFailed,
     Coverage,
@@ -40,9 +51,11 @@ from faucet_dagster.protocol import (
     EpochId,
     EpochMismatch,
     FaucetError,
+    Identities,
     IntegerPositionCodec,
     IntegrityError,
     LifecycleError,
+    Operation,
     OrderingDomain,
     OwnershipLost,
     Position,
@@ -58,6 +71,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     default_codec_registry,
 )
+from faucet_postgres import changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -75,7 +89,10 @@ Connection = psycopg.AsyncConnection[Any]
 Connect = Callable[..., Awaitable[Connection]]
 """How the sink opens connections: :func:`faucet_postgres.common.connect`'s signature."""
 
-POLICIES = frozenset({WritePolicy.APPEND, WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT})
+POLICIES = frozenset(
+    {WritePolicy.APPEND, WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.APPLY_CHANGES}
+)
+_MAX_BIGINT = 2**63 - 1
 _ORDINAL = "__faucet_ordinal"
 _STATE_LOCK = 0x66617563  # an advisory lock id ("fauc"), held while the state tables are created
 _BACKEND_EXIT_WAIT = 10.0
@@ -86,6 +103,12 @@ def _capabilities(config: PostgresStreamingSinkConfig) -> SinkCapabilities:
         # This object is the streaming role; the bounded sink declares its own policies.
         bounded_policies=frozenset(),
         continuous_policies=POLICIES,
+        accepted_operations={
+            **DEFAULT_POLICY_OPERATIONS,
+            WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+        },
+        # APPLY_CHANGES takes each table's key from the change rows (faucet.key) when none is given.
+        requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),
         durability=Durability.TRANSACTIONAL,
         atomic_watermark=True,
         owner_fencing=True,
@@ -114,7 +137,7 @@ class PostgresStreamingSink(StreamingSink):
         where = f"{config.safe_url()} stream {stream}"
         if policy not in POLICIES:
             raise ConfigError(f"policy {policy.value} is not a continuous PostgreSQL policy", where=where)
-        if policy.keyed and not key:
+        if policy.keyed and policy is not WritePolicy.APPLY_CHANGES and not key:
             raise ConfigError(f"policy {policy.value} needs a key", where=where)
         if policy is WritePolicy.VERSIONED_UPSERT and not config.version_column:
             raise ConfigError("policy versioned_upsert needs version_column in the sink config", where=where)
@@ -166,12 +189,24 @@ class _Tally:
 
 
 @dataclass
+class _Changes:
+    """APPLY_CHANGES: one destination table's staged changes in the active epoch."""
+
+    target: _Target
+    stage: changes.ChangeStage
+    domain: tuple[str, str, str]
+    counts: changes.ChangeCounts = changes.NO_CHANGES
+
+
+@dataclass
 class _Epoch:
-    """The active epoch: its watermarks at begin (by domain lineage), its tallies, its tables."""
+    """The active epoch: its watermarks at begin (by domain lineage), its tallies, its staged changes
+    (by table)."""
 
     epoch: EpochId
     watermarks: dict[tuple[str, str, str], Position]
     tallies: dict[str, _Tally] = field(default_factory=dict)
+    changes: dict[str, _Changes] = field(default_factory=dict)
     failed: bool = False
 
 
@@ -323,13 +358,15 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             target.stage = None  # staging tables are dropped at the end of each transaction
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        """Write ``batch``'s rows above their domain's watermark into its table, tentatively."""
+        """Write ``batch``'s rows above their domain's watermark into its table (APPLY_CHANGES: into
+        the table's stage), tentatively."""
         state = self._active_epoch(epoch, "apply")
         if batch.epoch != epoch:
             raise EpochMismatch(f"a batch of epoch {batch.epoch} was applied in {epoch}", where=self._where)
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
-        records, positions, skipped = self._above_watermark(state, batch)
+        records, identities, skipped = self._above_watermark(state, batch)
+        positions = identities.positions
         table = self._config.table_for(batch.resource)
         tally = state.tallies.setdefault(batch.resource, _Tally(table))
         tally.skipped += skipped
@@ -337,11 +374,18 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             return
         conn = self._live()
         try:
-            target = await self._target(conn, table, records.schema)
-            if self._policy is WritePolicy.APPEND:
-                written = await copy_batch(conn, target.identifier, records, target.columns)
+            if self._policy is WritePolicy.APPLY_CHANGES:
+                target, written = await self._stage_changes(
+                    conn, state, table, batch.domain, records, identities
+                )
             else:
-                written = await self._merge(conn, target, records)
+                target = await self._target(
+                    conn, table, records.schema, self._key if self._policy.keyed else ()
+                )
+                if self._policy is WritePolicy.APPEND:
+                    written = await copy_batch(conn, target.identifier, records, target.columns)
+                else:
+                    written = await self._merge(conn, target, records)
         except BaseException as exc:
             # The transaction is unusable (or its state unknown, when cancelled): only abort remains.
             state.failed = True
@@ -364,6 +408,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn = self._live()
         commit_id = uuid.uuid4().hex
         marks = self._next_watermarks(state, coverage)
+        await self._apply_changes(conn, state)
         try:
             cursor = await conn.execute(
                 sql.SQL(
@@ -519,13 +564,13 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             if not conn.broken:
                 raise pg_error(exc, where=self._where, doing="rolling back") from exc
 
-    def _above_watermark(self, state: _Epoch, batch: SinkBatch) -> tuple[pa.RecordBatch, list[str], int]:
-        """The rows of ``batch`` after its domain's watermark, their positions, and how many were dropped."""
+    def _above_watermark(self, state: _Epoch, batch: SinkBatch) -> tuple[pa.RecordBatch, Identities, int]:
+        """The rows of ``batch`` after its domain's watermark, their identities, and how many were dropped."""
         records = batch.records
         positions = list(batch.identities.positions)
         mark = state.watermarks.get(batch.domain.lineage)
         if mark is None or mark.domain.incarnation != batch.domain.incarnation or not positions:
-            return records, positions, 0
+            return records, batch.identities, 0
         codec = default_codec_registry().get(batch.domain.codec)
         limit = codec.validate(mark.value)
         if isinstance(codec, IntegerPositionCodec):
@@ -541,19 +586,24 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             keep = pa.array([verdicts[text] for text in positions], pa.bool_())
         kept = int(pc.sum(keep).as_py() or 0)
         if kept == len(positions):
-            return records, positions, 0
+            return records, batch.identities, 0
         indices = pc.indices_nonzero(keep).to_pylist()
-        return records.filter(keep), [positions[index] for index in indices], len(positions) - kept
+        ordinals = batch.identities.ordinals
+        identities = Identities(
+            [positions[index] for index in indices],
+            None if ordinals is None else [ordinals[index] for index in indices],
+        )
+        return records.filter(keep), identities, len(positions) - kept
 
-    async def _target(self, conn: Connection, table: str, schema: pa.Schema) -> _Target:
-        """The table for a batch of ``schema``: created when missing, checked for missing columns."""
+    async def _target(self, conn: Connection, table: str, schema: pa.Schema, key: Sequence[str]) -> _Target:
+        """The table for a batch of ``schema``: created when missing (``key`` as its primary key),
+        checked for missing columns."""
         target = self._targets.get(table)
         if target is None or not set(schema.names) <= set(target.columns):
             columns = await table_columns(conn, self._schema, table)
             if columns is None:
                 if not self._config.create_tables:
                     raise ConfigError(f"table {self._schema}.{table} does not exist", where=self._where)
-                key = self._key if self._policy.keyed else ()
                 columns = await create_table(conn, self._schema, table, schema, key)
             missing = [item for item in schema if item.name not in columns]
             if missing:
@@ -626,6 +676,56 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         await conn.execute(sql.SQL("TRUNCATE {}").format(target.stage))
         return written
 
+    async def _stage_changes(
+        self,
+        conn: Connection,
+        state: _Epoch,
+        table: str,
+        domain: OrderingDomain,
+        records: pa.RecordBatch,
+        identities: Identities,
+    ) -> tuple[_Target, int]:
+        """APPLY_CHANGES: stage change rows with their commit order (see ``changes.stage``)."""
+        where = f"{self._where} table {table}"
+        layout = changes.change_layout(records.schema, self._key, where)
+        pending = state.changes.get(table)
+        if pending is None:
+            target = await self._target(conn, table, changes.data_schema(records.schema), layout.key)
+            stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
+            pending = state.changes[table] = _Changes(target, stage, domain.lineage)
+        elif pending.domain != domain.lineage:
+            raise IntegrityError(
+                f"changes from {'/'.join(domain.lineage)} and {'/'.join(pending.domain)} go to one table: "
+                "two ordering domains have no common order to apply them in",
+                where=where,
+            )
+        elif pending.stage.layout != layout:
+            raise SchemaError(
+                f"changes with columns {layout.columns} keyed by {layout.key} came after changes with "
+                f"columns {pending.stage.layout.columns} keyed by {pending.stage.layout.key} in one epoch",
+                where=where,
+            )
+        rows = changes.staged_rows(
+            records, layout, _integer_positions(domain, identities, where), _ordinals(identities), where
+        )
+        return pending.target, await changes.stage(conn, pending.stage, rows)
+
+    async def _apply_changes(self, conn: Connection, state: _Epoch) -> None:
+        """APPLY_CHANGES: apply every table's staged changes (first step of the commit)."""
+        for table, pending in state.changes.items():
+            where = f"{self._where} table {table}"
+            try:
+                pending.counts = await changes.apply_stage(
+                    conn, pending.target.identifier, pending.stage, where
+                )
+            except BaseException as exc:
+                state.failed = True
+                if isinstance(exc, psycopg.Error):
+                    raise pg_error(exc, where=where, doing="applying the epoch's changes") from exc
+                if isinstance(exc, pa.ArrowException):
+                    raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
+                raise
+
     def _next_watermarks(self, state: _Epoch, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""
         marks: list[Position] = []
@@ -645,6 +745,9 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             details = {"table": tally.table, "policy": self._policy.value, "transaction_id": transaction}
             if tally.first is not None and tally.last is not None:
                 details |= {"first_position": tally.first, "last_position": tally.last}
+            pending = state.changes.get(self._config.table_for(resource))
+            if pending is not None:
+                details |= pending.counts.details()
             receipts.append(Receipt(resource, tally.written, tally.skipped, details))
         return tuple(receipts)
 
@@ -679,6 +782,28 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
 
 
 _ORDINAL_COLUMN = PgColumn(_ORDINAL, "int8", "bigint", -1, False)
+
+
+def _integer_positions(domain: OrderingDomain, identities: Identities, where: str) -> pa.Array:
+    """The rows' positions as int64 (validated through the domain's codec), to order changes by."""
+    codec = default_codec_registry().get(domain.codec)
+    encoded = pa.array(identities.positions, pa.string()).dictionary_encode()
+    values = []
+    for text in encoded.dictionary.to_pylist():
+        value = codec.validate(text)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_BIGINT:
+            raise IntegrityError(
+                f"apply_changes orders changes by position, and {codec.name} position {text!r} is not "
+                "an integer",
+                where=where,
+            )
+        values.append(value)
+    return pc.take(pa.array(values, pa.int64()), encoded.indices)
+
+
+def _ordinals(identities: Identities) -> pa.Array:
+    ordinals = identities.ordinals
+    return pa.array([0] * len(identities) if ordinals is None else ordinals, pa.int64())
 
 
 async def _backend_of(conn: Connection, where: str) -> _Backend:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+"""Dagster's console log shows warnings and errors only: the table printed here says what moved."""
 
 
 def main() -> int:
@@ -37,7 +39,11 @@ def main() -> int:
         keys = partitions.get_partition_keys() if partitions is not None else [None]
         for partition in keys:
             result = dg.materialize(
-                [assets_def], instance=instance, partition_key=partition, raise_on_error=False
+                [assets_def],
+                instance=instance,
+                partition_key=partition,
+                raise_on_error=False,
+                run_config=QUIET_RUN,
             )
             if not result.success:
                 failed = True

@@ -75,6 +75,7 @@ from faucet_dagster.protocol import (
     compare_positions,
 )
 from faucet_dagster.state import Lease, StateStore
+from faucet_dagster.testing.faults.points import Point, fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class StreamRunner:
         timings.lap("read_and_seal")
 
         # 4. Commit at the sink: durable as the policy promises once it returns.
+        fault_point(Point.BEFORE_SINK_COMMIT)
         try:
             receipts = await sink_session.commit_epoch(epoch, sealed.coverage)
         except UncertainOutcome as exc:
@@ -256,6 +258,7 @@ class StreamRunner:
             await self._abort(epoch, pipeline, rewind=True, cause=exc)
             raise
         timings.lap("commit")
+        fault_point(Point.AFTER_SINK_COMMIT)
 
         # 5. Persist the certificate: from here on, the epoch is certified.
         certificate = EpochCertificate(
@@ -287,6 +290,7 @@ class StreamRunner:
             self._recover_to = ()
 
         # 6. Acknowledge the certified coverage, each provider acknowledgement checked by the authority.
+        fault_point(Point.AFTER_CERTIFICATE)
         try:
             await source_session.acknowledge(sealed.coverage, self._authority)
         except BaseException as exc:
@@ -443,6 +447,7 @@ class StreamRunner:
                 f"{self.worker_id} holds no lease on {self.spec.name!r}", where=self.spec.name
             )
         await asyncio.to_thread(self.store.check_lease, lease)
+        fault_point(Point.DURING_ACK)
 
     # -- failure handling -----------------------------------------------------------------------
 

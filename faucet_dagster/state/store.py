@@ -323,10 +323,11 @@ class StateStore:
     def append_certificate(self, certificate: EpochCertificate, lease: Lease) -> bool:
         """Persist ``certificate`` durably; True when stored now, False for an identical retry.
 
-        Refuses (:class:`IntegrityError`) a conflicting certificate at a stored sequence, a gap in the
-        sequence, coverage that does not start at a domain's certified position or goes back from it;
-        (:class:`IncarnationChanged`) coverage of another incarnation of a certified domain;
-        (:class:`OwnershipLost`) a certificate whose worker and token are not ``lease``'s live lease.
+        Refuses (:class:`OwnershipLost`) a certificate whose worker and token are not ``lease``'s
+        live lease, checked before everything but an identical retry; (:class:`IntegrityError`) a
+        conflicting certificate at a stored sequence, a gap in the sequence, coverage that does not
+        start at a domain's certified position or goes back from it; (:class:`IncarnationChanged`)
+        coverage of another incarnation of a certified domain.
         """
         stream = certificate.stream
         canonical = self._canonical(certificate)
@@ -339,19 +340,10 @@ class StateStore:
                     certificates_table.c.sequence == certificate.sequence,
                 )
             ).scalar_one_or_none()
-            if stored is not None:
-                if stored == fingerprint:
-                    return False
-                raise IntegrityError(
-                    f"certificate {certificate.certificate_id} conflicts with the one already stored",
-                    where=stream,
-                )
-            last = self._last_sequence(conn, stream)
-            if certificate.sequence != last + 1:
-                raise IntegrityError(
-                    f"certificate {certificate.sequence} does not follow the last certified epoch {last}",
-                    where=stream,
-                )
+            if stored == fingerprint:
+                return False
+            # Ownership before consistency: a worker that lost its lease (a zombie) is told so, not
+            # that the certificates of the worker that took over conflict with its own.
             if certificate.worker != lease.owner or certificate.fencing_token != lease.fencing_token:
                 raise OwnershipLost(
                     f"certificate of {certificate.worker}@{certificate.fencing_token} came with the lease "
@@ -365,6 +357,17 @@ class StateStore:
             ).first()
             if held is None:
                 raise self._lost(conn, lease)
+            if stored is not None:
+                raise IntegrityError(
+                    f"certificate {certificate.certificate_id} conflicts with the one already stored",
+                    where=stream,
+                )
+            last = self._last_sequence(conn, stream)
+            if certificate.sequence != last + 1:
+                raise IntegrityError(
+                    f"certificate {certificate.sequence} does not follow the last certified epoch {last}",
+                    where=stream,
+                )
             for item in canonical.coverage:
                 self._advance(conn, stream, certificate.sequence, item)
             conn.execute(

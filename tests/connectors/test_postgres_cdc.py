@@ -649,6 +649,51 @@ def test_a_heartbeat_moves_an_idle_slot_past_unrelated_wal(postgres_url: str, un
     run(scenario)
 
 
+def test_a_read_does_not_wait_for_a_transaction_left_open_mid_record(
+    postgres_url: str, unique_name: Any
+) -> None:
+    slot = unique_name("s")
+    config = cdc_config(postgres_url, slot, tables=("public.t",))
+
+    async def scenario() -> tuple[Recorder, Coverage, bool]:
+        await sql(postgres_url, "CREATE TABLE t (id int PRIMARY KEY)")
+        await setup_replication(config)
+        await sql(postgres_url, "INSERT INTO t VALUES (1)")
+        session = await open_session(config)
+        await drain(session, Recorder())
+        await sql(postgres_url, "INSERT INTO t VALUES (2)")
+        async with await psycopg.AsyncConnection.connect(postgres_url) as blocker:
+            # One WAL record of 50 kB in a transaction that stays open: once the WAL writer flushed
+            # its whole pages, the flush position lies inside it.
+            (before,) = (await sql(postgres_url, "SELECT pg_current_wal_insert_lsn()::text"))[0]
+            cursor = await blocker.execute(
+                "SELECT pg_logical_emit_message(true, 't', repeat('x', 50000))::text"
+            )
+            end = await cursor.fetchone()
+            assert end is not None
+            for _ in range(200):
+                (flushed,) = (await sql(postgres_url, "SELECT pg_current_wal_flush_lsn()::text"))[0]
+                if lsn(before) + 16_384 < lsn(flushed) < lsn(end[0]):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"the flush position never moved inside the record ({flushed})")
+            recorder = Recorder()
+            cancel = CancelToken()
+            # Only a guard: a read stuck on the open record is interrupted and covers nothing.
+            guard = asyncio.get_running_loop().call_later(20, cancel.cancel)
+            coverage = await session.read(recorder, QUIET, cancel)
+            guard.cancel()
+            await session.close()
+            await blocker.rollback()
+        return recorder, coverage, cancel.cancelled
+
+    recorder, coverage, interrupted = run(scenario)
+    assert not interrupted, "the read waited for the open transaction"
+    assert [[row.values["id"] for row in tx.rows] for tx in recorder.transactions] == [[2]]
+    assert coverage.domains[0].end == recorder.transactions[0].position
+
+
 def test_snapshot_then_changes_has_no_gap_and_no_overlap_under_concurrent_writes(
     postgres_url: str, unique_name: Any
 ) -> None:

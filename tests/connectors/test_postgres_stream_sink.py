@@ -93,6 +93,7 @@ def test_registered_as_the_streaming_sink_role_of_postgres(postgres_url: str) ->
         WritePolicy.APPEND,
         WritePolicy.UPSERT,
         WritePolicy.VERSIONED_UPSERT,
+        WritePolicy.APPLY_CHANGES,
     }
     assert capabilities.atomic_watermark and capabilities.owner_fencing
 

@@ -1,0 +1,480 @@
+"""The source/sink pairs the fault harness breaks, on real servers.
+
+A pair is a :class:`SourceSide` (NATS JetStream, Kafka, files) and a :class:`SinkSide` (PostgreSQL,
+NATS JetStream) in a mode. A side creates its stream, topic, directory or target, configures its
+connector as a user would, and reads back what it holds. Every record produced is
+``{"id", "producer", "seq"}``: its key for the oracle is ``(producer, seq)``, and the source tells
+where it stored it (:class:`Produced`: resource, partition, position) so certificates can be mapped
+back to records.
+
+The controller calls these from plain threads (no event loop of its own); NATS calls run on a
+private loop per call.
+"""
+
+import asyncio
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import nats
+import psycopg
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from nats.js.api import PubAck
+from nats.js.client import JetStreamContext
+
+from faucet_dagster.planner import Plan, plan
+from faucet_dagster.protocol import Mode, WritePolicy, get_connector
+from faucet_dagster.testing.faults.spec import Endpoint, Target
+from faucet_dagster.testing.servers import KafkaServer, NatsServer, PostgresServer
+
+T = TypeVar("T")
+
+Key = tuple[str, int]
+"""A record's identity for the oracle: (producer id, sequence)."""
+
+RECORD_COLUMNS = {"id": "int64 not null", "producer": "string", "seq": "int64 not null"}
+KAFKA_PARTITIONS = 3
+NATS_DUPLICATE_WINDOW = 120.0
+"""Seconds the NATS target streams deduplicate message ids: longer than any harness run."""
+
+
+KAFKA_PURGE = (
+    "the Tansu test broker implements neither DeleteRecords (it drops the connection) nor topic "
+    "retention settings (AlterConfigs is unsupported), so no Kafka position can be purged; the "
+    "source's low-watermark check (PositionUnavailable) is not exercised end to end here"
+)
+"""Why the harness does not purge Kafka positions."""
+
+
+@dataclass(frozen=True)
+class Produced:
+    """One record a source stored: its key and its position (``-1``: the source has none)."""
+
+    producer: str
+    seq: int
+    resource: str
+    partition: str
+    position: int
+
+    @property
+    def key(self) -> Key:
+        return (self.producer, self.seq)
+
+
+@dataclass(frozen=True)
+class Servers:
+    """The servers a harness run uses (managed, so they can be restarted) and the PostgreSQL
+    database the sinks write to."""
+
+    postgres: PostgresServer
+    nats: NatsServer
+    kafka: KafkaServer
+    database_url: str
+
+    def server(self, name: str) -> PostgresServer | NatsServer | KafkaServer:
+        found: PostgresServer | NatsServer | KafkaServer = getattr(self, name)
+        return found
+
+
+def _run(factory: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await factory()
+
+    return asyncio.run(main())
+
+
+@asynccontextmanager
+async def _jetstream(url: str, **options: Any) -> AsyncIterator[JetStreamContext]:
+    """A JetStream context on a connection of its own, closed on exit."""
+    client = await nats.connect(url)
+    try:
+        yield client.jetstream(**options)
+    finally:
+        await client.close()
+
+
+def _record(producer: str, seq: int, first_id: int) -> bytes:
+    return json.dumps({"id": first_id + seq, "producer": producer, "seq": seq}).encode()
+
+
+# -- sources ----------------------------------------------------------------------------------------
+
+
+class SourceSide(ABC):
+    """One source of one case: named ``name``, in ``workdir`` when it needs files."""
+
+    connector: ClassVar[str]
+    label: ClassVar[str]
+    servers_used: ClassVar[tuple[str, ...]]
+
+    def __init__(self, servers: Servers, name: str, workdir: Path) -> None:
+        self.servers = servers
+        self.name = name
+        self.workdir = workdir
+
+    @abstractmethod
+    def create(self) -> None:
+        """Create the stream, topic or directory (empty)."""
+
+    @abstractmethod
+    def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
+        """Store ``count`` records of ``producer`` (sequences 0..count-1); return where they went."""
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """The connector config a user would write."""
+
+    def resources(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def recreate(self) -> None:
+        """Delete the source and create it again, empty (a new incarnation)."""
+        raise NotImplementedError(f"a {self.label} source is not recreated by this harness")
+
+    def purge(self, keep_from: int) -> None:
+        """Remove every record before position ``keep_from`` (retention)."""
+        raise NotImplementedError(f"a {self.label} source has no retention this harness can trigger")
+
+    def targets(self, produced: Sequence[Produced]) -> tuple[Target, ...]:
+        """The last position of every domain ``produced`` touched: where coverage must reach."""
+        last: dict[tuple[str, str], int] = {}
+        for item in produced:
+            where = (item.resource, item.partition)
+            last[where] = max(last.get(where, -1), item.position)
+        return tuple(
+            Target(resource, partition, position) for (resource, partition), position in last.items()
+        )
+
+
+class NatsSource(SourceSide):
+    """A JetStream stream ``name`` (subjects ``name.>``) read by the NATS stream source."""
+
+    connector = "nats"
+    label = "NATS"
+    servers_used = ("nats",)
+
+    def create(self) -> None:
+        async def create() -> None:
+            async with _jetstream(self.servers.nats.url) as js:
+                await js.add_stream(name=self.name, subjects=[f"{self.name}.>"])
+
+        _run(create)
+
+    def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
+        async def publish() -> list[PubAck]:
+            async with _jetstream(self.servers.nats.url, publish_async_max_pending=4_000) as js:
+                futures = [
+                    await js.publish_async(f"{self.name}.records", _record(producer, seq, first_id))
+                    for seq in range(count)
+                ]
+                return list(await asyncio.gather(*futures))
+
+        acks = _run(publish)
+        return [Produced(producer, seq, self.name, "", ack.seq) for seq, ack in enumerate(acks)]
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "servers": [self.servers.nats.url],
+            "stream": self.name,
+            "columns": RECORD_COLUMNS,
+            "idle_heartbeat": 0.5,
+            "request_timeout": 2.0,
+        }
+
+    def recreate(self) -> None:
+        async def recreate() -> None:
+            async with _jetstream(self.servers.nats.url) as js:
+                await js.delete_stream(self.name)
+                await js.add_stream(name=self.name, subjects=[f"{self.name}.>"])
+
+        _run(recreate)
+
+    def purge(self, keep_from: int) -> None:
+        async def purge() -> None:
+            async with _jetstream(self.servers.nats.url) as js:
+                await js.purge_stream(self.name, seq=keep_from)
+
+        _run(purge)
+
+
+class KafkaSource(SourceSide):
+    """A topic ``name`` of :data:`KAFKA_PARTITIONS` partitions read by the Kafka source."""
+
+    connector = "kafka"
+    label = "Kafka"
+    servers_used = ("kafka",)
+
+    def _admin(self) -> AdminClient:
+        return AdminClient({"bootstrap.servers": self.servers.kafka.bootstrap, "log_level": 2})
+
+    def create(self) -> None:
+        admin = self._admin()  # held until the result: a collected client cancels its requests
+        admin.create_topics([NewTopic(self.name, KAFKA_PARTITIONS, 1)])[self.name].result(timeout=30)
+
+    def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
+        stored: dict[int, tuple[int, int]] = {}
+        failures: list[KafkaError] = []
+
+        def delivered(error: KafkaError | None, message: Message) -> None:
+            if error is not None:
+                failures.append(error)
+                return
+            seq = int((message.key() or b"0").decode())
+            stored[seq] = (message.partition() or 0, message.offset() or 0)
+
+        client = Producer(
+            {
+                "bootstrap.servers": self.servers.kafka.bootstrap,
+                "linger.ms": 10,
+                "enable.idempotence": True,
+                "log_level": 2,
+            }
+        )
+        for seq in range(count):
+            while True:
+                try:
+                    client.produce(
+                        self.name,
+                        _record(producer, seq, first_id),
+                        key=str(seq).encode(),
+                        partition=seq % KAFKA_PARTITIONS,
+                        on_delivery=delivered,
+                    )
+                    break
+                except BufferError:
+                    client.poll(0.05)
+        if client.flush(60) != 0 or failures or len(stored) != count:
+            raise KafkaException(failures[0] if failures else KafkaError(KafkaError._MSG_TIMED_OUT))
+        return [
+            Produced(producer, seq, self.name, str(partition), offset)
+            for seq, (partition, offset) in sorted(stored.items())
+        ]
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "bootstrap_servers": self.servers.kafka.bootstrap,
+            "topics": [self.name],
+            "group_id": f"g_{self.name}",
+            "request_timeout": 5.0,
+            "poll_timeout": 0.2,
+        }
+
+    def recreate(self) -> None:
+        admin = self._admin()
+        admin.delete_topics([self.name])[self.name].result(timeout=30)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                admin.create_topics([NewTopic(self.name, KAFKA_PARTITIONS, 1)])[self.name].result(timeout=30)
+                return
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # the deletion is still being applied
+
+
+class FilesSource(SourceSide):
+    """A directory of JSON-lines files, one per producer, read by the files source (bounded)."""
+
+    connector = "files"
+    label = "files"
+    servers_used = ()
+
+    @property
+    def directory(self) -> Path:
+        return self.workdir / self.name
+
+    def create(self) -> None:
+        self.directory.mkdir(parents=True)
+
+    def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
+        lines = b"\n".join(_record(producer, seq, first_id) for seq in range(count))
+        (self.directory / f"{producer}.jsonl").write_bytes(lines + b"\n")
+        return [Produced(producer, seq, self.name, producer, seq) for seq in range(count)]
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "paths": [str(self.directory / "*.jsonl")],
+            "column_types": {"id": "int64", "producer": "string", "seq": "int64"},
+        }
+
+    def resources(self) -> tuple[str, ...]:
+        return ()
+
+
+# -- sinks ------------------------------------------------------------------------------------------
+
+
+class SinkSide(ABC):
+    """One destination of one case."""
+
+    connector: ClassVar[str]
+    label: ClassVar[str]
+    servers_used: ClassVar[tuple[str, ...]]
+
+    def __init__(self, servers: Servers, name: str) -> None:
+        self.servers = servers
+        self.name = name
+
+    def create(self) -> None:
+        """Create what the sink needs but does not create itself."""
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """The connector config a user would write."""
+
+    @abstractmethod
+    def read(self) -> list[Key]:
+        """Every record the destination holds, as keys, duplicates included."""
+
+
+class PostgresSinkSide(SinkSide):
+    """Table ``<name>_rows`` in the harness database (created by the sink)."""
+
+    connector = "postgres"
+    label = "PostgreSQL"
+    servers_used = ("postgres",)
+
+    @property
+    def table(self) -> str:
+        return f"{self.name}_rows"
+
+    def config(self) -> dict[str, Any]:
+        return {"url": self.servers.database_url, "table": self.table}
+
+    def read(self) -> list[Key]:
+        with psycopg.connect(self.servers.database_url, connect_timeout=10) as conn:
+            exists = conn.execute("SELECT to_regclass(%s)", (self.table,)).fetchone()
+            if exists is None or exists[0] is None:
+                return []
+            rows = conn.execute(f'SELECT producer, seq FROM "{self.table}"').fetchall()
+        return [(str(producer), int(seq)) for producer, seq in rows]
+
+
+class NatsSinkSide(SinkSide):
+    """Stream ``<name>_out`` (subject ``<name>_out.rows``) deduplicating within
+    :data:`NATS_DUPLICATE_WINDOW`, written by the NATS sink."""
+
+    connector = "nats"
+    label = "NATS"
+    servers_used = ("nats",)
+
+    @property
+    def stream(self) -> str:
+        return f"{self.name}_out"
+
+    def create(self) -> None:
+        async def create() -> None:
+            async with _jetstream(self.servers.nats.url) as js:
+                await js.add_stream(
+                    name=self.stream, subjects=[f"{self.stream}.rows"], duplicate_window=NATS_DUPLICATE_WINDOW
+                )
+
+        _run(create)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "servers": [self.servers.nats.url],
+            "stream": self.stream,
+            "subject": f"{self.stream}.rows",
+            "duplicate_window": NATS_DUPLICATE_WINDOW,
+            "watermark_bucket": f"w_{self.stream}",
+            "ack_timeout": 10.0,
+            "request_timeout": 2.0,
+        }
+
+    def read(self) -> list[Key]:
+        async def read() -> list[Key]:
+            async with _jetstream(self.servers.nats.url) as js:
+                state = (await js.stream_info(self.stream)).state
+                if not state.messages:
+                    return []
+                keys: list[Key] = []
+                sequences = range(state.first_seq, state.last_seq + 1)
+                for start in range(0, len(sequences), 500):
+                    batch = sequences[start : start + 500]
+                    messages = await asyncio.gather(*(js.get_msg(self.stream, seq) for seq in batch))
+                    for message in messages:
+                        row = json.loads(message.data or b"{}")
+                        keys.append((str(row["producer"]), int(row["seq"])))
+                return keys
+
+        return _run(read)
+
+
+# -- pairs ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A source side and a sink side in one mode; ``name`` is how the command line selects it."""
+
+    name: str
+    mode: Mode
+    source: type[SourceSide]
+    sink: type[SinkSide]
+
+    @property
+    def label(self) -> str:
+        suffix = " (bounded)" if self.mode is Mode.BOUNDED else ""
+        return f"{self.source.label} -> {self.sink.label}{suffix}"
+
+    @property
+    def servers_used(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.source.servers_used, *self.sink.servers_used)))
+
+    def plan(self, source: Endpoint, sink: Endpoint) -> Plan:
+        """What the planner promises for this pair with these configs (durable state, no dead-letter
+        route): the oracle's rule for duplicates comes from here, never from this harness."""
+        if self.mode is Mode.CONTINUOUS:
+            source_caps = get_connector(source.connector).stream_source(source.config).capabilities()
+            sink_caps = get_connector(sink.connector).streaming_sink(sink.config).capabilities()
+            return plan(source_caps, sink_caps, Mode.CONTINUOUS, WritePolicy.APPEND, durable_state=True)
+        bounded_sink = get_connector(sink.connector).sink(sink.config)
+        policy, key = bounded_sink.write_mode()
+        source_caps = get_connector(source.connector).source(source.config).capabilities()
+        return plan(source_caps, bounded_sink.capabilities(), Mode.BOUNDED, policy, key, durable_state=True)
+
+
+PAIRS: tuple[Pair, ...] = (
+    Pair("nats-postgres", Mode.CONTINUOUS, NatsSource, PostgresSinkSide),
+    Pair("kafka-postgres", Mode.CONTINUOUS, KafkaSource, PostgresSinkSide),
+    Pair("kafka-nats", Mode.CONTINUOUS, KafkaSource, NatsSinkSide),
+    Pair("nats-nats", Mode.CONTINUOUS, NatsSource, NatsSinkSide),
+    Pair("files-postgres-bounded", Mode.BOUNDED, FilesSource, PostgresSinkSide),
+    Pair("kafka-postgres-bounded", Mode.BOUNDED, KafkaSource, PostgresSinkSide),
+)
+"""Every pair the harness runs, in table order."""
+
+
+def pair_named(name: str) -> Pair:
+    for pair in PAIRS:
+        if pair.name == name:
+            return pair
+    raise KeyError(f"no pair {name!r} (pairs: {', '.join(pair.name for pair in PAIRS)})")
+
+
+__all__ = [
+    "KAFKA_PARTITIONS",
+    "KAFKA_PURGE",
+    "PAIRS",
+    "RECORD_COLUMNS",
+    "FilesSource",
+    "KafkaSource",
+    "Key",
+    "NatsSinkSide",
+    "NatsSource",
+    "Pair",
+    "PostgresSinkSide",
+    "Produced",
+    "Servers",
+    "SinkSide",
+    "SourceSide",
+    "pair_named",
+]

@@ -1,0 +1,713 @@
+"""The faults, and how one case (a pair, a fault, its parameters) runs from setup to verdict.
+
+Every case creates its own source and destination, produces records, runs a worker process with the
+fault, then (unless the fault must halt the stream) a fresh recovery worker until every produced
+record is certified, and finally asks the oracle about every key. Kinds of fault:
+
+``point``     SIGKILL (``kill``) or a clean stop (``term``: SIGTERM) at a named moment of the commit
+              order (see :data:`MOMENT_POINTS`); the acknowledgement's kill is timed to land while the
+              provider acknowledgement is in flight, the close's while the sink's close waits.
+``random``    SIGKILL or SIGTERM sent by the controller ``random_delay`` seconds after the worker's
+              ``random_after``-th step (a certified epoch, a committed page; 0: after it started).
+``zombie``    the owner SIGSTOPs itself at a named moment and stays stopped past its lease; a successor
+              takes the lease and certifies epochs; SIGCONT: the owner's commit must be fenced or
+              its certificate refused, and its acknowledgement refused (OwnershipLost, no retry).
+``restart``   the controller restarts a server while the pipeline runs. NATS and PostgreSQL keep their
+              data; the Tansu broker keeps its in memory, so its restart leaves the topic gone and the
+              stream must halt explicitly (PositionUnavailable, IncarnationChanged or ConfigError),
+              never wait or skip silently.
+``recreate``  the source is deleted and created again (new records) after the stream certified
+              everything: IncarnationChanged, no new certificate, nothing of the new records written.
+``purge``     positions after the certified one are removed (NATS purge): PositionUnavailable, no
+              new certificate, nothing written.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import IO, Any
+
+from faucet_dagster.planner import Mechanism, Plan
+from faucet_dagster.protocol import EpochCertificate, Mode
+from faucet_dagster.state import StateStore
+from faucet_dagster.testing.faults.oracle import (
+    Verdict,
+    covered,
+    duplicates_allowed,
+    foreign_incarnations,
+    judge,
+)
+from faucet_dagster.testing.faults.pairs import (
+    KAFKA_PURGE,
+    FilesSource,
+    KafkaSource,
+    Key,
+    NatsSource,
+    Pair,
+    Produced,
+    Servers,
+)
+from faucet_dagster.testing.faults.points import FAULT_POINT_ENV, Action, Arming, Point
+from faucet_dagster.testing.faults.spec import (
+    EXIT_DONE,
+    EXIT_HALTED,
+    Endpoint,
+    Event,
+    WorkerSpec,
+)
+from faucet_dagster.testing.servers import make_unique_name
+
+
+class HarnessError(Exception):
+    """The harness itself could not carry a case out (a worker hung past every deadline)."""
+
+
+class FaultKind(StrEnum):
+    POINT = "point"
+    RANDOM = "random"
+    ZOMBIE = "zombie"
+    RESTART = "restart"
+    RECREATE = "recreate"
+    PURGE = "purge"
+
+
+class Moment(StrEnum):
+    """The named moments of the commit order a point fault or a zombie stops at."""
+
+    BEFORE_COMMIT = "before_commit"
+    AFTER_COMMIT = "after_commit"
+    AFTER_CERTIFICATE = "after_certificate"
+    DURING_ACK = "during_ack"
+    DURING_COPY = "during_copy"
+    DURING_PUBLISH = "during_publish"
+    DURING_CLOSE = "during_close"
+
+
+MOMENT_POINTS: dict[tuple[Mode, str, Moment], Point] = {
+    **{
+        (Mode.CONTINUOUS, sink, moment): point
+        for sink in ("postgres", "nats")
+        for moment, point in (
+            (Moment.BEFORE_COMMIT, Point.BEFORE_SINK_COMMIT),
+            (Moment.AFTER_COMMIT, Point.AFTER_SINK_COMMIT),
+            (Moment.AFTER_CERTIFICATE, Point.AFTER_CERTIFICATE),
+            (Moment.DURING_ACK, Point.DURING_ACK),
+            (Moment.DURING_CLOSE, Point.DURING_SINK_CLOSE),
+        )
+    },
+    (Mode.CONTINUOUS, "postgres", Moment.DURING_COPY): Point.DURING_COPY,
+    (Mode.CONTINUOUS, "nats", Moment.DURING_PUBLISH): Point.AFTER_APPLY,
+    # Bounded: a page's COPY is the last statement of its transaction; the bookmark persisted by the
+    # caller (Dagster's run storage) plays the certificate; there is no acknowledgement.
+    (Mode.BOUNDED, "postgres", Moment.BEFORE_COMMIT): Point.AFTER_COPY,
+    (Mode.BOUNDED, "postgres", Moment.DURING_COPY): Point.DURING_COPY,
+    (Mode.BOUNDED, "postgres", Moment.AFTER_COMMIT): Point.AFTER_PAGE,
+    (Mode.BOUNDED, "postgres", Moment.AFTER_CERTIFICATE): Point.AFTER_BOOKMARK,
+    (Mode.BOUNDED, "postgres", Moment.DURING_CLOSE): Point.DURING_SINK_CLOSE,
+}
+"""The fault point each moment arms, per mode and sink connector (absent: not applicable)."""
+
+ONCE_PER_RUN = frozenset({Point.AFTER_BOOKMARK, Point.DURING_SINK_CLOSE})
+"""Points a worker reaches once: they are always armed for their first hit."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: its kind, and the action, moment or server it needs."""
+
+    kind: FaultKind
+    action: Action | None = None
+    moment: Moment | None = None
+    server: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kind is FaultKind.POINT:
+            return f"{self.action}@{self.moment}"
+        if self.kind is FaultKind.RANDOM:
+            return f"{self.action}@random"
+        if self.kind is FaultKind.ZOMBIE:
+            return f"zombie@{self.moment}"
+        if self.kind is FaultKind.RESTART:
+            return f"restart {self.server}"
+        return f"{self.kind} source"
+
+
+def point_for(pair: Pair, moment: Moment) -> Point | None:
+    return MOMENT_POINTS.get((pair.mode, pair.sink.connector, moment))
+
+
+def named_faults(pair: Pair) -> list[Fault]:
+    """Every fault that applies to ``pair``, each once: the suite's battery."""
+    faults = [
+        Fault(FaultKind.POINT, action, moment)
+        for moment in Moment
+        if point_for(pair, moment) is not None
+        for action in (Action.KILL, Action.TERM)
+    ]
+    faults += [Fault(FaultKind.RANDOM, action) for action in (Action.KILL, Action.TERM)]
+    if pair.mode is Mode.CONTINUOUS:
+        faults += [
+            Fault(FaultKind.ZOMBIE, Action.STOP, moment)
+            for moment in (Moment.BEFORE_COMMIT, Moment.AFTER_CERTIFICATE)
+        ]
+    faults += [Fault(FaultKind.RESTART, server=server) for server in pair.servers_used]
+    if pair.source is not FilesSource:
+        faults.append(Fault(FaultKind.RECREATE))
+    if pair.source is NatsSource:
+        faults.append(Fault(FaultKind.PURGE))
+    return faults
+
+
+def not_applicable(pair: Pair) -> list[tuple[str, str]]:
+    """Faults left out for ``pair`` and why (the harness's table notes)."""
+    if pair.source is KafkaSource:
+        return [("purge source", KAFKA_PURGE)]
+    return []
+
+
+@dataclass(frozen=True)
+class CaseParams:
+    """The knobs of one case: records produced, epoch (or page) size, which hit of a point fires,
+    when a random signal is sent (``random_delay`` seconds after ``random_after`` certified epochs or
+    committed pages; 0: after the worker started), how long after the authority check the
+    acknowledgement's kill lands, after how many epochs (pages) a server restarts, the
+    lease a worker holds and how long a worker may run."""
+
+    records: int = 2_000
+    epoch_records: int = 400
+    hit: int = 2
+    random_after: int = 1
+    random_delay: float = 0.0
+    kill_delay: float = 0.0
+    restart_after: int = 2
+    lease_seconds: float = 2.0
+    worker_deadline: float = 60.0
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """The verdict on one case; ``passed`` when nothing was lost, nothing unexpected found, no
+    duplicate beyond what the plan allows, and the stream halted (or recovered) as it should."""
+
+    pair: str
+    fault: str
+    params: CaseParams
+    delivery: str
+    duplicates_allowed: bool
+    verdict: Verdict
+    fired: bool
+    halted_correctly: bool
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "passed": self.passed}
+
+    @property
+    def passed(self) -> bool:
+        verdict = self.verdict
+        return (
+            verdict.lost == 0
+            and verdict.unexpected == 0
+            and (verdict.duplicated == 0 or self.duplicates_allowed)
+            and self.halted_correctly
+        )
+
+
+# -- worker processes -----------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """A fault worker process, its events (read on a thread) and its stderr log."""
+
+    def __init__(self, spec: WorkerSpec, arming: Arming | None, log: Path) -> None:
+        env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
+        if arming is not None:
+            env[FAULT_POINT_ENV] = arming.to_env()
+        self.spec = spec
+        self.log = log
+        self._stderr: IO[bytes] = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "faucet_dagster.testing.faults.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env,
+            start_new_session=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(spec.to_json().encode())
+        self.proc.stdin.close()
+        self.events: list[Event] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[bytes]) -> None:
+        with self.log.with_suffix(".events").open("wb") as copy:
+            for line in stream:
+                copy.write(line)
+                with contextlib.suppress(ValueError, KeyError):
+                    event = Event.from_line(line.decode())
+                    with self._changed:
+                        self.events.append(event)
+                        self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, wanted: Callable[[Event], bool], timeout: float) -> Event | None:
+        """The first event ``wanted`` accepts, waiting up to ``timeout`` seconds (None: none came)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = next((event for event in self.events if wanted(event)), None)
+                left = deadline - time.monotonic()
+                if found is not None or left <= 0 or not self._reader.is_alive():
+                    return found
+                self._changed.wait(left)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code (negative: the signal that ended it); HarnessError after ``timeout``."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise HarnessError(f"worker {self.spec.worker_id} did not exit within {timeout:.0f}s") from None
+        self._reader.join(10)
+        return code
+
+    def send(self, sig: signal.Signals) -> bool:
+        """Send ``sig`` while the process runs; False when it had already exited."""
+        if self.proc.poll() is not None:
+            return False
+        self.proc.send_signal(sig)
+        return True
+
+    def is_stopped(self) -> bool:
+        """True while the process is stopped (SIGSTOP)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+    def error(self) -> Event | None:
+        return next((event for event in reversed(self.events) if event.event == "error"), None)
+
+    def count(self, *names: str) -> int:
+        return sum(1 for event in self.events if event.event in names)
+
+    def tail(self) -> str:
+        """The last lines of the worker's stderr (tracebacks, warnings)."""
+        self._stderr.flush()
+        lines = self.log.read_text(errors="replace").splitlines()
+        return " | ".join(lines[-6:])
+
+    def close(self) -> None:
+        """Kill the process if it still runs (a stopped one is continued first) and release files."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.send_signal(signal.SIGCONT)
+            self.proc.wait(30)
+        self._reader.join(10)
+        self._stderr.close()
+
+
+# -- one case -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    """What a fault's run established, for the verdict."""
+
+    fired: bool
+    halted_correctly: bool
+    must: set[Key]
+    may: set[Key]
+    notes: list[str] = field(default_factory=list)
+
+
+class Case:
+    """One pair under one fault: its names, servers, files, workers and records."""
+
+    def __init__(self, servers: Servers, root: Path, pair: Pair, params: CaseParams) -> None:
+        self.servers = servers
+        self.pair = pair
+        self.params = params
+        self.name = make_unique_name("f", pair.name)
+        self.dir = root / self.name
+        self.dir.mkdir(parents=True)
+        self.source = pair.source(servers, self.name, self.dir)
+        self.sink = pair.sink(servers, self.name)
+        self.state_url = f"sqlite:///{self.dir / 'state.db'}"
+        self.report = self.dir / "fault-report.jsonl"
+        self.produced: list[Produced] = []
+        self._workers: list[WorkerProcess] = []
+        self._next_id = 0
+
+    # -- setup and reading back -----------------------------------------------------------------
+
+    def prepare(self) -> None:
+        self.source.create()
+        self.sink.create()
+
+    def produce(self, producer: str, count: int) -> list[Produced]:
+        produced = self.source.produce(producer, count, self._next_id)
+        self._next_id += count
+        self.produced += produced
+        return produced
+
+    def endpoints(self) -> tuple[Endpoint, Endpoint]:
+        return (
+            Endpoint(self.source.connector, self.source.config()),
+            Endpoint(self.sink.connector, self.sink.config()),
+        )
+
+    def plan(self) -> Plan:
+        return self.pair.plan(*self.endpoints())
+
+    def certificates(self) -> list[EpochCertificate]:
+        if self.pair.mode is Mode.BOUNDED:
+            return []
+        with StateStore(self.state_url) as store:
+            return store.certificates(self.name)
+
+    def release(self) -> None:
+        """The operator's ``faucet streams release``: after checking the destination, clear the
+        uncertain flag (the oracle checks the destination at the end)."""
+        with StateStore(self.state_url) as store:
+            store.release(self.name)
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def spec(self, worker: str, **overrides: Any) -> WorkerSpec:
+        source, sink = self.endpoints()
+        params = self.params
+        spec = WorkerSpec(
+            mode="continuous" if self.pair.mode is Mode.CONTINUOUS else "bounded",
+            stream=self.name,
+            worker_id=f"{worker}-{self.name}",
+            source=source,
+            sink=sink,
+            resources=self.source.resources(),
+            state_url=self.state_url,
+            epoch_records=params.epoch_records,
+            batch_rows=params.epoch_records,
+            lease_seconds=params.lease_seconds,
+            targets=self.source.targets(self.produced),
+            deadline_seconds=params.worker_deadline,
+            bookmark_file=str(self.dir / "run-storage.json"),
+            batch_size=params.epoch_records,
+        )
+        return replace(spec, **overrides)
+
+    def start(self, spec: WorkerSpec, arming: Arming | None = None) -> WorkerProcess:
+        worker = WorkerProcess(spec, arming, self.dir / f"{spec.worker_id}.stderr")
+        self._workers.append(worker)
+        return worker
+
+    def arming(self, point: Point, action: Action, hit: int | None = None, delay: float = 0.0) -> Arming:
+        if hit is None:
+            hit = 1 if point in ONCE_PER_RUN else self.params.hit
+        return Arming(point, hit, action, delay, str(self.report))
+
+    def fired(self) -> bool:
+        return self.report.exists() and bool(self.report.read_text().strip())
+
+    def finish(self, worker: WorkerProcess) -> int:
+        return worker.wait(self.params.worker_deadline + 30)
+
+    def recover(self, notes: list[str]) -> bool:
+        """A fresh worker, without faults, until every produced record is certified (or synced).
+
+        A stream left uncertain is released by the operator (noted) and the recovery run again.
+        """
+        for attempt in range(3):
+            worker = self.start(self.spec(f"recovery{attempt}"))
+            code = self.finish(worker)
+            if code == EXIT_DONE:
+                return True
+            error = worker.error()
+            if code == EXIT_HALTED and error is not None and error.data.get("kind") == "uncertain_outcome":
+                notes.append(f"operator released an uncertain stream: {error.data.get('message')}")
+                self.release()
+                continue
+            notes.append(f"recovery ended with {code}: {_describe(error) or worker.tail()}")
+            return False
+        return False
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.close()
+
+
+def _describe(error: Event | None) -> str:
+    if error is None:
+        return ""
+    return f"{error.data.get('type')}: {error.data.get('message')}"
+
+
+def _all(produced: Iterable[Produced]) -> set[Key]:
+    return {item.key for item in produced}
+
+
+def _recovered(case: Case, fired: bool, halted: bool, notes: list[str]) -> _Outcome:
+    recovered = case.recover(notes)
+    everything = _all(case.produced)
+    return _Outcome(fired, halted and recovered, everything, everything, notes)
+
+
+def _point(case: Case, fault: Fault) -> _Outcome:
+    assert fault.moment is not None and fault.action is not None
+    point = point_for(case.pair, fault.moment)
+    assert point is not None
+    action, spec = fault.action, case.spec("w1")
+    if point is Point.DURING_ACK and action is Action.KILL:
+        action = Action.KILL_SOON  # lands while the provider acknowledgement is in flight
+    if point is Point.DURING_SINK_CLOSE and case.pair.mode is Mode.CONTINUOUS:
+        # Stop part-way after some epochs: the close then follows an aborted epoch.
+        spec = replace(spec, stop_after_epochs=case.params.hit)
+    worker = case.start(spec, case.arming(point, action, delay=case.params.kill_delay))
+    code = case.finish(worker)
+    fired = case.fired()
+    notes: list[str] = []
+    if not fired:
+        notes.append(f"the point {point} was not reached (exit {code})")
+    expected = -signal.SIGKILL if action in (Action.KILL, Action.KILL_SOON) else EXIT_DONE
+    if code != expected:
+        notes.append(
+            f"the faulted worker exited with {code}, expected {expected}: {_describe(worker.error())}"
+        )
+    return _recovered(case, fired, fired and code == expected, notes)
+
+
+def _random(case: Case, fault: Fault) -> _Outcome:
+    worker = case.start(case.spec("w1"))
+    notes: list[str] = []
+    after = case.params.random_after
+
+    def progressed(event: Event) -> bool:
+        return event.event == "started" if after == 0 else worker.count("certified", "page") >= after
+
+    if worker.wait_for(progressed, case.params.worker_deadline) is None:
+        notes.append(f"the worker did not make {after} steps: {_describe(worker.error()) or worker.tail()}")
+    time.sleep(case.params.random_delay)
+    sig = signal.SIGKILL if fault.action is Action.KILL else signal.SIGTERM
+    fired = worker.send(sig)
+    code = case.finish(worker)
+    if code == EXIT_DONE and worker.count("done"):
+        fired = False  # it was exiting when the signal was sent
+    expected = (-signal.SIGKILL if sig is signal.SIGKILL else EXIT_DONE) if fired else EXIT_DONE
+    if not fired:
+        notes.append(f"the worker finished before the {sig.name}")
+    if code != expected:
+        notes.append(f"the worker exited with {code}, expected {expected}: {_describe(worker.error())}")
+    return _recovered(case, fired, code == expected, notes)
+
+
+def _zombie(case: Case, fault: Fault) -> _Outcome:
+    assert fault.moment is not None
+    point = point_for(case.pair, fault.moment)
+    assert point is not None
+    notes: list[str] = []
+    owner = case.start(case.spec("zombie", retry_ownership=False), case.arming(point, Action.STOP))
+    deadline = time.monotonic() + case.params.worker_deadline
+    while not (case.fired() and owner.is_stopped()):
+        if owner.proc.poll() is not None or time.monotonic() > deadline:
+            notes.append(f"the owner never stopped at {point} (exit {owner.proc.poll()}): {owner.tail()}")
+            return _recovered(case, False, False, notes)
+        time.sleep(0.02)
+    time.sleep(case.params.lease_seconds + 0.3)  # past the owner's lease
+    certified_before = owner.count("certified")  # every event it wrote before stopping is read by now
+    successor = case.start(case.spec("successor", stop_after_epochs=2))
+    successor_code = case.finish(successor)
+    took_over = successor_code == EXIT_DONE and successor.count("certified") > 0
+    if not took_over:
+        notes.append(f"the successor exited with {successor_code}: {_describe(successor.error())}")
+    owner.send(signal.SIGCONT)
+    owner_code = case.finish(owner)
+    error = owner.error()
+    refused = owner_code == EXIT_HALTED and error is not None and error.data.get("kind") == "ownership_lost"
+    if not refused:
+        notes.append(f"the resumed owner exited with {owner_code}: {_describe(error) or owner.tail()}")
+    if owner.count("certified") > certified_before:
+        notes.append("the resumed owner certified an epoch after its lease expired")
+        refused = False
+    return _recovered(case, True, took_over and refused, notes)
+
+
+def _restart(case: Case, fault: Fault) -> _Outcome:
+    assert fault.server is not None
+    notes: list[str] = []
+    # Small epochs (pages), so the restart lands while many are still to come.
+    small = max(50, case.params.records // 20)
+    worker = case.start(case.spec("w1", epoch_records=small, batch_rows=small, batch_size=small))
+    progress = "certified" if case.pair.mode is Mode.CONTINUOUS else "page"
+    reached = worker.wait_for(
+        lambda event: event.event == progress and worker.count(progress) >= case.params.restart_after,
+        case.params.worker_deadline,
+    )
+    fired = reached is not None and worker.proc.poll() is None
+    if not fired:
+        notes.append(f"the worker finished before the restart ({worker.count(progress)} {progress} events)")
+    server = case.servers.server(fault.server)
+    if fault.server == "kafka":
+        server.kill()  # its storage is in memory: a graceful stop would lose the same
+    server.restart()
+    code = case.finish(worker)
+    if fault.server != "kafka":
+        if code != EXIT_DONE:
+            error = worker.error()
+            notes.append(f"the worker ended with {code} after the restart: {_describe(error)}")
+        return _recovered(case, fired, True, notes)
+    if code == EXIT_DONE:
+        # Everything was read before the broker went away (the client fetches ahead): nothing was
+        # left to skip, and every record must have arrived.
+        notes.append("the worker finished from what it had fetched before the broker restarted")
+        return _Outcome(fired, True, _all(case.produced), _all(case.produced), notes)
+    # The in-memory broker lost the topic: the stream must halt explicitly. A bounded sync that did
+    # not finish promised nothing; a continuous stream promised what its certificates cover.
+    must: set[Key] | None = set() if case.pair.mode is Mode.BOUNDED else None
+    kinds = {"position_unavailable", "incarnation_changed", "config"}
+    return _halted(case, worker, code, fired, kinds, notes, must=must, universe=_all(case.produced))
+
+
+def _halted(
+    case: Case,
+    worker: WorkerProcess,
+    code: int,
+    fired: bool,
+    kinds: set[str],
+    notes: list[str],
+    *,
+    must: set[Key] | None,
+    universe: set[Key],
+    before: list[EpochCertificate] | None = None,
+) -> _Outcome:
+    """The outcome of a fault that must halt the stream with an error of one of ``kinds``, adding no
+    certificate (when ``before`` is given).
+
+    ``must`` is what the destination must hold (``None``: what the certificates cover). A sink with
+    an atomic watermark must hold exactly that; one that cannot take back what it accepted (NATS)
+    may also hold records of ``universe`` (read before the halt, never certified).
+    """
+    error = worker.error()
+    halted = code == EXIT_HALTED and error is not None and error.data.get("kind") in kinds
+    if not halted:
+        notes.append(f"expected a halt with {sorted(kinds)}, got exit {code}: {_describe(error)}")
+    certificates = case.certificates()
+    if before is not None and len(certificates) != len(before):
+        notes.append(f"{len(certificates) - len(before)} certificate(s) were added after the fault")
+        halted = False
+    foreign = foreign_incarnations(certificates)
+    if foreign:
+        notes.append(f"certified in two incarnations: {', '.join(foreign)}")
+        halted = False
+    if must is None:
+        must = covered(certificates, case.produced)
+    exact = Mechanism.ATOMIC_WATERMARK in case.plan().mechanisms
+    return _Outcome(fired, halted, must, must if exact else must | universe, notes)
+
+
+def _first_run(case: Case, notes: list[str]) -> tuple[list[EpochCertificate], set[Key]]:
+    """Run the stream over everything produced so far; return its certificates and the keys."""
+    first = case.start(case.spec("w1"))
+    if case.finish(first) != EXIT_DONE:
+        notes.append(f"the first run did not finish: {_describe(first.error())}")
+    return case.certificates(), _all(case.produced)
+
+
+def _recreate(case: Case, fault: Fault) -> _Outcome:
+    notes: list[str] = []
+    before, stored = _first_run(case, notes)
+    case.source.recreate()
+    case.produce("p2", max(100, case.params.records // 4))
+    worker = case.start(case.spec("w2"))
+    code = case.finish(worker)
+    # The first run certified (or synced) everything of the old incarnation; nothing new may land.
+    return _halted(
+        case, worker, code, True, {"incarnation_changed"}, notes, must=stored, universe=stored, before=before
+    )
+
+
+def _purge(case: Case, fault: Fault) -> _Outcome:
+    notes: list[str] = []
+    before, stored = _first_run(case, notes)
+    later = case.produce("p2", max(100, case.params.records // 4))
+    case.source.purge(later[0].position + 1)  # the first position after the certified one is gone
+    worker = case.start(case.spec("w2"))
+    code = case.finish(worker)
+    return _halted(
+        case, worker, code, True, {"position_unavailable"}, notes, must=stored, universe=stored, before=before
+    )
+
+
+_RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
+    FaultKind.POINT: _point,
+    FaultKind.RANDOM: _random,
+    FaultKind.ZOMBIE: _zombie,
+    FaultKind.RESTART: _restart,
+    FaultKind.RECREATE: _recreate,
+    FaultKind.PURGE: _purge,
+}
+
+
+def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: CaseParams) -> CaseResult:
+    """Run ``fault`` on a fresh instance of ``pair`` under ``root`` and judge every record."""
+    started = time.monotonic()
+    case = Case(servers, root, pair, params)
+    plan = case.plan()
+    try:
+        case.prepare()
+        case.produce("p1", params.records)
+        try:
+            outcome = _RUNNERS[fault.kind](case, fault)
+        except HarnessError as exc:
+            outcome = _Outcome(False, False, _all(case.produced), _all(case.produced), [str(exc)])
+        found = case.sink.read()
+    finally:
+        case.close()
+    seconds = time.monotonic() - started
+    verdict = judge(outcome.must, outcome.may, found)
+    result = CaseResult(
+        pair=pair.name,
+        fault=fault.name,
+        params=params,
+        delivery=plan.delivery.value,
+        duplicates_allowed=duplicates_allowed(plan, seconds),
+        verdict=verdict,
+        fired=outcome.fired,
+        halted_correctly=outcome.halted_correctly,
+        seconds=seconds,
+        notes=tuple(outcome.notes),
+    )
+    (case.dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
+    return result
+
+
+__all__ = [
+    "MOMENT_POINTS",
+    "Case",
+    "CaseParams",
+    "CaseResult",
+    "Fault",
+    "FaultKind",
+    "HarnessError",
+    "Moment",
+    "WorkerProcess",
+    "named_faults",
+    "not_applicable",
+    "point_for",
+    "run_case",
+]

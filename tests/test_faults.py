@@ -1,0 +1,149 @@
+"""Crash and recover: every named fault once per pair, on the real servers, judged record by record.
+
+Each case runs a real pipeline in a worker process (the continuous runner the sensor uses, or a
+bounded sync), breaks it (see :mod:`faucet_dagster.testing.faults.scenarios`), recovers it with a
+fresh worker where the fault allows, and asks the oracle about every produced key. The randomized
+schedule runs outside the suite: ``python -m faucet_dagster.testing.faults --pairs all
+--iterations 200 --seed 7``.
+
+The regressions at the end pin the bugs the harness found, each at the component that had it.
+"""
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import nats
+import pyarrow as pa
+import pytest
+from faucet_nats.sink import NatsStreamingSink
+from faucet_nats.sink_config import NatsSinkConfig
+from test_state_store import certificate
+
+from faucet_dagster.protocol import (
+    Coverage,
+    DomainCoverage,
+    EpochId,
+    Identities,
+    OrderingDomain,
+    OwnershipLost,
+    SinkBatch,
+    WorkerIdentity,
+    WritePolicy,
+)
+from faucet_dagster.state import StateStore
+from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
+from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers
+from faucet_dagster.testing.faults.scenarios import CaseParams, Fault, FaultKind, named_faults, run_case
+
+CASES = [(pair, fault) for pair in PAIRS for fault in named_faults(pair)]
+
+
+@pytest.fixture(scope="module")
+def servers(
+    postgres_server: PostgresServer, nats_server: NatsServer, kafka_server: KafkaServer
+) -> Iterator[Servers]:
+    """The session's servers (restart faults restart them) and a database for the sinks."""
+    name = make_unique_name("faults")
+    yield Servers(postgres_server, nats_server, kafka_server, postgres_server.create_database(name))
+    postgres_server.start()
+    postgres_server.drop_database(name)
+
+
+@pytest.mark.parametrize(
+    ("pair", "fault"), CASES, ids=[f"{pair.name}:{fault.name.replace(' ', '_')}" for pair, fault in CASES]
+)
+def test_every_record_survives_the_fault_or_the_stream_halts_explicitly(
+    servers: Servers, tmp_path: Path, pair: Pair, fault: Fault
+) -> None:
+    result = run_case(servers, tmp_path, pair, fault, CaseParams(records=2_000))
+    assert result.fired, f"the fault did not happen as scheduled: {result.notes}"
+    assert result.halted_correctly, result.notes
+    verdict = result.verdict
+    assert verdict.lost == 0 and verdict.unexpected == 0, verdict
+    if not result.duplicates_allowed:
+        assert verdict.duplicated == 0, verdict
+    if fault.kind not in (FaultKind.RESTART, FaultKind.RECREATE, FaultKind.PURGE):
+        assert verdict.records == 2_000 and verdict.found >= 2_000, verdict
+    assert result.passed
+
+
+# -- regressions found by the harness ---------------------------------------------------------------
+
+DOMAIN = OrderingDomain("kafka", "orders", "0", "cluster:topic", "kafka.offset")
+
+
+def sink_batch(epoch: EpochId, start: int, count: int) -> SinkBatch:
+    rows = pa.RecordBatch.from_pylist([{"id": i} for i in range(start, start + count)])
+    return SinkBatch(epoch, "orders", DOMAIN, rows, Identities([str(i) for i in range(start, start + count)]))
+
+
+def test_a_worker_that_lost_its_lease_cannot_move_the_nats_sink_watermark_back(
+    nats_url: str, unique_name: Callable[..., str]
+) -> None:
+    """Found by zombie@before_commit on Kafka -> NATS: the resumed owner's commit overwrote its
+    successor's watermark with an older epoch, so the next worker's reconciliation refused the
+    stream (IntegrityError: the destination behind its certificates)."""
+    target = unique_name("out")
+    config = NatsSinkConfig(
+        servers=(nats_url,),
+        stream=target,
+        subject=f"{target}.rows",
+        duplicate_window=60,
+        watermark_bucket=f"w_{target}",
+    )
+
+    async def scenario() -> None:
+        client = await nats.connect(nats_url)
+        try:
+            await client.jetstream().add_stream(name=target, subjects=[f"{target}.rows"], duplicate_window=60)
+        finally:
+            await client.close()
+        sink = NatsStreamingSink(config)
+        old = await sink.open("s", WritePolicy.APPEND, (), WorkerIdentity("old", 1))
+        new = await sink.open("s", WritePolicy.APPEND, (), WorkerIdentity("new", 2))
+        try:
+            first = EpochId("s", 1, 1)
+            await old.begin_epoch(first)
+            await old.apply(first, sink_batch(first, 0, 10))
+            await old.commit_epoch(first, Coverage((DomainCoverage(DOMAIN, None, "9"),)))
+            # The old worker starts epoch 2, then stalls; its successor commits epochs 2 and 3.
+            stale = EpochId("s", 2, 1)
+            await old.begin_epoch(stale)
+            await old.apply(stale, sink_batch(stale, 10, 10))
+            for sequence, start in ((2, 10), (3, 20)):
+                epoch = EpochId("s", sequence, 2)
+                await new.begin_epoch(epoch)
+                await new.apply(epoch, sink_batch(epoch, start, 10))
+                await new.commit_epoch(
+                    epoch, Coverage((DomainCoverage(DOMAIN, str(start - 1), str(start + 9)),))
+                )
+            with pytest.raises(OwnershipLost, match="fencing token 2"):
+                await old.commit_epoch(stale, Coverage((DomainCoverage(DOMAIN, "9", "19"),)))
+            await old.abort_epoch(stale)
+            state = await new.last_committed()
+            assert state is not None and state.epoch == EpochId("s", 3, 2)
+            assert [position.value for position in state.watermarks] == ["29"]
+        finally:
+            await old.close_session()
+            await new.close_session()
+
+    asyncio.run(scenario())
+
+
+def test_a_certificate_of_a_worker_that_lost_its_lease_is_refused_as_ownership_lost(tmp_path: Path) -> None:
+    """Found by zombie@before_commit on Kafka -> NATS: the resumed owner's certificate for an epoch
+    its successor had certified was refused as an IntegrityError (a conflict), which a sensor tick
+    reports as a broken stream, instead of OwnershipLost (another worker runs the stream)."""
+    with StateStore(f"sqlite:///{tmp_path / 'state.db'}") as store:
+        old = store.acquire_lease("s", "old", 0.2)
+        assert store.append_certificate(certificate(old, 1, None, "9"), old)
+        time.sleep(0.3)
+        new = store.acquire_lease("s", "new", 30)
+        assert store.append_certificate(certificate(new, 2, "9", "19"), new)
+        with pytest.raises(OwnershipLost, match="leased to new"):
+            store.append_certificate(certificate(old, 2, "9", "15"), old)
+        with pytest.raises(OwnershipLost, match="leased to new"):
+            store.append_certificate(certificate(old, 3, "15", "20"), old)
+        assert [(c.sequence, c.worker) for c in store.certificates("s")] == [(1, "old"), (2, "new")]

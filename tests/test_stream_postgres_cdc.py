@@ -1,0 +1,550 @@
+"""PostgreSQL change data capture into another PostgreSQL database (APPLY_CHANGES), end to end.
+
+Real PostgreSQL with ``wal_level=logical``: the source is the test's database, the replica a second
+database on the same server. Changes flow through the real connectors, the continuous runner and the
+Dagster sensor's ticks. What holds:
+
+* a workload of mixed transactions (multi-row, multi-table, the same keys updated and deleted, key
+  changes, unchanged TOASTed values, a 100,000-row transaction) leaves the replica equal to the source,
+  row by row, and every certificate ends at a source transaction's commit;
+* a worker process SIGKILLed in the middle of a large transaction leaves none of it visible, and the
+  worker that takes over after the lease expires replicates it once;
+* a slot advanced out of band, dropped, or created again is an explicit error and nothing is written;
+* the snapshot mode seeds a new replica from existing rows under concurrent writes, without a gap or an
+  overlap (no change reaches a key the replica lacks, no insert a key it has).
+"""
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import psycopg
+import pytest
+from dagster._core.definitions.sensor_definition import SensorExecutionData
+from faucet_postgres import pgoutput
+from faucet_postgres.codecs import PostgresLsnCodec
+from stream_ticks import chained_ends
+
+from faucet_dagster.cli import main
+from faucet_dagster.protocol import (
+    EpochCertificate,
+    IncarnationChanged,
+    PositionUnavailable,
+    ReadLimits,
+    WritePolicy,
+)
+from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
+from faucet_dagster.runner.continuous import StreamRunner
+from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
+from faucet_dagster.state import StateStore
+from faucet_dagster.testing import PostgresServer
+
+ORDERS = (
+    "CREATE TABLE orders (id int PRIMARY KEY, status text NOT NULL, total numeric(10,2), meta jsonb, "
+    "placed timestamptz)"
+)
+LINES = "CREATE TABLE lines (order_id int, line int, qty int, PRIMARY KEY (order_id, line))"
+DOCS = "CREATE TABLE docs (id int PRIMARY KEY, title text, body text)"
+KEYS = {"orders": "id", "lines": "order_id, line", "docs": "id"}
+WORKER = Path(__file__).with_name("cdc_worker.py")
+LSN = PostgresLsnCodec()
+
+
+class Replication:
+    """One test's source database, slot and publication, replica database and state store."""
+
+    def __init__(self, source_url: str, target_url: str, name: str, tmp_path: Path) -> None:
+        self.source_url = source_url
+        self.target_url = target_url
+        self.name = name
+        self.slot = name
+        self.state_url = f"sqlite:///{tmp_path / 'faucet_state.db'}"
+        self.store = StateStore(self.state_url)
+
+    def source_config(self, tables: Sequence[str], **extra: Any) -> dict[str, Any]:
+        return {
+            "url": self.source_url,
+            "slot": self.slot,
+            "publication": f"{self.slot}_pub",
+            "tables": [f"public.{table}" for table in tables],
+            "heartbeat_interval": 0,
+            "poll_interval": 0.05,
+            **extra,
+        }
+
+    def sink_config(self, tables: Sequence[str]) -> dict[str, Any]:
+        return {"url": self.target_url, "tables": {f"public.{table}": table for table in tables}}
+
+    def stream(self, tables: Sequence[str], *, lease_seconds: float = 60, **source: Any) -> FaucetStream:
+        return FaucetStream(
+            name=self.name,
+            source=FaucetEndpoint(
+                FaucetConnection(connector="postgres", config=self.source_config(tables, **source))
+            ),
+            sink=FaucetEndpoint(FaucetConnection(connector="postgres", config=self.sink_config(tables))),
+            resources=tuple(f"public.{table}" for table in tables),
+            policy=WritePolicy.APPLY_CHANGES,
+            limits=ReadLimits(records=20_000, idle=0.3),
+            lease_seconds=lease_seconds,
+            state_url=self.state_url,
+        )
+
+    def runner(self, tables: Sequence[str], worker: str) -> StreamRunner:
+        return StreamRunner(self.stream(tables).build_spec(), self.store, worker_id=worker)
+
+    def execute(self, *statements: str, url: str | None = None) -> list[tuple[Any, ...]]:
+        """Run ``statements`` in one transaction of the source (or ``url``); the last one's rows."""
+        with psycopg.connect(url or self.source_url) as conn:
+            rows: list[tuple[Any, ...]] = []
+            for statement in statements:
+                cursor = conn.execute(statement)
+                rows = cursor.fetchall() if cursor.description else []
+            return rows
+
+    def rows(self, table: str, url: str) -> list[tuple[Any, ...]]:
+        return self.execute(f"SELECT * FROM {table} ORDER BY {KEYS[table]}", url=url)
+
+    def assert_identical(self, tables: Sequence[str]) -> None:
+        for table in tables:
+            source, target = self.rows(table, self.source_url), self.rows(table, self.target_url)
+            assert len(target) == len(source), (
+                f"{table}: {len(target)} rows replicated, {len(source)} in the source"
+            )
+            assert target == source, f"{table} differs from the source"
+
+
+@pytest.fixture
+def replication(
+    postgres_url: str, postgres_server: PostgresServer, unique_name: Callable[..., str], tmp_path: Path
+) -> Iterator[Replication]:
+    replica = unique_name("replica")
+    created = Replication(
+        postgres_url, postgres_server.create_database(replica), unique_name("cdc"), tmp_path
+    )
+    yield created
+    close_cached_streams()
+    created.store.close()
+    postgres_server.drop_database(replica)
+
+
+class Ticker:
+    """Sensor ticks of one stream on one Dagster instance, the cursor carried from tick to tick."""
+
+    def __init__(self, stream: FaucetStream, instance: dg.DagsterInstance, budget: float) -> None:
+        self.sensor = faucet_stream_sensor(stream, budget_seconds=budget)
+        self.instance = instance
+        self.cursor: str | None = None
+        self.reported: list[int] = []
+
+    def tick(self) -> SensorExecutionData:
+        result = self.sensor.evaluate_tick(
+            dg.build_sensor_context(instance=self.instance, cursor=self.cursor)
+        )
+        self.cursor = result.cursor
+        for event in result.asset_events:
+            if isinstance(event, dg.AssetMaterialization):
+                assert event.metadata["faucet/delivery"].value == "effectively_once"
+                self.reported.append(int(str(event.metadata["faucet/sequence"].value)))
+        return result
+
+    def until_caught_up(self, limit: int = 10) -> None:
+        """Tick until a tick certifies nothing new."""
+        for _ in range(limit):
+            if not self.tick().asset_events:
+                return
+        raise AssertionError(f"the stream did not catch up in {limit} ticks")
+
+
+def commit_positions(url: str, slot: str, publication: str) -> tuple[list[str], int]:
+    """The commit LSNs of the transactions ``slot`` (an observer slot, never consumed) holds, and how
+    many change rows they make (an update that changes the key is a delete and an insert)."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
+            "'publication_names', %s)",
+            (slot, publication),
+        ).fetchall()
+    commits: list[str] = []
+    changes = 0
+    for (data,) in rows:
+        message = pgoutput.decode(bytes(data))
+        if isinstance(message, pgoutput.Commit):
+            commits.append(LSN.canonicalize(message.commit_lsn))
+        elif isinstance(message, pgoutput.Insert | pgoutput.Delete):
+            changes += 1
+        elif isinstance(message, pgoutput.Update):
+            changes += 2 if message.old_kind == "K" else 1
+    return commits, changes
+
+
+def chained(certificates: Sequence[EpochCertificate]) -> None:
+    """Sequences 1..n, each coverage starting where the previous one ended, receipts adding up."""
+    assert [certificate.sequence for certificate in certificates] == list(range(1, len(certificates) + 1))
+    chained_ends(certificates)
+    for certificate in certificates:
+        handled = sum(receipt.rows_written + receipt.rows_skipped for receipt in certificate.receipts)
+        assert handled == sum(certificate.row_counts.values()), certificate.sequence
+
+
+def consistent(certificates: Sequence[EpochCertificate]) -> None:
+    """No receipt saw a change of a key the replica lacked or an insert of a key it had."""
+    for certificate in certificates:
+        for receipt in certificate.receipts:
+            if receipt.rows_written:
+                assert receipt.details["unexpected_inserts"] == "0", (certificate.sequence, receipt)
+                assert receipt.details["unexpected_changes"] == "0", (certificate.sequence, receipt)
+
+
+def random_transactions(replication: Replication, seed: int, count: int) -> None:
+    """``count`` small transactions of inserts, updates, deletes and key changes over a few keys."""
+    rng = random.Random(seed)
+    with psycopg.connect(replication.source_url, autocommit=True) as conn:
+        for _ in range(count):
+            with conn.transaction():
+                for _ in range(rng.randrange(1, 6)):
+                    order, action = rng.randrange(1, 60), rng.random()
+                    if action < 0.3:
+                        conn.execute(
+                            "INSERT INTO orders VALUES (%s, 'new', %s, '{\"n\": 1}', now()) ON CONFLICT (id) "
+                            "DO UPDATE SET status = 'again', total = EXCLUDED.total",
+                            (order, rng.randrange(10_000) / 100),
+                        )
+                    elif action < 0.55:
+                        conn.execute(
+                            "UPDATE orders SET status = %s WHERE id = %s", (f"s{rng.random():.3f}", order)
+                        )
+                    elif action < 0.7:
+                        conn.execute("DELETE FROM orders WHERE id = %s", (order,))
+                    elif action < 0.8:
+                        # a key change (delete of the old key, insert of the new row), unless taken
+                        conn.execute(
+                            "UPDATE orders SET id = id + 1000 WHERE id = %s "
+                            "AND NOT EXISTS (SELECT 1 FROM orders WHERE id = %s)",
+                            (order, order + 1000),
+                        )
+                    else:
+                        conn.execute(
+                            "INSERT INTO lines VALUES (%s, %s, 1) ON CONFLICT (order_id, line) "
+                            "DO UPDATE SET qty = lines.qty + 1",
+                            (order, rng.randrange(4)),
+                        )
+
+
+def big_text(seed: int, size: int = 20_000) -> str:
+    """Incompressible text, stored out of line (TOASTed) rather than compressed into the row."""
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(size))
+
+
+# -- the workload -------------------------------------------------------------------------------------
+
+
+def test_a_mixed_workload_through_sensor_ticks_leaves_the_replica_identical(
+    replication: Replication, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tables = ("orders", "lines", "docs")
+    replication.execute(ORDERS, LINES, DOCS)
+    # The replica: orders and docs created like the source; lines left for the sink to create.
+    replication.execute(ORDERS, DOCS, url=replication.target_url)
+    publication = f"{replication.slot}_pub"
+    setup = [
+        "cdc", "setup", "--json",
+        "--set", f"url={replication.source_url}",
+        "--set", f"slot={replication.slot}",
+        "--set", f"publication={publication}",
+        *[arg for table in tables for arg in ("--table", f"public.{table}")],
+    ]  # fmt: skip
+    assert main(setup) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["slot_created"] and made["publication_created"]
+    assert made["tables"] == ["public.docs", "public.lines", "public.orders"]
+    observer = f"{replication.slot}_observer"
+    replication.execute(f"SELECT pg_create_logical_replication_slot('{observer}', 'pgoutput')")
+    body, second_body = big_text(1), big_text(2)
+
+    def first() -> None:
+        # orders and their line items in one transaction over two tables
+        replication.execute(
+            "INSERT INTO orders SELECT g, 'new', g * 1.25, jsonb_build_object('g', g), "
+            "'2024-05-01 10:00:00+00'::timestamptz + g * interval '1 minute' FROM generate_series(1, 200) g",
+            "INSERT INTO lines SELECT o, l, o * l FROM generate_series(1, 200) o, generate_series(1, 3) l",
+        )
+        random_transactions(replication, seed=1, count=40)
+        # a TOASTed value, then an update that leaves it out: filled from the same epoch
+        replication.execute(f"INSERT INTO docs VALUES (1, 'draft', '{body}'), (2, 'draft', '{second_body}')")
+        replication.execute("UPDATE docs SET title = 'reviewed' WHERE id = 1")
+
+    def second() -> None:
+        # left out again: kept from the replica
+        replication.execute("UPDATE docs SET title = 'final' WHERE id IN (1, 2)")
+        # the 100,000-row transaction, with updates and deletes of the same keys in it
+        replication.execute(
+            "INSERT INTO lines SELECT 5000 + g / 100, g % 100, g FROM generate_series(0, 99999) g",
+            "UPDATE lines SET qty = -qty WHERE order_id BETWEEN 5000 AND 5009",
+            "DELETE FROM lines WHERE order_id = 5010",
+            "UPDATE orders SET status = 'bulk' WHERE id % 5 = 0",
+        )
+        replication.execute(
+            "UPDATE lines SET qty = qty + 1 WHERE order_id < 50",
+            "DELETE FROM lines WHERE line = 2 AND order_id < 100",
+            "DELETE FROM orders WHERE id % 7 = 0",
+        )
+
+    def third() -> None:
+        random_transactions(replication, seed=2, count=40)
+        replication.execute("DELETE FROM lines WHERE order_id BETWEEN 5100 AND 5399")
+        replication.execute("DELETE FROM docs WHERE id = 2", "UPDATE docs SET body = 'short' WHERE id = 1")
+
+    with dg.instance_for_test() as instance:
+        ticker = Ticker(replication.stream(tables), instance, budget=20)
+        for phase in (first, second, third):
+            phase()
+            ticker.until_caught_up()
+
+    replication.assert_identical(tables)
+    certificates = replication.store.certificates(replication.name)
+    assert ticker.reported == [certificate.sequence for certificate in certificates], "each reported once"
+    chained(certificates)
+    consistent(certificates)
+    commits, change_rows = commit_positions(replication.source_url, observer, publication)
+    ends = [certificate.coverage[0].end for certificate in certificates]
+    assert set(ends) <= set(commits), "every certificate ends at a source transaction's commit"
+    assert ends[-1] == commits[-1] and len(commits) > 80
+    assert sum(sum(certificate.row_counts.values()) for certificate in certificates) == change_rows
+    big = next(c for c in certificates if c.row_counts.get("public.lines", 0) >= 100_000)
+    assert big.coverage[0].end in commits, "the 100,000-row transaction ended inside one epoch"
+    (confirmed,) = replication.execute(
+        f"SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{replication.slot}'"
+    )[0]
+    assert LSN.validate(confirmed) == LSN.validate(ends[-1]) + 1, "acknowledged up to the last certificate"
+
+
+# -- a worker killed in the middle of a large transaction ---------------------------------------------
+
+
+def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_is_taken_over(
+    replication: Replication,
+) -> None:
+    tables = ("orders", "lines")
+    replication.execute(ORDERS, LINES)
+    replication.execute(ORDERS, url=replication.target_url)
+    connection = FaucetConnection(connector="postgres", config=replication.source_config(tables))
+    made = connection.setup_replication()  # the Dagster resource method
+    assert made["slot_created"] and made["tables"] == ("public.lines", "public.orders")
+    replication.execute("INSERT INTO orders VALUES (1, 'first', 1.00, '{}', now())")
+    replication.execute(
+        "INSERT INTO orders VALUES (2, 'bulk', 2.00, '{}', now())",
+        "INSERT INTO lines SELECT 2, g, g FROM generate_series(1, 100000) g",
+    )
+    settings = {
+        "name": replication.name,
+        "state_url": replication.state_url,
+        "source": replication.source_config(tables),
+        "sink": replication.sink_config(tables),
+        "resources": [f"public.{table}" for table in tables],
+        "lease_seconds": 5,
+        "hold_epoch": 2,
+    }
+    worker = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(settings)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        lines = [worker.stdout.readline().strip() for _ in range(2)]
+        assert lines == ["certified 1", "holding"], (
+            lines,
+            worker.poll() is not None and worker.communicate(),
+        )
+        # Inside epoch 2: some of the 100,000 rows are staged in the open destination transaction.
+        worker.send_signal(signal.SIGKILL)
+        assert worker.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+    assert replication.rows("orders", replication.target_url)[0][:2] == (1, "first")
+    assert len(replication.rows("orders", replication.target_url)) == 1
+    (created,) = replication.execute("SELECT to_regclass('lines')", url=replication.target_url)
+    assert created == (None,), "nothing of the killed transaction, not even the table it created"
+    [first] = replication.store.certificates(replication.name)
+    assert first.worker == "doomed"
+    (confirmed,) = replication.execute(
+        f"SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{replication.slot}'"
+    )[0]
+    assert LSN.validate(confirmed) == LSN.validate(first.coverage[0].end) + 1, "only epoch 1 was acknowledged"
+    replication.execute(
+        "UPDATE lines SET qty = 0 WHERE line <= 10", "INSERT INTO orders VALUES (3, 'after', 3, '{}', now())"
+    )
+
+    with dg.instance_for_test() as instance:
+        ticker = Ticker(replication.stream(tables), instance, budget=20)
+        # The killed worker's lease is still live: the tick reports its certificate and runs nothing.
+        ticker.tick()
+        assert ticker.reported == [1] and len(replication.store.certificates(replication.name)) == 1
+        deadline = time.monotonic() + 30
+        while (status := replication.store.status(replication.name)[0]).lease_seconds_left is not None and (
+            status.lease_seconds_left > 0
+        ):
+            assert time.monotonic() < deadline, "the killed worker's lease never expired"
+            time.sleep(0.2)
+        ticker.until_caught_up()
+
+    replication.assert_identical(tables)
+    certificates = replication.store.certificates(replication.name)
+    chained(certificates)
+    consistent(certificates)
+    assert [c.fencing_token for c in certificates][:2] == [1, 2], "the takeover fenced the killed worker"
+    written = sum(receipt.rows_written for c in certificates for receipt in c.receipts)
+    skipped_rows = sum(receipt.rows_skipped for c in certificates for receipt in c.receipts)
+    assert (written, skipped_rows) == (1 + 100_001 + 10 + 1, 0), "nothing lost, nothing applied twice"
+
+
+# -- the slot changed behind the stream's back ----------------------------------------------------------
+
+
+def test_a_slot_advanced_dropped_or_recreated_is_an_explicit_error_and_nothing_is_written(
+    replication: Replication,
+) -> None:
+    tables = ("orders",)
+    replication.execute(ORDERS)
+    replication.execute(ORDERS, url=replication.target_url)
+    connection = FaucetConnection(connector="postgres", config=replication.source_config(tables))
+    connection.setup_replication()
+    replication.execute("INSERT INTO orders VALUES (1, 'certified', 1, '{}', now())")
+
+    def one_epoch(worker: str) -> EpochCertificate | None:
+        runner = replication.runner(tables, worker)
+
+        async def scenario() -> EpochCertificate | None:
+            try:
+                return await runner.run_epoch()
+            finally:
+                await runner.close()
+
+        return asyncio.run(scenario())
+
+    assert one_epoch("w1") is not None
+    before = replication.rows("orders", replication.target_url)
+    slot = replication.slot
+    errors: dict[str, BaseException] = {}
+    cases: list[tuple[str, str, type[BaseException]]] = [
+        (
+            "advanced",
+            f"SELECT pg_replication_slot_advance('{slot}', pg_current_wal_flush_lsn())",
+            PositionUnavailable,
+        ),
+        ("dropped", f"SELECT pg_drop_replication_slot('{slot}')", PositionUnavailable),
+    ]
+    for name, statement, expected in cases:
+        replication.execute(f"INSERT INTO orders VALUES ({len(errors) + 10}, 'lost', 1, '{{}}', now())")
+        replication.execute(statement)
+        with pytest.raises(expected) as caught:
+            one_epoch(f"after-{name}")
+        errors[name] = caught.value
+    # Set up again (a new slot and marker): another incarnation, through sensor ticks this time.
+    connection.setup_replication()
+    replication.execute("INSERT INTO orders VALUES (20, 'new incarnation', 1, '{}', now())")
+    with dg.instance_for_test() as instance:
+        ticker = Ticker(replication.stream(tables), instance, budget=10)
+        # The first tick reports the certified epoch before failing; the next one has only the failure.
+        assert ticker.tick().asset_events and ticker.reported == [1]
+        with pytest.raises(IncarnationChanged, match="belongs to incarnation"):
+            ticker.tick()
+    assert "advanced out of band" in str(errors["advanced"]) and "dropped" in str(errors["dropped"])
+    assert replication.rows("orders", replication.target_url) == before, "nothing was written"
+    assert len(replication.store.certificates(replication.name)) == 1
+
+
+# -- the snapshot seeds a new replica -------------------------------------------------------------------
+
+
+def test_the_snapshot_mode_seeds_a_new_replica_without_gap_or_overlap(replication: Replication) -> None:
+    tables = ("orders",)
+    replication.execute(ORDERS)
+    replication.execute(ORDERS, url=replication.target_url)
+    replication.execute(
+        "INSERT INTO orders SELECT g, 'old', g / 10.0, '{}', now() FROM generate_series(1, 20000, 2) g"
+    )
+    FaucetConnection(connector="postgres", config=replication.source_config(tables)).setup_replication()
+    stop = threading.Event()
+    written = {"transactions": 0}
+
+    def write_until_stopped() -> None:
+        rng = random.Random(5)
+        with psycopg.connect(replication.source_url, autocommit=True) as conn:
+            while not stop.is_set():
+                with conn.transaction():
+                    key = rng.randrange(1, 20_000)
+                    conn.execute(
+                        "INSERT INTO orders VALUES (%s, 'w', 1, '{}', now()) "
+                        "ON CONFLICT (id) DO UPDATE SET total = orders.total + 1, status = 'upd'",
+                        (key,),
+                    )
+                    conn.execute("DELETE FROM orders WHERE id = %s", (rng.randrange(1, 20_000),))
+                written["transactions"] += 1
+                # Gaps between transactions: the snapshot's slot becomes consistent at a moment when
+                # none is running, which a writer without pauses might postpone for seconds.
+                time.sleep(0.003)
+
+    writer = threading.Thread(target=write_until_stopped)
+    with dg.instance_for_test() as instance:
+        ticker = Ticker(replication.stream(tables, snapshot=True), instance, budget=10)
+        writer.start()
+        # The writer runs before, during and after the snapshot taken by the first tick's first read.
+        stopper = threading.Timer(1.5, stop.set)
+        try:
+            time.sleep(0.3)
+            stopper.start()
+            during = ticker.tick()
+        finally:
+            stopper.cancel()
+            stop.set()
+            writer.join()
+        assert during.asset_events
+        ticker.until_caught_up()
+
+    replication.assert_identical(tables)
+    certificates = replication.store.certificates(replication.name)
+    chained(certificates)
+    consistent(certificates)
+    first, last = certificates[0], certificates[-1]
+    assert first.coverage[0].start is None and first.row_counts["public.orders"] >= 9_000
+    # The snapshot is one source transaction at its point P - 1; the writer's changes follow it.
+    snapshot_position = LSN.validate(first.receipts[0].details["first_position"])
+    assert LSN.validate(last.coverage[0].end) > snapshot_position
+    assert written["transactions"] > 20, "changes flowed during and after the snapshot"
+
+
+# -- faucet cdc setup -------------------------------------------------------------------------------------
+
+
+def test_cdc_setup_is_idempotent_and_names_what_is_wrong(
+    replication: Replication, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replication.execute(ORDERS)
+    base = ["cdc", "setup", "--set", f"url={replication.source_url}", "--set", f"slot={replication.slot}"]
+    base += ["--set", f"publication={replication.slot}_pub"]
+    assert main([*base, "--table", "public.orders", "--table", "public.missing"]) == 2
+    assert "public.missing do not exist" in capsys.readouterr().err
+    assert main([*base, "--table", "public.orders"]) == 0
+    created = capsys.readouterr().out
+    assert main([*base, "--table", "public.orders"]) == 0
+    again = capsys.readouterr().out
+    assert "slot_created: True" in created and "slot_created: False" in again
+    incarnation = [line for line in created.splitlines() if line.startswith("incarnation:")]
+    assert incarnation and incarnation[0] in again, "running it again keeps the slot's incarnation"
+    assert main(["cdc", "setup", "--connector", "nats", "--set", "stream=ORDERS"]) == 2
+    assert "has no replication setup" in capsys.readouterr().err
