@@ -26,6 +26,9 @@ Failures and interruptions:
   lease until an operator runs ``faucet streams release``.
 
 A :class:`StreamRunner` keeps its sessions open across calls (sensor ticks), always on one event loop.
+
+The ``fault_point(...)`` lines mark where the fault harness (:mod:`faucet_dagster.testing.faults`)
+crashes or stops a worker; they do nothing unless a fault worker process armed one.
 """
 
 import asyncio

@@ -66,7 +66,7 @@ def _draw(rng: random.Random, index: int, pairs: Sequence[Pair]) -> ScheduledCas
         # Leave epochs after the hit: a zombie's successor must certify some.
         hit=rng.randint(1, max(1, min(4, epochs - 3))),
         random_after=rng.randint(0, epochs - 1),
-        random_delay=rng.uniform(0.0, 0.2),
+        random_delay=rng.uniform(0.0, 0.05),
         kill_delay=rng.uniform(0.0, 0.003),
         restart_after=rng.randint(1, 3),
     )

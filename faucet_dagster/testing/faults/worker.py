@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 from faucet_postgres.common import connect
-from faucet_postgres.config import PostgresSinkConfig, PostgresStreamingSinkConfig
+from faucet_postgres.config import PostgresConnection, PostgresSinkConfig, PostgresStreamingSinkConfig
 from faucet_postgres.sink import PostgresSink
 from faucet_postgres.stream_sink import PostgresStreamingSink
 from psycopg import AsyncCopy
@@ -45,10 +45,12 @@ from faucet_dagster.protocol import (
     ErrorKind,
     FaucetError,
     JsonValue,
+    Position,
     ReadLimits,
     Receipt,
     Sink,
     SinkBatch,
+    SinkCapabilities,
     SinkCommitState,
     StreamingSink,
     StreamingSinkSession,
@@ -88,7 +90,9 @@ class PointedCursor(psycopg.AsyncCursor[Any]):
         fault_point(Point.AFTER_COPY)
 
 
-async def pointed_connect(config: Any, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
+async def pointed_connect(
+    config: PostgresConnection, *, autocommit: bool = False
+) -> psycopg.AsyncConnection[Any]:
     """:func:`faucet_postgres.common.connect`, with :class:`PointedCursor` as the cursor class."""
     conn = await connect(config, autocommit=autocommit)
     conn.cursor_factory = PointedCursor
@@ -131,7 +135,7 @@ class PointedSink(StreamingSink):
         self._inner = inner
         self.connector_name = inner.connector_name
 
-    def capabilities(self) -> Any:
+    def capabilities(self) -> SinkCapabilities:
         return self._inner.capabilities()
 
     async def open(
@@ -171,21 +175,17 @@ class StopRequest:
 
     def __init__(self, events: Events) -> None:
         self._events = events
-        self._requested = asyncio.Event()
+        self.requested = False
         self._callbacks: list[Callable[[], None]] = []
-
-    @property
-    def requested(self) -> bool:
-        return self._requested.is_set()
 
     def on_request(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
 
     def request(self) -> None:
-        if self._requested.is_set():
+        if self.requested:
             return
         self._events.emit("stopping")
-        self._requested.set()
+        self.requested = True
         for callback in self._callbacks:
             callback()
 
@@ -206,7 +206,7 @@ async def retried(exc: FaucetError, spec: WorkerSpec, events: Events) -> bool:
     return False
 
 
-def reached(positions: Sequence[Any], targets: Sequence[Target]) -> bool:
+def reached(positions: Sequence[Position], targets: Sequence[Target]) -> bool:
     """True when the certified ``positions`` are at or past every target (never for no targets)."""
     if not targets:
         return False
