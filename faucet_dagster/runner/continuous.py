@@ -77,8 +77,8 @@ from faucet_dagster.protocol import (
     WritePolicy,
     compare_positions,
 )
+from faucet_dagster.runner.faults import Point, fault_point
 from faucet_dagster.state import Lease, StateStore
-from faucet_dagster.testing.faults.points import Point, fault_point
 
 logger = logging.getLogger(__name__)
 

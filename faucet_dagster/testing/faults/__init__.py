@@ -14,6 +14,6 @@
 This package never imports dagster. Importing it imports :mod:`.points` only (the runners import it).
 """
 
-from faucet_dagster.testing.faults.points import FAULT_POINT_ENV, Action, Arming, Point, fault_point
+from faucet_dagster.runner.faults import FAULT_POINT_ENV, Action, Arming, Point, fault_point
 
 __all__ = ["FAULT_POINT_ENV", "Action", "Arming", "Point", "fault_point"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from faucet_dagster.protocol import Mode
+from faucet_dagster.runner.faults import Action
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers
-from faucet_dagster.testing.faults.points import Action
 from faucet_dagster.testing.faults.scenarios import (
     CaseParams,
     CaseResult,

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 from faucet_dagster.planner import Mechanism, Plan
 from faucet_dagster.protocol import EpochCertificate, Mode
+from faucet_dagster.runner.faults import FAULT_POINT_ENV, Action, Arming, Point
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing.faults.oracle import (
     Verdict,
@@ -56,7 +57,6 @@ from faucet_dagster.testing.faults.pairs import (
     Produced,
     Servers,
 )
-from faucet_dagster.testing.faults.points import FAULT_POINT_ENV, Action, Arming, Point
 from faucet_dagster.testing.faults.spec import (
     EXIT_DONE,
     EXIT_HALTED,

@@ -61,8 +61,8 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.runner.bounded import PageReport, SyncSettings, run_bounded_sync
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
+from faucet_dagster.runner.faults import Point, fault_point
 from faucet_dagster.state import StateStore
-from faucet_dagster.testing.faults.points import Point, fault_point
 from faucet_dagster.testing.faults.spec import (
     EXIT_DEADLINE,
     EXIT_DONE,
