@@ -242,8 +242,8 @@ class StreamDriver:
     """Runs epochs of a source session through the real pipeline into a probe, as the runner would:
     begin, read, seal, commit at the probe, then acknowledge with the authority given.
 
-    ``certified`` are the positions of the epochs committed so far; ``identities`` every certified
-    event identity, in order.
+    ``certified`` are the positions of the epochs committed so far; ``events`` every certified
+    event in commit order, as (domain, position, ordinal, id).
     """
 
     subject: Subject
@@ -252,7 +252,7 @@ class StreamDriver:
     probe: ProbeSinkSession = field(default_factory=ProbeSinkSession)
     pipeline: Pipeline = field(default_factory=lambda: Pipeline(default_schema=ResourceSchema()))
     certified: tuple[Position, ...] = ()
-    identities: list[tuple[str, str, int]] = field(default_factory=list)
+    events: list[tuple[str, str, int, int]] = field(default_factory=list)
     controls: list[Control] = field(default_factory=list)
     sequence: int = 0
     acknowledge: bool = True
@@ -321,9 +321,9 @@ class StreamDriver:
         batches = self.probe.committed[before:]
         self.certified = advance(self.certified, sealed.coverage)
         for batch in batches:
-            self.identities.extend(
-                (str(batch.domain), *_identity(batch.identities, index))
-                for index in range(len(batch.identities))
+            self.events.extend(
+                (str(batch.domain), *_identity(batch.identities, index), event_id)
+                for index, event_id in enumerate(ids_of(batch.records))
             )
         if (self.acknowledge if acknowledge is None else acknowledge) and not sealed.coverage.empty:
             await self.subject.within(
