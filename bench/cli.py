@@ -7,8 +7,8 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.context import BenchContext
@@ -27,6 +27,7 @@ class Result:
     rows_per_s: float | None = None
     ratio: float | None = None
     error: str | None = None
+    details: Mapping[str, object] = field(default_factory=dict)
 
 
 def run_scenarios(scenarios: Sequence[Scenario], ctx: BenchContext) -> list[Result]:
@@ -41,7 +42,7 @@ def run_scenarios(scenarios: Sequence[Scenario], ctx: BenchContext) -> list[Resu
             traceback.print_exc()
             result.error = f"{type(exc).__name__}: {exc}"
         else:
-            result.rows, result.seconds = measured.rows, measured.seconds
+            result.rows, result.seconds, result.details = measured.rows, measured.seconds, measured.details
             result.rows_per_s = measured.rows / measured.seconds if measured.seconds > 0 else None
         results[item.name] = result
     for result in results.values():

@@ -466,6 +466,8 @@ def _tick(
             failure = exc
         finally:
             handle.lock.release()
+        if handle.runner.cut_short is not None:
+            skip = handle.runner.cut_short.describe()
     else:
         skip = "a previous tick is still running this stream's epochs"
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)

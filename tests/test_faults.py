@@ -2,7 +2,9 @@
 
 Each case runs a real pipeline in a worker process (the continuous runner the sensor uses, or a
 bounded sync), breaks it (see :mod:`faucet_dagster.testing.faults.scenarios`), recovers it with a
-fresh worker where the fault allows, and asks the oracle about every produced key. The randomized
+fresh worker where the fault allows, and asks the oracle about every produced key (the PostgreSQL
+change-data-capture pair: about every row of the source table, which its replica must equal). The
+randomized
 schedule runs outside the suite: ``python -m faucet_dagster.testing.faults --pairs all
 --iterations 200 --seed 7``.
 
@@ -10,6 +12,7 @@ The regressions at the end pin the bugs the harness found, each at the component
 """
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,12 +32,14 @@ from faucet_dagster.protocol import (
     Mode,
     OrderingDomain,
     OwnershipLost,
+    Receipt,
     SinkBatch,
     WorkerIdentity,
     WritePolicy,
 )
-from faucet_dagster.state import StateStore
+from faucet_dagster.state import Lease, StateStore
 from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
+from faucet_dagster.testing.faults.oracle import Verdict, judge_state
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers
 from faucet_dagster.testing.faults.scenarios import CaseParams, Fault, FaultKind, named_faults, run_case
 
@@ -70,6 +75,38 @@ def test_every_record_survives_the_fault_or_the_stream_halts_explicitly(
     if fault.kind not in (FaultKind.RESTART, FaultKind.RECREATE, FaultKind.PURGE):
         assert verdict.records == 2_000 and verdict.found >= 2_000, verdict
     assert result.passed
+
+
+def test_the_state_oracle_finds_stale_missing_resurrected_and_reapplied_rows() -> None:
+    """The oracle of the change-data-capture pair fails each way a replica can be wrong."""
+
+    def row(seq: int, version: int) -> dict[str, object]:
+        return {"producer": "p", "seq": seq, "id": seq, "version": version, "note": "n"}
+
+    source = {("p", seq): row(seq, 1) for seq in range(4)}
+    replica = [(key, {**value, "extra": None}) for key, value in source.items()]
+    lease = Lease("s", "w", 1, 0.0)
+    clean = certificate(lease, 1, None, "9")
+    counted = dataclasses.replace(
+        clean,
+        receipts=(Receipt("r", 4, 0, {"unexpected_inserts": "0", "unexpected_changes": "0"}),),
+    )
+    assert judge_state(source, replica, [counted]) == Verdict(4, 4, 0, 0, 0), "extra columns are not compared"
+    broken = [
+        (("p", 0), row(0, 0)),  # an update lost
+        (("p", 2), row(2, 1)),  # row 1 missing: its insert lost
+        (("p", 3), row(3, 1)),
+        (("p", 3), row(3, 1)),  # twice
+        (("p", 9), row(9, 1)),  # deleted at the source
+    ]
+    assert judge_state(source, broken, [counted]) == Verdict(4, 5, 2, 1, 1)
+    reapplied = dataclasses.replace(
+        clean,
+        receipts=(Receipt("r", 4, 0, {"unexpected_inserts": "2", "unexpected_changes": "1"}),),
+    )
+    assert judge_state(source, replica, [counted, reapplied]) == Verdict(4, 4, 1, 2, 0)
+    with pytest.raises(KeyError):  # a receipt that wrote rows without the counts cannot be judged
+        judge_state(source, replica, [clean])
 
 
 # -- regressions found by the harness ---------------------------------------------------------------

@@ -7,7 +7,8 @@ Dagster sensor's ticks. What holds:
 * a workload of mixed transactions (multi-row, multi-table, the same keys updated and deleted, key
   changes, unchanged TOASTed values, a 100,000-row transaction) leaves the replica equal to the source,
   row by row, and every certificate ends at a source transaction's commit;
-* a worker process SIGKILLed in the middle of a large transaction leaves none of it visible, and the
+* a worker process (the fault harness's, :mod:`faucet_dagster.testing.faults`) SIGKILLed at its
+  ``after_apply`` fault point in the middle of a large transaction leaves none of it visible, and the
   worker that takes over after the lease expires replicates it once;
 * a slot advanced out of band, dropped, or created again is an explicit error and nothing is written;
 * the snapshot mode seeds a new replica from existing rows under concurrent writes, without a gap or an
@@ -18,8 +19,6 @@ import asyncio
 import json
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,9 +43,12 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.continuous import StreamRunner
+from faucet_dagster.runner.faults import Action, Arming, Point
 from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing import PostgresServer
+from faucet_dagster.testing.faults.scenarios import WorkerProcess
+from faucet_dagster.testing.faults.spec import Endpoint, WorkerSpec
 
 ORDERS = (
     "CREATE TABLE orders (id int PRIMARY KEY, status text NOT NULL, total numeric(10,2), meta jsonb, "
@@ -55,7 +57,6 @@ ORDERS = (
 LINES = "CREATE TABLE lines (order_id int, line int, qty int, PRIMARY KEY (order_id, line))"
 DOCS = "CREATE TABLE docs (id int PRIMARY KEY, title text, body text)"
 KEYS = {"orders": "id", "lines": "order_id, line", "docs": "id"}
-WORKER = Path(__file__).with_name("cdc_worker.py")
 LSN = PostgresLsnCodec()
 
 
@@ -332,7 +333,7 @@ def test_a_mixed_workload_through_sensor_ticks_leaves_the_replica_identical(
 
 
 def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_is_taken_over(
-    replication: Replication,
+    replication: Replication, tmp_path: Path
 ) -> None:
     tables = ("orders", "lines")
     replication.execute(ORDERS, LINES)
@@ -345,35 +346,35 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         "INSERT INTO orders VALUES (2, 'bulk', 2.00, '{}', now())",
         "INSERT INTO lines SELECT 2, g, g FROM generate_series(1, 100000) g",
     )
-    settings = {
-        "name": replication.name,
-        "state_url": replication.state_url,
-        "source": replication.source_config(tables),
-        "sink": replication.sink_config(tables),
-        "resources": [f"public.{table}" for table in tables],
-        "lease_seconds": 5,
-        "hold_epoch": 2,
-    }
-    worker = subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(settings)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    # One source transaction per epoch; the second epoch's transaction reaches the sink in batches of
+    # 500 rows, so the second apply of the run is the first batch of the 100,001-row transaction.
+    spec = WorkerSpec(
+        mode="continuous",
+        stream=replication.name,
+        worker_id="doomed",
+        source=Endpoint("postgres", replication.source_config(tables)),
+        sink=Endpoint("postgres", replication.sink_config(tables)),
+        resources=tuple(f"public.{table}" for table in tables),
+        policy=WritePolicy.APPLY_CHANGES.value,
+        state_url=replication.state_url,
+        epoch_records=1,
+        batch_rows=500,
+        lease_seconds=5,
+    )
+    report = tmp_path / "fault-report.jsonl"
+    worker = WorkerProcess(
+        spec, Arming(Point.AFTER_APPLY, 2, Action.KILL, report=str(report)), tmp_path / "w"
     )
     try:
-        assert worker.stdout is not None
-        lines = [worker.stdout.readline().strip() for _ in range(2)]
-        assert lines == ["certified 1", "holding"], (
-            lines,
-            worker.poll() is not None and worker.communicate(),
-        )
-        # Inside epoch 2: some of the 100,000 rows are staged in the open destination transaction.
-        worker.send_signal(signal.SIGKILL)
-        assert worker.wait(timeout=30) == -signal.SIGKILL
+        assert worker.wait(timeout=60) == -signal.SIGKILL, worker.tail()
     finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        worker.close()
+    assert [json.loads(line) for line in report.read_text().splitlines()] == [
+        {"point": "after_apply", "hit": 2, "action": "kill"}
+    ]
+    certified = [event.data["sequence"] for event in worker.events if event.event == "certified"]
+    assert certified == [1], (certified, worker.tail())
+    # Killed inside epoch 2: some of the 100,000 rows were staged in the open destination transaction.
 
     assert replication.rows("orders", replication.target_url)[0][:2] == (1, "first")
     assert len(replication.rows("orders", replication.target_url)) == 1

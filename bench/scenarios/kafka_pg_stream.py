@@ -52,9 +52,10 @@ def _run(ctx: BenchContext, fmt: Literal["json", "text"]) -> Measurement:
         limits=ReadLimits(records=EPOCH_MESSAGES, bytes=None, idle=1.0, age=None),
     )
 
-    async def run() -> tuple[float, int]:
+    async def run() -> tuple[float, int, dict[str, float]]:
         runner = StreamRunner(spec, store)
         epochs = rows = 0
+        steps: dict[str, float] = {}
         start = time.perf_counter()
         try:
             while rows < ctx.rows:
@@ -63,17 +64,19 @@ def _run(ctx: BenchContext, fmt: Literal["json", "text"]) -> Measurement:
                     raise RuntimeError(f"the stream ended after {rows} of {ctx.rows} rows")
                 epochs += 1
                 rows += sum(certificate.row_counts.values())
-            return time.perf_counter() - start, epochs
+                for step, seconds in certificate.timings.items():
+                    steps[step] = round(steps.get(step, 0.0) + seconds, 3)
+            return time.perf_counter() - start, epochs, steps
         finally:
             await runner.close()
 
-    seconds, epochs = asyncio.run(run())
+    seconds, epochs, steps = asyncio.run(run())
     store.close()
     with psycopg.connect(ctx.postgres_url) as conn:
         row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
     if row is None or row[0] != ctx.rows:
         raise RuntimeError(f"{table} holds {row and row[0]} rows, expected {ctx.rows}")
-    return Measurement(ctx.rows, seconds, {"epochs": epochs})
+    return Measurement(ctx.rows, seconds, {"epochs": epochs, "seconds_per_step": steps})
 
 
 @scenario("stream.kafka_to_pg", baseline="raw.kafka_to_pg")
@@ -91,15 +94,25 @@ def kafka_to_pg_text(ctx: BenchContext) -> Measurement:
 # -- peer ----------------------------------------------------------------------------------------------
 
 
-def quix_kafka_to_pg(ctx: BenchContext) -> Measurement:
-    """quixstreams (its PostgreSQLSink) consuming the same topic into PostgreSQL, from the assignment."""
+def _quix(ctx: BenchContext, clock: Literal["from_assignment", "from_start"]) -> Measurement:
     venv = peer_venv("QUIX_VENV", ".venv-quix")
     assert venv is not None
     topic, table = data.kafka_source_topic(ctx), ctx.unique("quix_pg")
     command = [str(venv / "bin" / "python"), str(QUIX_CHILD), ctx.kafka_bootstrap, topic, ctx.postgres_url]
-    report = run_peer("quixstreams", [*command, table, str(ctx.rows)])
-    return Measurement(int(report["rows"]), float(report["seconds"]))
+    report = run_peer("quixstreams", [*command, table, str(ctx.rows), clock])
+    return Measurement(int(report["rows"]), float(report["seconds"]), {"clock": clock})
+
+
+def quix_kafka_to_pg(ctx: BenchContext) -> Measurement:
+    """quixstreams (its PostgreSQLSink) consuming the same topic into PostgreSQL, from the assignment."""
+    return _quix(ctx, "from_assignment")
+
+
+def quix_kafka_to_pg_from_start(ctx: BenchContext) -> Measurement:
+    """quixstreams on the same topic, clocked as quix_peer.py does: from Application.run(), join included."""
+    return _quix(ctx, "from_start")
 
 
 if peer_venv("QUIX_VENV", ".venv-quix") is not None:
     scenario("peer.quix_kafka_to_pg", baseline="stream.kafka_to_pg")(quix_kafka_to_pg)
+    scenario("peer.quix_kafka_to_pg_from_start", baseline="stream.kafka_to_pg")(quix_kafka_to_pg_from_start)

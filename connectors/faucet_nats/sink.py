@@ -7,9 +7,28 @@ message as soon as it acknowledges it, before the epoch commits. ``commit_epoch`
 acknowledgement of the epoch, records the epoch and its per-domain watermark in a JetStream key-value
 bucket (compare-and-set: an epoch of a lower fencing token than the stored one raises OwnershipLost
 and never moves the watermark back), and returns one receipt per resource (messages stored,
-duplicates the server suppressed, first and last stream sequence). ``abort_epoch`` cannot
-unpublish: what was published stays. ``close_session`` returns only when no publish of the session
-can still land; otherwise it raises UncertainOutcome.
+duplicates the server suppressed, first and last stream sequence, messages re-published). ``abort_epoch``
+cannot unpublish: what was published stays. ``close_session`` returns only when no publish of the
+session can still land; otherwise it raises UncertainOutcome.
+
+After a server restart (or a dropped connection) mid-epoch: the publishes in flight, or only their
+acknowledgements, are lost, and nats-py never resolves their futures. While settling (in
+``commit_epoch``, and in ``close_session`` for aborted epochs) the sink re-publishes every message
+still unanswered after ``republish_after`` while the connection is up, with the same payload and
+``Nats-Msg-Id``, at most ``republish_attempts`` times, and only within the first
+:data:`_WINDOW_SAFETY` of the duplicate window counted from the message's first publish: the stream
+then stores it at most once, and a ``duplicate`` answer proves the first publish was stored. So a
+restart mid-epoch costs a re-publish, not a halted stream: the commit succeeds with every message
+stored exactly once. Receipts stay truthful: a re-published message answered ``duplicate`` of a
+sequence after the stream's last sequence at ``begin_epoch`` was stored by this epoch's first publish
+and counts as stored; otherwise as a duplicate; ``republished`` counts the messages re-published.
+UncertainOutcome remains for what cannot be proven: acknowledgements still missing after
+``ack_timeout`` (the total wait, re-publishes included), a message past the safe part of the window,
+or a re-publish stored but answered after it (the first publish may be stored too). This assumes a
+lost publish never reaches the server later than the window after its re-publish: one connection's
+bytes arrive in order, and a dropped connection's unread bytes die with it or with the server.
+Memory: until settled, the sink holds each published message's payload and id (about the epoch's
+JSON size), and for an aborted epoch with unanswered publishes until ``close_session``.
 
 Duplicates: the stream drops a message whose ``Nats-Msg-Id`` it saw within its ``duplicate_window``,
 so an epoch replayed within the window adds nothing; a replay older than the window duplicates. The
@@ -24,8 +43,10 @@ import asyncio
 import base64
 import datetime
 import decimal
+import functools
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -69,6 +90,15 @@ from faucet_nats.sink_config import NatsSinkConfig
 _WATERMARK_ATTEMPTS = 5
 """Compare-and-set attempts of a watermark write before concurrent writers are reported."""
 
+_WINDOW_SAFETY = 0.9
+"""The part of the duplicate window, counted from a message's first publish, within which a re-publish
+must be answered to be trusted; the rest absorbs the server's timers and clock-rate differences."""
+
+_RESEND_BACKOFF = (0.05, 1.0)
+"""First and longest pause (seconds) before sending a re-publish again that the client refused."""
+
+LOG = logging.getLogger("faucet_nats")
+
 
 def _subject_matches(pattern: str, subject: str) -> bool:
     """NATS subject matching: ``*`` matches one token, a final ``>`` one or more."""
@@ -93,6 +123,35 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
         return base64.b64encode(value).decode()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+@dataclass(eq=False)
+class _Published:
+    """The messages one ``publish`` call sent, kept until they are settled, so they can be re-published.
+
+    ``payloads[i]`` and ``ids[i]`` (``Nats-Msg-Id``; None for the bounded sink, never re-published) are
+    what message ``i`` was sent with, ``futures[i]`` the acknowledgement of its latest publish. ``sent_at``
+    is the loop time taken before the first of them was sent: earlier than any reached the server.
+    ``retries`` maps every re-published message to its number of re-publishes, ``answered_at`` to when
+    its latest re-publish was answered. Memory: each message's JSON payload and id until the epoch is
+    settled (about the epoch's JSON size plus some 200 bytes per message).
+    """
+
+    resource: str
+    ids: Sequence[str] | None
+    sent_at: float
+    payloads: list[bytes] = field(default_factory=list)
+    futures: list[asyncio.Future[PubAck]] = field(default_factory=list)
+    retries: dict[int, int] = field(default_factory=dict)
+    answered_at: dict[int, float] = field(default_factory=dict)
+
+    def unanswered(self) -> list[int]:
+        """The messages whose latest publish has no answer (pending, or cancelled to re-publish it)."""
+        return [index for index, future in enumerate(self.futures) if not future.done() or future.cancelled()]
+
+    def record_answer(self, index: int, future: asyncio.Future[PubAck]) -> None:
+        if not future.cancelled():
+            self.answered_at[index] = future.get_loop().time()
 
 
 class _Publisher:
@@ -138,20 +197,27 @@ class _Publisher:
         self._js = client.jetstream(prefix=prefix, publish_async_max_pending=self.config.max_outstanding_acks)
         return self._js
 
-    async def publish(
-        self, records: pa.RecordBatch, message_ids: Sequence[str] | None
-    ) -> list[asyncio.Future[PubAck]]:
-        """Publish every row as a JSON message (with ``Nats-Msg-Id`` when ids are given); returns the
-        acknowledgement futures. Blocks while ``max_outstanding_acks`` are outstanding."""
+    async def last_sequence(self) -> int:
+        """The target stream's last sequence now: every message stored before this call is at or below it."""
+        if self._client is None:
+            raise LifecycleError("the NATS sink is not open", where=self.where)
+        return (await JetStreamApi(self._client, self.config).stream(self.config.stream)).last_seq
+
+    async def publish(self, records: pa.RecordBatch, sent: _Published) -> None:
+        """Publish every row as a JSON message (with ``Nats-Msg-Id`` when ``sent.ids`` are given),
+        appending each message and its acknowledgement future to ``sent`` as soon as it is sent (so a
+        failure part-way leaves the sent ones there to settle). Blocks while ``max_outstanding_acks``
+        are outstanding."""
         js = self._require()
         dumps = json.dumps
-        subject, stall = self.config.subject, self.config.ack_timeout
-        futures: list[asyncio.Future[PubAck]] = []
+        subject, stall, ids = self.config.subject, self.config.ack_timeout, sent.ids
+        payloads, futures = sent.payloads, sent.futures
         try:
             for index, row in enumerate(records.to_pylist()):
                 payload = dumps(row, default=_json_default, separators=(",", ":")).encode()
-                headers = None if message_ids is None else {"Nats-Msg-Id": message_ids[index]}
+                headers = None if ids is None else {"Nats-Msg-Id": ids[index]}
                 futures.append(await js.publish_async(subject, payload, wait_stall=stall, headers=headers))
+                payloads.append(payload)
         except TypeError as exc:
             raise IntegrityError(f"a row cannot be encoded as JSON: {exc}", where=self.where) from exc
         except nats.js.errors.TooManyStalledMsgsError as exc:
@@ -161,30 +227,138 @@ class _Publisher:
             ) from exc
         except (nats.errors.Error, OSError) as exc:
             raise ConnectionFailed(f"publishing failed: {type(exc).__name__}", where=self.where) from exc
-        return futures
 
-    async def settle(self, futures: Sequence[asyncio.Future[PubAck]], what: str) -> list[PubAck]:
-        """Wait for every future; UncertainOutcome when some did not resolve within ``ack_timeout``
-        (those messages may or may not be stored), ConnectionFailed when the stream refused one."""
-        if futures:
-            _, pending = await asyncio.wait(futures, timeout=self.config.ack_timeout)
-            if pending:
-                raise UncertainOutcome(
-                    f"{len(pending)} of {len(futures)} publishes of {what} were not acknowledged within "
-                    f"{self.config.ack_timeout:g}s: they may or may not be stored",
-                    where=self.where,
+    async def settle(self, published: Sequence[_Published], what: str, *, refusals_fail: bool) -> None:
+        """Wait until every message of ``published`` is answered, re-publishing those that may be lost.
+
+        Every ``republish_after`` seconds in which some stayed unanswered, and only while the connection
+        is up (a publish sent while it reconnects would queue behind the lost ones), each unanswered
+        message with an ``Nats-Msg-Id`` is re-published under that id, at most ``republish_attempts``
+        times, and only while within :data:`_WINDOW_SAFETY` of the duplicate window since its first
+        publish (the stream then stores it at most once). Blocks at most ``ack_timeout`` in total,
+        re-publishes included. On return every message's future holds its acknowledgement or refusal.
+
+        Raises UncertainOutcome when some are unanswered at the deadline (or the connection closed for
+        good), or when a re-publish was stored but answered past the safe part of the window (the
+        first publish may be stored too); ConnectionFailed for a refusal when ``refusals_fail``
+        (a refused publish stored nothing: ``close_session`` accepts it).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.ack_timeout
+        while True:
+            if refusals_fail:
+                self._raise_refusal(published, what)
+            # Cancelled (unanswered, not waiting) publishes remain only when a re-publish could not be
+            # sent before the deadline or the connection closed for good: then nothing is left to do.
+            waiting = [future for sent in published for future in sent.futures if not future.done()]
+            remaining = deadline - loop.time()
+            if not waiting or remaining <= 0 or self._closed():
+                break
+            _, pending = await asyncio.wait(waiting, timeout=min(remaining, self.config.republish_after))
+            if pending and loop.time() < deadline:
+                await self._republish(published, deadline)
+        self._check_settled(published, what)
+
+    async def _republish(self, published: Sequence[_Published], deadline: float) -> None:
+        """Re-publish each unanswered message that may be (see :meth:`settle`) under its id."""
+        client = self._client
+        if client is None or not client.is_connected:
+            return
+        js = self._require()
+        loop = asyncio.get_running_loop()
+        safe = self.config.duplicate_window * _WINDOW_SAFETY
+        count = 0
+        for sent in published:
+            if sent.ids is None:
+                continue  # no message id: a second publish would store a second message
+            for index in sent.unanswered():
+                attempts = sent.retries.get(index, 0)
+                if attempts >= self.config.republish_attempts or loop.time() >= sent.sent_at + safe:
+                    continue
+                # Cancelling frees nats-py's slot (it never resolves a lost publish); an answer to the
+                # cancelled publish arriving later is dropped: the re-publish answers for the message.
+                sent.futures[index].cancel()
+                sent.retries[index] = attempts + 1
+                future = await self._send_again(js, sent, index, deadline)
+                if future is None:
+                    return
+                future.add_done_callback(functools.partial(sent.record_answer, index))
+                sent.futures[index] = future
+                count += 1
+        if count:
+            LOG.warning(
+                "re-published %d unacknowledged messages under their Nats-Msg-Id (%s)", count, self.where
+            )
+
+    async def _send_again(
+        self, js: JetStreamContext, sent: _Published, index: int, deadline: float
+    ) -> asyncio.Future[PubAck] | None:
+        """Send message ``index`` of ``sent`` again; while the client refuses (its buffer is full while
+        it reconnects, the connection dropped again), retry with growing pauses until ``deadline``.
+        None when the deadline passed or the connection is closed for good."""
+        assert sent.ids is not None
+        loop = asyncio.get_running_loop()
+        pause, longest = _RESEND_BACKOFF
+        headers = {"Nats-Msg-Id": sent.ids[index]}
+        while (remaining := deadline - loop.time()) > 0 and not self._closed():
+            try:
+                return await js.publish_async(
+                    self.config.subject, sent.payloads[index], wait_stall=remaining, headers=headers
                 )
-        acks: list[PubAck] = []
-        for future in futures:
-            if future.cancelled():
-                raise ConnectionFailed(f"a publish of {what} was cancelled", where=self.where, retryable=True)
-            error = future.exception()
-            if error is not None:
-                raise ConnectionFailed(
-                    f"the stream refused a publish of {what}: {error}", where=self.where, retryable=True
-                ) from error
-            acks.append(future.result())
-        return acks
+            except (nats.errors.Error, OSError):
+                # Not sent; the message stays unanswered and the deadline decides (UncertainOutcome).
+                await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+                pause = min(2 * pause, longest)
+        return None
+
+    def _raise_refusal(self, published: Sequence[_Published], what: str) -> None:
+        for sent in published:
+            for future in sent.futures:
+                if future.done() and not future.cancelled() and (error := future.exception()) is not None:
+                    raise ConnectionFailed(
+                        f"the stream refused a publish of {what}: {error}", where=self.where, retryable=True
+                    ) from error
+
+    def _check_settled(self, published: Sequence[_Published], what: str) -> None:
+        """UncertainOutcome unless every message is answered and each stored re-publish was answered
+        within the safe part of the duplicate window."""
+        now = asyncio.get_running_loop().time()
+        safe = self.config.duplicate_window * _WINDOW_SAFETY
+        window = f"{_WINDOW_SAFETY:.0%} of the {self.config.duplicate_window:g}s duplicate window"
+        unanswered = too_late = 0
+        for sent in published:
+            missing = len(sent.unanswered())
+            unanswered += missing
+            if sent.ids is not None and now >= sent.sent_at + safe:
+                too_late += missing
+        if unanswered:
+            total = sum(len(sent.futures) for sent in published)
+            reason = ""
+            if self._closed():
+                reason = " (the connection is closed)"
+            elif too_late:
+                reason = f" ({too_late} of them past {window}, where a re-publish could store them twice)"
+            raise UncertainOutcome(
+                f"{unanswered} of {total} publishes of {what} were not acknowledged within "
+                f"{self.config.ack_timeout:g}s{reason}: they may or may not be stored",
+                where=self.where,
+            )
+        for sent in published:
+            for index, answered in sent.answered_at.items():
+                future = sent.futures[index]
+                if (
+                    answered >= sent.sent_at + safe
+                    and future.exception() is None
+                    and not future.result().duplicate
+                ):
+                    raise UncertainOutcome(
+                        f"a re-publish of {what} was stored after {window}: its first publish may be "
+                        "stored too",
+                        where=self.where,
+                    )
+
+    def _closed(self) -> bool:
+        return self._client is None or self._client.is_closed
 
     async def close(self) -> None:
         client, self._client, self._js = self._client, None, None
@@ -200,19 +374,52 @@ class _Publisher:
         return self._js
 
 
-def _receipt(resource: str, acks: Sequence[PubAck], config: NatsSinkConfig) -> Receipt:
-    stored = [ack.seq for ack in acks if not ack.duplicate]
-    details = {"stream": config.stream, "subject": config.subject, "duplicates": str(len(acks) - len(stored))}
-    if stored:
-        details["first_sequence"] = str(min(stored))
-        details["last_sequence"] = str(max(stored))
-    return Receipt(resource, len(stored), len(acks) - len(stored), details)
+def _receipts(published: Sequence[_Published], baseline: int, config: NatsSinkConfig) -> tuple[Receipt, ...]:
+    """One receipt per resource, in the order of their first batch, from settled publishes.
+
+    A message counts as stored by this epoch when its acknowledgement is not a duplicate, or when it
+    was re-published and the duplicate it names was stored after ``baseline`` (the stream's last
+    sequence before the epoch's first publish): then the epoch's own first publish stored it and only
+    its acknowledgement was lost. (Were a worker that lost its lease publishing the same identities
+    during this epoch, a message it stored first would be claimed by both receipts; it is stored once.)
+    Otherwise it is a duplicate the stream suppressed.
+    """
+    stored: dict[str, list[int]] = {}
+    duplicates: dict[str, int] = {}
+    republished: dict[str, int] = {}
+    for sent in published:
+        sequences = stored.setdefault(sent.resource, [])
+        suppressed = 0
+        for index, future in enumerate(sent.futures):
+            ack = future.result()
+            if not ack.duplicate or (index in sent.retries and ack.seq > baseline):
+                sequences.append(ack.seq)
+            else:
+                suppressed += 1
+        duplicates[sent.resource] = duplicates.get(sent.resource, 0) + suppressed
+        republished[sent.resource] = republished.get(sent.resource, 0) + len(sent.retries)
+    receipts = []
+    for resource, sequences in stored.items():
+        details = {
+            "stream": config.stream,
+            "subject": config.subject,
+            "duplicates": str(duplicates[resource]),
+            "republished": str(republished[resource]),
+        }
+        if sequences:
+            details["first_sequence"] = str(min(sequences))
+            details["last_sequence"] = str(max(sequences))
+        receipts.append(Receipt(resource, len(sequences), duplicates[resource], details))
+    return tuple(receipts)
 
 
 @dataclass
 class _Epoch:
+    """The active epoch: the stream's last sequence before its first publish, and what it published."""
+
     epoch: EpochId
-    futures: dict[str, list[asyncio.Future[PubAck]]] = field(default_factory=dict)
+    baseline: int
+    published: list[_Published] = field(default_factory=list)
 
 
 class NatsSinkSession(StreamingSinkSession):
@@ -235,7 +442,7 @@ class NatsSinkSession(StreamingSinkSession):
             ).hexdigest()
         )
         self._active: _Epoch | None = None
-        self._unsettled: list[asyncio.Future[PubAck]] = []
+        self._unsettled: list[_Published] = []
         self._closed = False
 
     @property
@@ -303,6 +510,8 @@ class NatsSinkSession(StreamingSinkSession):
         )
 
     async def begin_epoch(self, epoch: EpochId) -> None:
+        """Start the epoch, reading the target stream's last sequence (one JetStream request):
+        ConnectionFailed when the stream cannot be asked, and no epoch is then active."""
         self._check_open()
         if self._active is not None:
             raise LifecycleError(
@@ -310,7 +519,8 @@ class NatsSinkSession(StreamingSinkSession):
             )
         if epoch.stream != self._stream:
             raise EpochMismatch(f"epoch {epoch} is not of stream {self._stream}", where=self.where)
-        self._active = _Epoch(epoch)
+        # Read before any publish of the epoch: what the receipts judge a re-publish's duplicate by.
+        self._active = _Epoch(epoch, await self._publisher.last_sequence())
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         """Publish the batch's rows with their identities; returns once every publish is sent (its
@@ -324,22 +534,27 @@ class NatsSinkSession(StreamingSinkSession):
                 where=self.where,
             )
         ids = [batch.identities.at(batch.domain, index).digest() for index in range(len(batch.identities))]
-        futures = await self._publisher.publish(batch.records, ids)
-        active.futures.setdefault(batch.resource, []).extend(futures)
+        sent = _Published(batch.resource, ids, asyncio.get_running_loop().time())
+        active.published.append(sent)
+        await self._publisher.publish(batch.records, sent)
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
         """Wait for every acknowledgement of the epoch, store the epoch and watermark, return receipts.
 
-        UncertainOutcome when acknowledgements are missing after ``ack_timeout``; ConnectionFailed
-        when the stream refused a publish or the watermark could not be stored; OwnershipLost when
-        an epoch of a higher fencing token is stored. The epoch stays active after a failure, so the
-        runner aborts it.
+        Publishes unanswered after ``republish_after`` (lost in a server restart or a dropped
+        connection) are re-published under their ``Nats-Msg-Id`` while the duplicate window makes that
+        safe (see :meth:`_Publisher.settle`); waits at most ``ack_timeout`` for them, then stores the
+        watermark (up to ``request_timeout`` per request). A message the epoch stored once counts once
+        as stored, whichever of its publishes was acknowledged (see :func:`_receipts`); the receipt's
+        ``republished`` detail counts the messages re-published.
+
+        UncertainOutcome when acknowledgements are still missing after ``ack_timeout`` (or a
+        re-publish could not be proven single); ConnectionFailed when the stream refused a publish or
+        the watermark could not be stored; OwnershipLost when an epoch of a higher fencing token is
+        stored. The epoch stays active after a failure, so the runner aborts it.
         """
         active = self._require_active(epoch, "commit")
-        acks = {
-            resource: await self._publisher.settle(futures, f"epoch {epoch}")
-            for resource, futures in active.futures.items()
-        }
+        await self._publisher.settle(active.published, f"epoch {epoch}", refusals_fail=True)
         watermarks = coverage.end_positions()
         record = {
             "stream": self._stream,
@@ -349,40 +564,34 @@ class NatsSinkSession(StreamingSinkSession):
         }
         await self._store_watermark(epoch, json.dumps(record, sort_keys=True).encode())
         self._active = None
-        return tuple(
-            _receipt(resource, resource_acks, self._publisher.config)
-            for resource, resource_acks in acks.items()
-        )
+        return _receipts(active.published, active.baseline, self._publisher.config)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Forget the epoch. What it published stays in the stream (NATS cannot unpublish); its
-        outstanding acknowledgements are still awaited by ``close_session``."""
+        unanswered publishes are settled by ``close_session``."""
         active = self._require_active(epoch, "abort")
-        for futures in active.futures.values():
-            self._unsettled.extend(future for future in futures if not future.done())
+        self._unsettled.extend(sent for sent in active.published if sent.unanswered())
         self._active = None
 
     async def close_session(self) -> None:
-        """Wait (up to ``ack_timeout``) for every publish of the session to be acknowledged or refused,
-        then close the connection. Raises UncertainOutcome when some are still outstanding: those
-        messages may still be stored after this returns. Idempotent once it succeeded."""
+        """Settle every unanswered publish of the session (aborted epochs and the active one) as
+        ``commit_epoch`` does, re-publishing lost ones while the duplicate window allows, within
+        ``ack_timeout``; then close the connection. A refused publish stored nothing and is settled.
+        Raises UncertainOutcome when some are still unanswered: those messages may still be stored
+        after this returns. Idempotent once it succeeded."""
         if self._closed:
             return
         self._closed = True
-        outstanding = list(self._unsettled)
+        outstanding = self._unsettled
         if self._active is not None:
-            outstanding.extend(future for futures in self._active.futures.values() for future in futures)
+            outstanding.extend(self._active.published)
             self._active = None
         self._unsettled = []
         uncertain: UncertainOutcome | None = None
-        if outstanding:
-            _, pending = await asyncio.wait(outstanding, timeout=self._publisher.config.ack_timeout)
-            if pending:
-                uncertain = UncertainOutcome(
-                    f"{len(pending)} published messages were not acknowledged when the session closed: "
-                    "they may still be stored",
-                    where=self.where,
-                )
+        try:
+            await self._publisher.settle(outstanding, "the session", refusals_fail=False)
+        except UncertainOutcome as exc:
+            uncertain = exc
         await self._publisher.close()
         if uncertain is not None:
             raise uncertain
@@ -487,8 +696,10 @@ class NatsSink(Sink):
                 await publisher.close()
                 raise
             self._publisher = publisher
-        futures = await self._publisher.publish(records, None)
-        return len(await self._publisher.settle(futures, "a batch"))
+        sent = _Published("a batch", None, asyncio.get_running_loop().time())
+        await self._publisher.publish(records, sent)
+        await self._publisher.settle([sent], "a batch", refusals_fail=True)
+        return len(sent.futures)
 
     async def close(self) -> None:
         publisher, self._publisher = self._publisher, None

@@ -800,6 +800,10 @@ class PostgresCdcSession(StreamSession):
             await self._detach()
             if exc.sqlstate == "42704":  # undefined_object: the slot is gone
                 raise PositionUnavailable(f"slot {slot} was dropped", where=self._where) from exc
+            if exc.sqlstate == "55000":  # object_not_in_prerequisite_state: invalidated, its WAL removed
+                raise PositionUnavailable(
+                    f"slot {slot} cannot be advanced: {error_text(exc)}", where=self._where
+                ) from exc
             if exc.sqlstate == "55006":  # object_in_use: another process holds the slot for now
                 raise ConnectionFailed(
                     f"slot {slot} is in use: {error_text(exc)}", where=self._where

@@ -16,8 +16,10 @@ Modes (one per configured sink; ``capabilities().bounded_policies`` is exactly t
   or from the first batch's schema when there is no target), committed page by page; ``finish()``
   drops the target and renames the new table into its place in one transaction. A reader blocks for
   the instant of the swap and then sees the new table: never an empty or half-loaded one. The new
-  table has the target's columns, defaults, constraints and indexes (not its grants, and a view
-  depending on the target makes the swap fail with SchemaError rather than drop the view).
+  table has the target's columns, defaults, constraints and indexes, and, granted in the swap's
+  transaction, its owner and table privileges, so a replace changes the data and never who may read
+  it (column privileges, triggers and row security policies are not carried over; a view depending
+  on the target makes the swap fail with SchemaError rather than drop the view).
 
 Every write is one transaction, committed before the method returns (durability TRANSACTIONAL;
 ``flush`` has nothing left to do). A missing table is created from the first batch's Arrow schema; a
@@ -452,6 +454,7 @@ class PostgresSink(Sink):
         if not self._staged and await self._create_stage(conn, None) is None:
             # Nothing was written and there is no table to empty: nothing to replace.
             return
+        await self._carry_privileges(conn, pg_schema)
         target = table_name(pg_schema, self.config.table)
         await conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(target))
         await conn.execute(
@@ -460,6 +463,43 @@ class PostgresSink(Sink):
             )
         )
         self._pending.update(_staged=False, _columns=None)
+
+    async def _carry_privileges(self, conn: Connection, pg_schema: str) -> None:
+        """REPLACE: give the new table the target's owner and table privileges (PUBLIC included), in
+        the swap's transaction. Nothing to do when there is no target."""
+        stage = table_name(pg_schema, self._stage)
+        cursor = await conn.execute(
+            "SELECT pg_get_userbyid(c.relowner), current_user FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+            (pg_schema, self.config.table),
+        )
+        found = await cursor.fetchone()
+        if found is None:
+            return
+        owner, me = found
+        if owner != me:
+            await conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(stage, sql.Identifier(owner)))
+        cursor = await conn.execute(
+            "SELECT CASE WHEN a.grantee = 0 THEN NULL ELSE pg_get_userbyid(a.grantee) END, "
+            "a.privilege_type, a.is_grantable FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) AS a "
+            "WHERE n.nspname = %s AND c.relname = %s AND a.grantee <> c.relowner",
+            (pg_schema, self.config.table),
+        )
+        for grantee, privilege, grantable in await cursor.fetchall():
+            if privilege not in _TABLE_PRIVILEGES:
+                raise SchemaError(
+                    f"the target has a privilege this sink cannot carry over: {privilege}",
+                    where=self.dataset_uri(),
+                )
+            await conn.execute(
+                sql.SQL("GRANT {} ON TABLE {} TO {}{}").format(
+                    sql.SQL(privilege),
+                    stage,
+                    sql.SQL("PUBLIC") if grantee is None else sql.Identifier(grantee),
+                    sql.SQL(" WITH GRANT OPTION") if grantable else sql.SQL(""),
+                )
+            )
 
     async def _claim(self, conn: Connection, token: CommitToken) -> bool:
         """Advance this sync's watermark to ``token`` in the current transaction; False when the stored
@@ -483,6 +523,12 @@ class PostgresSink(Sink):
             (self._sync_id(schema), str(token)),
         )
         return await cursor.fetchone() is not None
+
+
+_TABLE_PRIVILEGES = frozenset(
+    {"SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER", "MAINTAIN"}
+)
+"""The table privileges aclexplode names (MAINTAIN from PostgreSQL 17)."""
 
 
 class _Stale(Exception):

@@ -11,7 +11,9 @@ Modes (one per configured sink; ``capabilities().bounded_policies`` is exactly t
   batch); ``finish()`` drops the target and renames the staging table into its place in one
   transaction, so a reader sees the old table or the new one, never an empty or half-loaded one. Only
   on databases with transactional DDL (SQLite, PostgreSQL). The staging table keeps the target's
-  columns, types, nullability and primary key, not its secondary indexes, defaults or grants.
+  columns, types, nullability and primary key, and the swap re-creates the target's indexes (unique
+  or not, on columns) under their names; not its defaults, check constraints or grants. A target
+  index on an expression is refused with SchemaError before anything is written.
 
 Every ``write_batch`` is one committed transaction (durability TRANSACTIONAL; ``flush`` has nothing
 left to do). The table is created from the first batch's Arrow schema when missing (``key`` becomes
@@ -30,6 +32,7 @@ which it reports with the database's message; the other rows commit in one trans
 
 import asyncio
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -288,7 +291,10 @@ class SqlSink(Sink):
     def _reflect(self, conn: sa.Connection, name: str) -> sa.Table | None:
         if not sa.inspect(conn).has_table(name, schema=self.config.schema_name):
             return None
-        return sa.Table(name, sa.MetaData(), schema=self.config.schema_name, autoload_with=conn)
+        with warnings.catch_warnings():
+            # Handled: _column_indexes finds SQLite's expression indexes itself.
+            warnings.filterwarnings("ignore", "Skipped unsupported reflection of expression-based index")
+            return sa.Table(name, sa.MetaData(), schema=self.config.schema_name, autoload_with=conn)
 
     def _create(self, conn: sa.Connection, name: str, columns: Sequence[tuple[str, Any]]) -> sa.Table:
         keyed = self.mode is WritePolicy.UPSERT
@@ -317,6 +323,9 @@ class SqlSink(Sink):
         conn.execute(sa.schema.DropTable(leftover, if_exists=True))
         target = self._reflect(conn, self.config.table)
         if target is not None:
+            _column_indexes(
+                conn, target, self.dataset_uri()
+            )  # an index the swap cannot re-create: refuse now
             stage = sa.Table(
                 self._stage,
                 sa.MetaData(),
@@ -385,11 +394,17 @@ class SqlSink(Sink):
                 # Nothing was written and there is no table to empty: nothing to replace.
                 return
             target = self._reflect(conn, self.config.table)
+            indexes = [] if target is None else _column_indexes(conn, target, self.dataset_uri())
             if target is not None:
                 conn.execute(sa.schema.DropTable(target))
             preparer = conn.dialect.identifier_preparer
             new_name = preparer.quote(self.config.table)
             _ddl(conn, f"ALTER TABLE {preparer.format_table(stage)} RENAME TO {new_name}")
+            # Index names are unique per schema: the target's can be taken only once it is dropped.
+            replaced = self._reflect(conn, self.config.table)
+            assert replaced is not None
+            for name, columns, unique in indexes:
+                sa.Index(name, *(replaced.c[column] for column in columns), unique=unique).create(conn)
         self._staged = False
         self._table = None
 
@@ -445,6 +460,37 @@ def _on_conflict(statement: Any, table: sa.Table, key: Sequence[str], updates: S
     return statement.on_conflict_do_update(
         index_elements=index, set_={name: statement.excluded[name] for name in updates}
     )
+
+
+def _column_indexes(conn: sa.Connection, table: sa.Table, where: str) -> list[tuple[str, list[str], bool]]:
+    """The (name, columns, unique) of ``table``'s named indexes; SchemaError for one on an expression,
+    which this sink cannot re-create on another table."""
+    on_expressions = [
+        str(index.name)
+        for index in table.indexes
+        if index.name is None or not index.columns or len(index.expressions) != len(index.columns)
+    ]
+    if conn.dialect.name == "sqlite":
+        # SQLAlchemy leaves SQLite's expression indexes out of the reflection (with a warning only).
+        declared = conn.execute(
+            sa.text(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = :t AND sql IS NOT NULL"
+            ),
+            {"t": table.name},
+        )
+        on_expressions += sorted(
+            {str(row[0]) for row in declared} - {str(index.name) for index in table.indexes}
+        )
+    if on_expressions:
+        raise SchemaError(
+            f"{table.name} has indexes on expressions ({', '.join(on_expressions)}): replace cannot "
+            "re-create them on the new table",
+            where=where,
+        )
+    return [
+        (str(index.name), [column.name for column in index.columns], bool(index.unique))
+        for index in table.indexes
+    ]
 
 
 def _ddl(conn: sa.Connection, statement: str) -> None:

@@ -305,6 +305,11 @@ class EpochPipeline(StreamRecordSink):
         return self._epoch
 
     @property
+    def rows_written(self) -> int:
+        """Rows of this epoch handed to the sink so far (dead letters not included)."""
+        return sum(self._row_counts.values())
+
+    @property
     def has_evidence(self) -> bool:
         """True once any row or control reached this epoch (a source session has moved)."""
         return bool(self._domains)

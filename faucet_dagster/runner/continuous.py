@@ -128,6 +128,26 @@ class StoreDeadLetterRoute(DeadLetterRoute):
         await asyncio.to_thread(self._store.record_dead_letters, self._stream, epoch.sequence, records)
 
 
+@dataclass(frozen=True)
+class CutShort:
+    """An epoch its deadline interrupted after it had read rows, before a safe boundary: nothing of it
+    was certified, and the next read starts again at the certified positions. Repeated, it means the
+    source cannot reach a boundary within one budget (a source transaction larger than a tick reads)
+    and the stream makes no progress until the budget grows."""
+
+    epoch: EpochId
+    rows: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (
+            f"epoch {self.epoch.sequence} read {self.rows} rows in {self.seconds:.1f}s without reaching a "
+            "safe source boundary (an open source transaction) before the budget ended; nothing was "
+            "certified. If this repeats, one source transaction is larger than a tick can read: give "
+            "the stream a larger budget (budget_seconds, DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS)"
+        )
+
+
 def default_worker_id() -> str:
     """A worker id unique to this process instance (a restarted process is a new worker)."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -181,6 +201,8 @@ class StreamRunner:
         self._cancel: CancelToken | None = None
         self._cancel_requested = False
         self._cancel_lock = threading.Lock()
+        self.cut_short: CutShort | None = None
+        """The last epoch its deadline interrupted after reading rows, until an epoch is certified."""
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
@@ -215,6 +237,8 @@ class StreamRunner:
             if certificate is None:
                 break
             certificates.append(certificate)
+        if not certificates and self.cut_short is not None:
+            logger.warning("stream %s: %s", self.spec.name, self.cut_short.describe())
         return certificates
 
     async def run_epoch(
@@ -228,6 +252,7 @@ class StreamRunner:
         """
         limits = limits or self.spec.limits
         timings = _Stopwatch()
+        started = time.perf_counter()
 
         # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
         lease = await self._hold_lease()
@@ -244,6 +269,9 @@ class StreamRunner:
         coverage = await self._guard(self._read(source_session, pipeline, limits, deadline), epoch, pipeline)
         if coverage is None or (coverage.empty and not pipeline.has_evidence):
             # Cancelled, or nothing new: nothing to commit. A session that moved is rewound.
+            cut = coverage is None and deadline is not None and asyncio.get_running_loop().time() >= deadline
+            if cut and pipeline.rows_written:
+                self.cut_short = CutShort(epoch, pipeline.rows_written, time.perf_counter() - started)
             await self._abort(epoch, pipeline, rewind=pipeline.has_evidence)
             return None
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
@@ -286,6 +314,7 @@ class StreamRunner:
             raise
         self._certified = _advance(self._certified, sealed.coverage)
         self._next_sequence = epoch.sequence + 1
+        self.cut_short = None
         if self._recover_to:
             logger.warning(
                 "stream %s: recovered epoch %s committed before its certificate", self.spec.name, epoch

@@ -2,15 +2,17 @@
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import nats
 import pyarrow as pa
 import pytest
-from faucet_nats.sink import NatsSink, NatsSinkSession, NatsStreamingSink
+from faucet_nats.sink import NatsSink, NatsSinkSession, NatsStreamingSink, _Published
 from faucet_nats.sink_config import NatsSinkConfig
 from stream_ticks import stored_messages
 
@@ -293,5 +295,137 @@ def test_bounded_sink_appends_and_counts(nats_url: str, target: tuple[str, str])
         finally:
             await sink.close()
         assert [payload["id"] for _, payload, _ in await stored_messages(nats_url, name)] == list(range(30))
+
+    run(scenario())
+
+
+@contextlib.contextmanager
+def acknowledgements_lost(session: NatsSinkSession) -> Iterator[None]:
+    """Fault at one exact point: what ``apply`` publishes inside the block reaches the real stream,
+    which answers it (stored or duplicate), but the sink never sees those answers, as when the
+    connection drops between the server storing a message and its acknowledgement arriving."""
+    publisher = session._publisher
+    real = publisher.publish
+
+    async def publish(records: pa.RecordBatch, sent: _Published) -> None:
+        await real(records, sent)
+        await asyncio.gather(*sent.futures)  # the stream stored them (or named their duplicate)
+        loop = asyncio.get_running_loop()
+        sent.futures[:] = [loop.create_future() for _ in sent.futures]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(publisher, "publish", publish)
+        yield
+
+
+async def epoch_with_lost_acknowledgements(cfg: NatsSinkConfig, rows: int) -> tuple[NatsSinkSession, EpochId]:
+    """A new session whose active epoch published ``rows`` rows: stored, their acknowledgements lost."""
+    session = await open_session(cfg)
+    epoch = EpochId("orders-stream", 1, 1)
+    await session.begin_epoch(epoch)
+    with acknowledgements_lost(session):
+        await session.apply(epoch, batch(epoch, 0, rows))
+    return session, epoch
+
+
+def test_commit_after_a_server_restart_republishes_what_was_lost_once(
+    tmp_path: Path, unique_name: Callable[..., str]
+) -> None:
+    server = NatsServer(base_dir=tmp_path).start()  # its own: the restart disturbs no other test
+    try:
+        name, subject = unique_name("s"), f"{unique_name('subj')}.out"
+        run(create_stream(server.url, name, subject, 30.0))
+        cfg = sink_config(server.url, name, subject, 30.0, ack_timeout=20.0, republish_after=0.3)
+        ids = Identities([str(i) for i in range(4000)])
+
+        async def scenario() -> None:
+            session = await open_session(cfg)
+            try:
+                epoch = EpochId("orders-stream", 1, 1)
+                await session.begin_epoch(epoch)
+                # 3000 messages the stream stores, whose acknowledgements the restart loses.
+                with acknowledgements_lost(session):
+                    await session.apply(epoch, batch(epoch, 0, 3000))
+                # 1000 more sent to a frozen server that then crashes: lost with its socket.
+                pid = server.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)
+                await session.apply(epoch, batch(epoch, 3000, 1000))
+                await asyncio.sleep(0.3)  # the client writes them out to the socket
+                await asyncio.to_thread(server.kill)
+                await asyncio.to_thread(server.start)  # same port, same (file) store
+
+                [receipt] = await session.commit_epoch(epoch, coverage(None, 3999))
+                # Each message counted once as stored by this epoch, the 3000 whose first publish was
+                # stored included (their re-publish answered "duplicate" of a sequence of this epoch).
+                assert (receipt.rows_written, receipt.rows_skipped) == (4000, 0)
+                assert (receipt.details["first_sequence"], receipt.details["last_sequence"]) == ("1", "4000")
+                assert receipt.details["duplicates"] == "0"
+                # The re-publish path ran: for the 3000, and for at least one message the crash lost.
+                assert 3000 < int(receipt.details["republished"]) <= 4000
+                messages = await stored_messages(server.url, name)
+                assert [seq for seq, _, _ in messages] == list(range(1, 4001))
+                assert sorted(payload["id"] for _, payload, _ in messages) == list(range(4000))
+                assert sorted(msg_id for _, _, msg_id in messages) == sorted(
+                    ids.at(DOMAIN, i).digest() for i in range(4000)
+                )
+                state = await session.last_committed()
+                assert state is not None and state.epoch == epoch
+
+                # A replay whose acknowledgements are lost: the re-publish names sequences stored
+                # before this epoch began, so the receipt counts duplicates, not stored messages.
+                replay = EpochId("orders-stream", 2, 1)
+                await session.begin_epoch(replay)
+                with acknowledgements_lost(session):
+                    await session.apply(replay, batch(replay, 0, 100))
+                [receipt] = await session.commit_epoch(replay, coverage(None, 99))
+                assert (receipt.rows_written, receipt.rows_skipped) == (0, 100)
+                assert receipt.details["republished"] == "100" and "first_sequence" not in receipt.details
+                assert len(await stored_messages(server.url, name)) == 4000
+            finally:
+                await session.close_session()
+
+        run(scenario())
+    finally:
+        server.close()
+
+
+def test_no_republish_past_the_duplicate_window(nats_url: str, target: tuple[str, str]) -> None:
+    name, subject = target
+    run(create_stream(nats_url, name, subject, 1.0))
+    # The first re-publish would come 1.5 s after the publish: past the 1 s window, it could store
+    # every message a second time.
+    cfg = sink_config(nats_url, name, subject, 1.0, ack_timeout=2.0, republish_after=1.5)
+
+    async def scenario() -> None:
+        session, epoch = await epoch_with_lost_acknowledgements(cfg, 50)
+        with pytest.raises(UncertainOutcome) as raised:
+            await session.commit_epoch(epoch, coverage(None, 49))
+        assert "50 of 50 publishes" in str(raised.value)
+        assert "of the 1s duplicate window" in str(raised.value)
+        assert await session.last_committed() is None
+        await session.abort_epoch(epoch)
+        with pytest.raises(UncertainOutcome):
+            await session.close_session()
+        # Nothing was re-published: each message is stored once.
+        assert [payload["id"] for _, payload, _ in await stored_messages(nats_url, name)] == list(range(50))
+
+    run(scenario())
+
+
+def test_close_settles_an_aborted_epoch_by_republishing_within_the_window(
+    nats_url: str, target: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    name, subject = target
+    run(create_stream(nats_url, name, subject, 5.0))
+    cfg = sink_config(nats_url, name, subject, 5.0, ack_timeout=3.0, republish_after=0.2)
+
+    async def scenario() -> None:
+        session, epoch = await epoch_with_lost_acknowledgements(cfg, 50)
+        await session.abort_epoch(epoch)
+        with caplog.at_level(logging.WARNING, logger="faucet_nats"):
+            await session.close_session()  # certain: every re-publish answered "duplicate"
+        assert any("re-published 50 unacknowledged messages" in r.getMessage() for r in caplog.records)
+        assert [payload["id"] for _, payload, _ in await stored_messages(nats_url, name)] == list(range(50))
 
     run(scenario())

@@ -5,7 +5,7 @@ import datetime as dt
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -319,6 +319,41 @@ def test_replace_swaps_atomically_while_a_reader_polls(
     # The new table kept the old one's primary key.
     with pytest.raises(psycopg.errors.UniqueViolation):
         conn.execute("INSERT INTO snapshot VALUES (1, 'dup')")
+
+
+def test_replace_keeps_the_owner_and_who_may_read_and_write_the_table(
+    postgres_url: str, conn: psycopg.Connection[Any], unique_name: Callable[..., str]
+) -> None:
+    reader, owner = unique_name("reader"), unique_name("owner")
+    conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(reader)))
+    conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(owner)))
+    try:
+        conn.execute("CREATE TABLE shared (id bigint PRIMARY KEY, v text)")
+        conn.execute(sql.SQL("ALTER TABLE shared OWNER TO {}").format(sql.Identifier(owner)))
+        conn.execute(sql.SQL("GRANT SELECT ON shared TO {} WITH GRANT OPTION").format(sql.Identifier(reader)))
+        conn.execute("GRANT INSERT ON shared TO PUBLIC")
+        before = conn.execute("SELECT oid FROM pg_class WHERE relname = 'shared'").fetchone()
+        asyncio.run(
+            write_all(
+                sink(postgres_url, table="shared", mode="replace"),
+                pa.record_batch({"id": [1, 2], "v": ["a", "b"]}),
+            )
+        )
+        assert conn.execute("SELECT oid FROM pg_class WHERE relname = 'shared'").fetchone() != before
+        assert rows(conn, "shared") == [(1, "a"), (2, "b")]
+        privileges = conn.execute(
+            "SELECT pg_get_userbyid(c.relowner), "
+            "has_table_privilege(%s, 'shared', 'SELECT'), "
+            "has_table_privilege(%s, 'shared', 'SELECT WITH GRANT OPTION'), "
+            "has_table_privilege(%s, 'shared', 'UPDATE'), has_table_privilege('public', 'shared', 'INSERT'), "
+            "has_table_privilege('public', 'shared', 'SELECT') FROM pg_class c WHERE c.relname = 'shared'",
+            (reader, reader, reader),
+        ).fetchone()
+        assert privileges == (owner, True, True, False, True, False)
+    finally:
+        conn.execute("DROP TABLE IF EXISTS shared")
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(reader)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(owner)))
 
 
 def test_replace_refuses_to_drop_a_dependent_view_and_keeps_the_old_table(

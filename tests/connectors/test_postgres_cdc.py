@@ -27,6 +27,7 @@ from faucet_dagster.protocol import (
     UNCHANGED_COLUMN,
     CancelToken,
     ConfigError,
+    ConnectionFailed,
     Control,
     Coverage,
     DataError,
@@ -498,6 +499,124 @@ def test_out_of_band_advance_drop_and_recreation_are_refused(postgres_url: str, 
         "advanced during a session": PositionUnavailable,
     }
     assert "past the certified" in str(errors["advanced"]) and "dropped" in str(errors["dropped"])
+
+
+async def wal_status(url: str, slot: str) -> str | None:
+    """The slot's ``wal_status`` in pg_replication_slots (None when there is no such slot)."""
+    rows = await sql(url, f"SELECT wal_status FROM pg_replication_slots WHERE slot_name = '{slot}'")
+    return rows[0][0] if rows else None
+
+
+async def wal_status_becomes(url: str, slot: str, wanted: str, *, checkpoint: bool) -> str | None:
+    """Until the slot's ``wal_status`` is ``wanted`` (a few rounds at most): with ``checkpoint``,
+    checkpoint (removing the segments nothing keeps); then write WAL and switch to a new segment.
+    Returns the last status seen."""
+    status = None
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        for _ in range(12):
+            if checkpoint:
+                await conn.execute("CHECKPOINT")
+            status = await wal_status(url, slot)
+            if status == wanted:
+                break
+            await conn.execute("INSERT INTO filler SELECT repeat('x', 200) FROM generate_series(1, 2000)")
+            await conn.execute("SELECT pg_switch_wal()")
+    return status
+
+
+async def keep_slot_wal(url: str, size: str | None) -> None:
+    """Set the server's ``max_slot_wal_keep_size`` (``None``: reset it to the default, unlimited)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        if size is None:
+            await conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+        else:
+            await conn.execute(f"ALTER SYSTEM SET max_slot_wal_keep_size = '{size}'")
+        await conn.execute("SELECT pg_reload_conf()")
+
+
+def test_a_slot_whose_wal_was_removed_is_refused_never_skipped(postgres_url: str, unique_name: Any) -> None:
+    """PostgreSQL invalidates a slot held back past ``max_slot_wal_keep_size`` at a checkpoint
+    (``wal_status`` ``lost``): its changes are gone. Before that (``unreserved``) it is read in full."""
+    slot = unique_name("s")
+    config = cdc_config(postgres_url, slot, tables=("public.t",))
+
+    async def refused(resume: Sequence[Position]) -> BaseException:
+        recorder = Recorder()
+        with pytest.raises(PositionUnavailable) as error:
+            session = await open_session(config, resume)
+            await session.read(recorder, QUIET, CancelToken())
+        assert not recorder.boundaries and not recorder.write_sizes
+        return error.value
+
+    async def scenario() -> dict[str, BaseException]:
+        await sql(postgres_url, "CREATE TABLE t (id int PRIMARY KEY)", "CREATE TABLE filler (v text)")
+        await setup_replication(config)
+        await sql(postgres_url, "INSERT INTO t VALUES (1)")
+        # Reads and certifies transaction 1, then stays open: its copy starts where the slot is.
+        behind = await open_session(config)
+        coverage = await behind.read(Recorder(), QUIET, CancelToken())
+        await behind.acknowledge(coverage, allowed)
+        certified = [Position(behind.domain, coverage.domains[0].end)]
+        acknowledged = await confirmed(postgres_url, slot)
+        await sql(postgres_url, "INSERT INTO t VALUES (2)")
+
+        await keep_slot_wal(postgres_url, "1MB")
+        # Held back past the limit but its WAL still there: unreserved, and read in full.
+        status = await wal_status_becomes(postgres_url, slot, "unreserved", checkpoint=False)
+        assert status == "unreserved", f"the slot is {status}, not unreserved"
+        ahead = await open_session(config, certified)
+        # A running-transactions record lets this session's copy move its restart point past the old
+        # segments as it reads on, so the copy outlives the slot.
+        await sql(postgres_url, "SELECT pg_log_standby_snapshot()")
+        await sql(postgres_url, "INSERT INTO t VALUES (3)")
+        unreserved = Recorder()
+        read_ahead = await ahead.read(unreserved, QUIET, CancelToken())
+        assert [[row.values["id"] for row in tx.rows] for tx in unreserved.transactions] == [[2], [3]]
+
+        # The checkpoint removes the old segments and invalidates the slot (and the copy of the session
+        # that read nothing since: PostgreSQL terminates its connection).
+        status = await wal_status_becomes(postgres_url, slot, "lost", checkpoint=True)
+        assert status == "lost", f"the slot is {status}, not lost"
+        copies = await sql(
+            postgres_url,
+            "SELECT wal_status FROM pg_replication_slots WHERE temporary AND database = current_database()",
+        )
+        assert copies == [("reserved",)], "only the copy that read on survives"
+
+        errors = {"certified": await refused(certified), "never certified": await refused(())}
+        await sql(postgres_url, "INSERT INTO t VALUES (4)")
+        recorder = Recorder()
+        with pytest.raises(ConnectionFailed):  # the server terminated it to invalidate its copy
+            await behind.read(recorder, QUIET, CancelToken())
+        with pytest.raises(PositionUnavailable) as reattached:  # the next read attaches again
+            await behind.read(recorder, QUIET, CancelToken())
+        assert not recorder.boundaries and not recorder.write_sizes
+        errors["reattached"] = reattached.value
+        with pytest.raises(PositionUnavailable) as acknowledging:
+            await ahead.acknowledge(read_ahead, allowed)
+        errors["acknowledged"] = acknowledging.value
+        await behind.close()
+        await ahead.close()
+        assert await confirmed(postgres_url, slot) == acknowledged, "nothing after 1 was certified"
+        return errors
+
+    try:
+        errors = run(scenario)
+    finally:
+        # The server serves the whole test session: undo the setting, drop the slot it invalidated.
+        run(lambda: keep_slot_wal(postgres_url, None))
+        run(
+            lambda: sql(
+                postgres_url,
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                f"WHERE slot_name = '{slot}' AND active_pid IS NULL",
+            )
+        )
+    for name in ("certified", "never certified", "reattached"):
+        message = str(errors[name])
+        assert f"slot {slot} on" in message and "invalidated: the WAL it needs was removed" in message, name
+    assert f"slot {slot} cannot be advanced" in str(errors["acknowledged"])
+    assert "wal_removed" in str(errors["acknowledged"])
 
 
 def test_acknowledgement_advances_the_slot_only_after_authority(postgres_url: str, unique_name: Any) -> None:

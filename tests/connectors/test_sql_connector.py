@@ -247,6 +247,39 @@ def test_replace_swaps_atomically_while_a_reader_polls(db_url: str, engine: sa.E
     assert table_names(engine) == {"snapshot"}
 
 
+def test_replace_re_creates_the_targets_indexes(db_url: str, engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE indexed (id BIGINT PRIMARY KEY, email TEXT, city TEXT, zip TEXT)"))
+        conn.execute(sa.text("CREATE UNIQUE INDEX indexed_email ON indexed (email)"))
+        conn.execute(sa.text("CREATE INDEX indexed_place ON indexed (city, zip)"))
+    batch = pa.record_batch({"id": [1, 2], "email": ["a@x", "b@x"], "city": ["c", "c"], "zip": ["1", "2"]})
+    dst = sink(db_url, table="indexed", mode="replace")
+    asyncio.run(dst.write_batch(batch))
+    asyncio.run(dst.finish())
+    indexes = {
+        index["name"]: (index["column_names"], bool(index["unique"]))
+        for index in sa.inspect(engine).get_indexes("indexed")
+    }
+    assert indexes == {"indexed_email": (["email"], True), "indexed_place": (["city", "zip"], False)}
+    assert table_names(engine) == {"indexed"}
+    with engine.begin() as conn, pytest.raises(sa.exc.IntegrityError):
+        conn.execute(sa.text("INSERT INTO indexed (id, email) VALUES (3, 'a@x')"))
+
+
+def test_replace_refuses_a_target_index_on_an_expression_before_writing(
+    db_url: str, engine: sa.Engine
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE lowered (id BIGINT PRIMARY KEY, email TEXT)"))
+        conn.execute(sa.text("INSERT INTO lowered VALUES (1, 'kept')"))
+        conn.execute(sa.text("CREATE INDEX lowered_email ON lowered (lower(email))"))
+    dst = sink(db_url, table="lowered", mode="replace")
+    with pytest.raises(SchemaError, match="lowered_email"):
+        asyncio.run(dst.write_batch(pa.record_batch({"id": [2], "email": ["new"]})))
+    assert rows_of(engine, "lowered") == [(1, "kept")]
+    assert table_names(engine) == {"lowered"}
+
+
 def test_partial_results_name_bad_rows_and_good_rows_land(db_url: str, engine: sa.Engine) -> None:
     with engine.begin() as conn:
         conn.execute(sa.text("CREATE TABLE checked (id BIGINT NOT NULL, qty BIGINT CHECK (qty >= 0))"))

@@ -5,15 +5,22 @@ produced record must be there; after a fault that destroys source positions (a r
 truncated source), exactly the records the certificates covered must be there, and nothing read
 after the fault may be. Duplicates are allowed only where the planner said at-least-once, or where
 its effectively-once rests on a deduplication window the run outlasted (:func:`duplicates_allowed`).
+
+A replica fed by a change source (inserts, updates, deletes and key changes applied by key) is judged
+by its state instead (:func:`judge_state`): it must equal the source table row by row, and the sink's
+receipts must show no change applied to a state that already had it, nor one that found its key
+missing. Record by record does not fit there: an update replaces a row, a delete removes it, and
+applying a full row image again leaves the same row, so the final state, plus what the receipts
+counted while applying, is what "nothing lost, nothing applied twice" means for keyed changes.
 """
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from faucet_dagster.planner import Mechanism, Plan
 from faucet_dagster.protocol import Delivery, EpochCertificate
-from faucet_dagster.testing.faults.pairs import Key, Produced
+from faucet_dagster.testing.faults.pairs import Key, Produced, Row
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,46 @@ def judge(must: Iterable[Key], may: Iterable[Key], found: Sequence[Key]) -> Verd
         lost=len(must_set - counts.keys()),
         duplicated=sum(count - 1 for count in counts.values()),
         unexpected=len(counts.keys() - may_set - must_set),
+    )
+
+
+def judge_state(
+    expected: Mapping[Key, Row], found: Sequence[tuple[Key, Row]], certificates: Sequence[EpochCertificate]
+) -> Verdict:
+    """Check a replica (``found``: its rows with their keys) against its source's rows by key.
+
+    ``records``: the source's rows; ``found``: the replica's; ``lost``: source rows missing from the
+    replica or there with other values in the source's columns (a change of the key never arrived),
+    plus the changes the sink's receipts counted as reaching a key the replica lacked
+    (``unexpected_changes``: an earlier change of the key was lost); ``duplicated``: rows beyond the
+    first of their key, plus the inserts the receipts counted as reaching a key the replica already
+    held (``unexpected_inserts``: a change applied twice); ``unexpected``: replica rows whose key the
+    source does not hold (a delete lost, or a change applied after it again).
+    """
+    counts = Counter(key for key, _ in found)
+    stale = sum(
+        1
+        for key, row in dict(found).items()
+        if key in expected and any(row.get(column) != value for column, value in expected[key].items())
+    )
+    inserts = _receipt_count(certificates, "unexpected_inserts")
+    changes = _receipt_count(certificates, "unexpected_changes")
+    return Verdict(
+        records=len(expected),
+        found=len(found),
+        lost=len(expected.keys() - counts.keys()) + stale + changes,
+        duplicated=sum(count - 1 for count in counts.values()) + inserts,
+        unexpected=len(counts.keys() - expected.keys()),
+    )
+
+
+def _receipt_count(certificates: Sequence[EpochCertificate], detail: str) -> int:
+    """The sum of a count the receipts of ``certificates`` give in their details; a receipt that
+    wrote rows must give it (KeyError otherwise), one that wrote none counts 0."""
+    return sum(
+        int(receipt.details[detail]) if receipt.rows_written else 0
+        for certificate in certificates
+        for receipt in certificate.receipts
     )
 
 
@@ -82,4 +129,4 @@ def foreign_incarnations(certificates: Sequence[EpochCertificate]) -> list[str]:
     return [f"{resource}/{partition}" for (resource, partition), found in seen.items() if len(found) > 1]
 
 
-__all__ = ["Verdict", "covered", "duplicates_allowed", "foreign_incarnations", "judge"]
+__all__ = ["Verdict", "covered", "duplicates_allowed", "foreign_incarnations", "judge", "judge_state"]

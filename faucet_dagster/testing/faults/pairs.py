@@ -1,11 +1,13 @@
 """The source/sink pairs the fault harness breaks, on real servers.
 
-A pair is a :class:`SourceSide` (NATS JetStream, Kafka, files) and a :class:`SinkSide` (PostgreSQL,
-NATS JetStream) in a mode. A side creates its stream, topic, directory or target, configures its
-connector as a user would, and reads back what it holds. Every record produced is
-``{"id", "producer", "seq"}``: its key for the oracle is ``(producer, seq)``, and the source tells
-where it stored it (:class:`Produced`: resource, partition, position) so certificates can be mapped
-back to records.
+A pair is a :class:`SourceSide` (NATS JetStream, Kafka, files, a PostgreSQL table read by change
+data capture) and a :class:`SinkSide` (PostgreSQL, NATS JetStream) in a mode and a write policy. A
+side creates its stream, topic, directory, table or target, configures its connector as a user
+would, and reads back what it holds. Every record produced is ``{"id", "producer", "seq"}``: its key
+for the oracle is ``(producer, seq)``, and the source tells where it stored it (:class:`Produced`:
+resource, partition, position) so certificates can be mapped back to records. A change source
+(:class:`PostgresChangesSource`) also inserts, updates, deletes and re-keys rows; its destination is
+judged by its final state against the source table's (:meth:`SourceSide.state`), not record by record.
 
 The controller calls these from plain threads (no event loop of its own); NATS calls run on a
 private loop per call.
@@ -15,7 +17,7 @@ import asyncio
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,9 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
+from psycopg.rows import dict_row
 
+from faucet_dagster.cdc_cli import setup_change_source
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import Mode, WritePolicy, get_connector
 from faucet_dagster.testing.faults.spec import Endpoint, Target
@@ -38,8 +42,17 @@ T = TypeVar("T")
 Key = tuple[str, int]
 """A record's identity for the oracle: (producer id, sequence)."""
 
+Row = dict[str, Any]
+"""A table row by column name: what a change source's table and its replica are compared by."""
+
 RECORD_COLUMNS = {"id": "int64 not null", "producer": "string", "seq": "int64 not null"}
 KAFKA_PARTITIONS = 3
+CHANGES_TABLE = "public.records"
+"""The table a change source's case writes to (in a database of its own) and the stream reads."""
+_EXTRA_KEYS = 1_000_000
+"""Sequences of rows a change workload inserts and deletes again (never in the final state)."""
+_MOVED_KEYS = 10_000_000
+"""What a change workload adds to a sequence to re-key a row for a moment (above every extra key)."""
 NATS_DUPLICATE_WINDOW = 120.0
 """Seconds the NATS target streams deduplicate message ids: longer than any harness run."""
 
@@ -112,6 +125,9 @@ class SourceSide(ABC):
     connector: ClassVar[str]
     label: ClassVar[str]
     servers_used: ClassVar[tuple[str, ...]]
+    transactions: ClassVar[bool] = False
+    """True when the source delivers its records in transactions an epoch never cuts, written to the
+    sink in batches before the transaction's end is read: a fault can land inside one."""
 
     def __init__(self, servers: Servers, name: str, workdir: Path) -> None:
         self.servers = servers
@@ -132,6 +148,15 @@ class SourceSide(ABC):
 
     def resources(self) -> tuple[str, ...]:
         return (self.name,)
+
+    def state(self) -> dict[Key, Row] | None:
+        """What the destination must equal at the end, row by row by key, for a source of changes;
+        None for a source of records (judged record by record against what was produced)."""
+        return None
+
+    def drop(self) -> None:
+        """Remove what the source holds on the servers beyond its case (a replication slot keeps
+        WAL and one of the server's few slots for good); called when the case ends."""
 
     def recreate(self) -> None:
         """Delete the source and create it again, empty (a new incarnation)."""
@@ -308,6 +333,128 @@ class FilesSource(SourceSide):
         return ()
 
 
+class PostgresChangesSource(SourceSide):
+    """Table :data:`CHANGES_TABLE` of a database ``name`` of its own (dropped with the case, slot and
+    publication included), read through slot ``name`` by the PostgreSQL change source.
+
+    The slot and publication are made by the change source's own setup (``faucet cdc setup``).
+    :meth:`produce` writes transactions of inserts, updates, deletes, deletes followed by inserts of
+    the same key, and key changes (a delete and an insert at the destination); the first and the last
+    transactions are large (hundreds of rows, written to the sink in several batches). Each change's
+    :class:`Produced` position is the WAL insert position read inside its transaction just before
+    the commit: at most the commit LSN the source certifies, and above every earlier commit's.
+    """
+
+    connector = "postgres"
+    label = "PostgreSQL CDC"
+    servers_used = ("postgres",)
+    transactions = True
+
+    @property
+    def url(self) -> str:
+        return self.servers.postgres.database_url(self.name)
+
+    def create(self) -> None:
+        self.servers.postgres.create_database(self.name)
+        with psycopg.connect(self.url, connect_timeout=10) as conn:
+            conn.execute(
+                f"CREATE TABLE {CHANGES_TABLE} (producer text, seq bigint, id bigint NOT NULL, "
+                "version int NOT NULL, note text NOT NULL, PRIMARY KEY (producer, seq))"
+            )
+        setup_change_source(self.connector, self.config())
+
+    def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
+        """Leave rows ``0..count-1`` of ``producer`` in the table, through every kind of change: the
+        first half inserted in one transaction; the rest in transactions of 25 rows, each also
+        re-keying some of its rows (to a temporary key and back), deleting the row the previous one
+        added under an extra key and adding another, updating the first half's rows ``seq % 40 = n``,
+        and deleting a row of the first half and inserting it again; then one transaction updating
+        every third row and deleting the last extra row."""
+        half, chunk = count // 2, 25
+        table = CHANGES_TABLE
+        insert = (
+            f"INSERT INTO {table} SELECT %s, g, %s::bigint + g, 0, 'new' "
+            "FROM generate_series(%s::bigint, %s::bigint) AS g"
+        )
+        delete = f"DELETE FROM {table} WHERE producer = %s AND seq = %s"
+        produced: list[Produced] = []
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=10) as conn:
+
+            def transaction(keys: Iterable[int], *statements: tuple[str, tuple[Any, ...]]) -> None:
+                with conn.transaction():
+                    for statement, params in statements:
+                        conn.execute(statement, params)
+                    row = conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
+                assert row is not None  # a SELECT without FROM returns one row
+                produced.extend(Produced(producer, seq, self.name, "", int(row[0])) for seq in keys)
+
+            transaction(range(half), (insert, (producer, first_id, 0, half - 1)))
+            doomed: list[int] = []
+            for step, start in enumerate(range(half, count, chunk)):
+                end = min(start + chunk, count)
+                moved = [seq for seq in range(start, end) if seq % 10 == 7]
+                reborn = step * 13 % half if half else start
+                updated = range(step % 40, half, 40)
+                doomed.append(_EXTRA_KEYS + start)
+                transaction(
+                    [*range(start, end), *doomed[-2:], reborn, *updated],
+                    (insert, (producer, first_id, start, end - 1)),
+                    (
+                        f"UPDATE {table} SET seq = seq + %s WHERE producer = %s AND seq = ANY(%s)",
+                        (_MOVED_KEYS, producer, moved),
+                    ),
+                    (
+                        f"UPDATE {table} SET seq = seq - %s WHERE producer = %s AND seq >= %s",
+                        (_MOVED_KEYS, producer, _MOVED_KEYS),
+                    ),
+                    (insert, (producer, first_id, doomed[-1], doomed[-1])),
+                    (delete, (producer, doomed[-2] if len(doomed) > 1 else -1)),
+                    (
+                        f"UPDATE {table} SET version = version + 1, note = 'updated' "
+                        "WHERE producer = %s AND seq < %s AND seq %% 40 = %s",
+                        (producer, half, step % 40),
+                    ),
+                    (delete, (producer, reborn)),
+                    (
+                        f"INSERT INTO {table} VALUES (%s, %s, %s, 100, 'reborn')",
+                        (producer, reborn, first_id + reborn),
+                    ),
+                )
+            transaction(
+                [*range(0, count, 3), *doomed[-1:]],
+                (
+                    f"UPDATE {table} SET version = version + 1, note = 'final' "
+                    "WHERE producer = %s AND seq < %s AND seq %% 3 = 0",
+                    (producer, count),
+                ),
+                (f"DELETE FROM {table} WHERE producer = %s AND seq >= %s", (producer, _EXTRA_KEYS)),
+            )
+        return produced
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "slot": self.name,
+            "publication": f"{self.name}_pub",
+            "tables": [CHANGES_TABLE],
+            "heartbeat_interval": 0,
+            "poll_interval": 0.05,
+            # Small pieces: a large transaction reaches the sink in several batches.
+            "batch_rows": 100,
+        }
+
+    def resources(self) -> tuple[str, ...]:
+        return (CHANGES_TABLE,)
+
+    def state(self) -> dict[Key, Row]:
+        with psycopg.connect(self.url, connect_timeout=10, row_factory=dict_row) as conn:
+            rows = conn.execute(f"SELECT * FROM {CHANGES_TABLE}").fetchall()
+        return {(str(row["producer"]), int(row["seq"])): row for row in rows}
+
+    def drop(self) -> None:
+        self.servers.postgres.drop_database(self.name)
+
+
 # -- sinks ------------------------------------------------------------------------------------------
 
 
@@ -333,6 +480,11 @@ class SinkSide(ABC):
     def read(self) -> list[Key]:
         """Every record the destination holds, as keys, duplicates included."""
 
+    def rows(self) -> list[tuple[Key, Row]]:
+        """Every row the destination holds, with its key, duplicates included (for a source of
+        changes, whose replica is judged by its state)."""
+        raise NotImplementedError(f"a {self.label} destination is judged record by record")
+
 
 class PostgresSinkSide(SinkSide):
     """Table ``<name>_rows`` in the harness database (created by the sink)."""
@@ -349,12 +501,15 @@ class PostgresSinkSide(SinkSide):
         return {"url": self.servers.database_url, "table": self.table}
 
     def read(self) -> list[Key]:
-        with psycopg.connect(self.servers.database_url, connect_timeout=10) as conn:
-            exists = conn.execute("SELECT to_regclass(%s)", (self.table,)).fetchone()
-            if exists is None or exists[0] is None:
+        return [key for key, _ in self.rows()]
+
+    def rows(self) -> list[tuple[Key, Row]]:
+        with psycopg.connect(self.servers.database_url, connect_timeout=10, row_factory=dict_row) as conn:
+            exists = conn.execute("SELECT to_regclass(%s) AS found", (self.table,)).fetchone()
+            if exists is None or exists["found"] is None:
                 return []
-            rows = conn.execute(f'SELECT producer, seq FROM "{self.table}"').fetchall()
-        return [(str(producer), int(seq)) for producer, seq in rows]
+            rows = conn.execute(f'SELECT * FROM "{self.table}"').fetchall()
+        return [((str(row["producer"]), int(row["seq"])), row) for row in rows]
 
 
 class NatsSinkSide(SinkSide):
@@ -413,16 +568,20 @@ class NatsSinkSide(SinkSide):
 
 @dataclass(frozen=True)
 class Pair:
-    """A source side and a sink side in one mode; ``name`` is how the command line selects it."""
+    """A source side and a sink side in one mode; ``name`` is how the command line selects it.
+    ``policy`` is a continuous stream's write policy (a bounded sink chooses its own)."""
 
     name: str
     mode: Mode
     source: type[SourceSide]
     sink: type[SinkSide]
+    policy: WritePolicy = WritePolicy.APPEND
 
     @property
     def label(self) -> str:
         suffix = " (bounded)" if self.mode is Mode.BOUNDED else ""
+        if self.policy is not WritePolicy.APPEND:
+            suffix += f" ({self.policy.value.replace('_', ' ')})"
         return f"{self.source.label} -> {self.sink.label}{suffix}"
 
     @property
@@ -435,7 +594,7 @@ class Pair:
         if self.mode is Mode.CONTINUOUS:
             source_caps = get_connector(source.connector).stream_source(source.config).capabilities()
             sink_caps = get_connector(sink.connector).streaming_sink(sink.config).capabilities()
-            return plan(source_caps, sink_caps, Mode.CONTINUOUS, WritePolicy.APPEND, durable_state=True)
+            return plan(source_caps, sink_caps, Mode.CONTINUOUS, self.policy, durable_state=True)
         bounded_sink = get_connector(sink.connector).sink(sink.config)
         policy, key = bounded_sink.write_mode()
         source_caps = get_connector(source.connector).source(source.config).capabilities()
@@ -447,6 +606,7 @@ PAIRS: tuple[Pair, ...] = (
     Pair("kafka-postgres", Mode.CONTINUOUS, KafkaSource, PostgresSinkSide),
     Pair("kafka-nats", Mode.CONTINUOUS, KafkaSource, NatsSinkSide),
     Pair("nats-nats", Mode.CONTINUOUS, NatsSource, NatsSinkSide),
+    Pair("cdc-postgres", Mode.CONTINUOUS, PostgresChangesSource, PostgresSinkSide, WritePolicy.APPLY_CHANGES),
     Pair("files-postgres-bounded", Mode.BOUNDED, FilesSource, PostgresSinkSide),
     Pair("kafka-postgres-bounded", Mode.BOUNDED, KafkaSource, PostgresSinkSide),
 )
@@ -461,6 +621,7 @@ def pair_named(name: str) -> Pair:
 
 
 __all__ = [
+    "CHANGES_TABLE",
     "KAFKA_PARTITIONS",
     "KAFKA_PURGE",
     "PAIRS",
@@ -471,8 +632,10 @@ __all__ = [
     "NatsSinkSide",
     "NatsSource",
     "Pair",
+    "PostgresChangesSource",
     "PostgresSinkSide",
     "Produced",
+    "Row",
     "Servers",
     "SinkSide",
     "SourceSide",

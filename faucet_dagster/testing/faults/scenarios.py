@@ -2,11 +2,14 @@
 
 Every case creates its own source and destination, produces records, runs a worker process with the
 fault, then (unless the fault must halt the stream) a fresh recovery worker until every produced
-record is certified, and finally asks the oracle about every key. Kinds of fault:
+record is certified, and finally asks the oracle about every key (a change source's replica: about
+every row of the source table, :func:`~.oracle.judge_state`). Kinds of fault:
 
 ``point``     SIGKILL (``kill``) or a clean stop (``term``: SIGTERM) at a named moment of the commit
               order (see :data:`MOMENT_POINTS`); the acknowledgement's kill is timed to land while the
-              provider acknowledgement is in flight, the close's while the sink's close waits.
+              provider acknowledgement is in flight, the close's while the sink's close waits; a
+              transactional source's ``during_transaction`` lands after the sink applied a batch of a
+              source transaction whose end is not read yet (in the open destination transaction).
 ``random``    SIGKILL or SIGTERM sent by the controller ``random_delay`` seconds after the worker's
               ``random_after``-th step (a certified epoch, a committed page; 0: after it started).
 ``zombie``    the owner SIGSTOPs itself at a named moment and stays stopped past its lease; a successor
@@ -46,6 +49,7 @@ from faucet_dagster.testing.faults.oracle import (
     duplicates_allowed,
     foreign_incarnations,
     judge,
+    judge_state,
 )
 from faucet_dagster.testing.faults.pairs import (
     KAFKA_PURGE,
@@ -54,6 +58,7 @@ from faucet_dagster.testing.faults.pairs import (
     Key,
     NatsSource,
     Pair,
+    PostgresChangesSource,
     Produced,
     Servers,
 )
@@ -89,6 +94,7 @@ class Moment(StrEnum):
     DURING_ACK = "during_ack"
     DURING_COPY = "during_copy"
     DURING_PUBLISH = "during_publish"
+    DURING_TRANSACTION = "during_transaction"
     DURING_CLOSE = "during_close"
 
 
@@ -106,6 +112,8 @@ MOMENT_POINTS: dict[tuple[Mode, str, Moment], Point] = {
     },
     (Mode.CONTINUOUS, "postgres", Moment.DURING_COPY): Point.DURING_COPY,
     (Mode.CONTINUOUS, "nats", Moment.DURING_PUBLISH): Point.AFTER_APPLY,
+    # Only for transactional sources (see point_for): a batch of a source transaction is applied.
+    (Mode.CONTINUOUS, "postgres", Moment.DURING_TRANSACTION): Point.AFTER_APPLY,
     # Bounded: a page's COPY is the last statement of its transaction; the bookmark persisted by the
     # caller (Dagster's run storage) plays the certificate; there is no acknowledgement.
     (Mode.BOUNDED, "postgres", Moment.BEFORE_COMMIT): Point.AFTER_COPY,
@@ -115,6 +123,13 @@ MOMENT_POINTS: dict[tuple[Mode, str, Moment], Point] = {
     (Mode.BOUNDED, "postgres", Moment.DURING_CLOSE): Point.DURING_SINK_CLOSE,
 }
 """The fault point each moment arms, per mode and sink connector (absent: not applicable)."""
+
+CDC_SLOT_FAULTS = (
+    "a slot dropped and set up again, and one advanced past the certified position, halt the stream "
+    "before anything is written (IncarnationChanged, PositionUnavailable): tests/test_stream_postgres_cdc.py "
+    "checks both"
+)
+"""Why the harness neither recreates nor purges a change source."""
 
 ONCE_PER_RUN = frozenset({Point.AFTER_BOOKMARK, Point.DURING_SINK_CLOSE})
 """Points a worker reaches once: they are always armed for their first hit."""
@@ -143,6 +158,8 @@ class Fault:
 
 
 def point_for(pair: Pair, moment: Moment) -> Point | None:
+    if moment is Moment.DURING_TRANSACTION and not pair.source.transactions:
+        return None
     return MOMENT_POINTS.get((pair.mode, pair.sink.connector, moment))
 
 
@@ -161,7 +178,7 @@ def named_faults(pair: Pair) -> list[Fault]:
             for moment in (Moment.BEFORE_COMMIT, Moment.AFTER_CERTIFICATE)
         ]
     faults += [Fault(FaultKind.RESTART, server=server) for server in pair.servers_used]
-    if pair.source is not FilesSource:
+    if pair.source not in (FilesSource, PostgresChangesSource):
         faults.append(Fault(FaultKind.RECREATE))
     if pair.source is NatsSource:
         faults.append(Fault(FaultKind.PURGE))
@@ -172,6 +189,8 @@ def not_applicable(pair: Pair) -> list[tuple[str, str]]:
     """Faults left out for ``pair`` and why (the harness's table notes)."""
     if pair.source is KafkaSource:
         return [("purge source", KAFKA_PURGE)]
+    if pair.source is PostgresChangesSource:
+        return [("recreate or purge source", CDC_SLOT_FAULTS)]
     return []
 
 
@@ -401,6 +420,7 @@ class Case:
             source=source,
             sink=sink,
             resources=self.source.resources(),
+            policy=self.pair.policy.value,
             state_url=self.state_url,
             epoch_records=params.epoch_records,
             batch_rows=params.epoch_records,
@@ -447,9 +467,21 @@ class Case:
             return False
         return False
 
+    def judge(self, outcome: "_Outcome") -> Verdict:
+        """The oracle's verdict on the destination: record by record against ``outcome``, or (a
+        change source) row by row against the source table, which needs a recovered stream."""
+        expected = self.source.state()
+        if expected is None:
+            return judge(outcome.must, outcome.may, self.sink.read())
+        if outcome.must != _all(self.produced):
+            raise HarnessError(f"a {self.pair.name} case is judged by state and must end recovered")
+        return judge_state(expected, self.sink.rows(), self.certificates())
+
     def close(self) -> None:
+        """Kill the workers still running, then drop what the source holds on the servers."""
         for worker in self._workers:
             worker.close()
+        self.source.drop()
 
 
 def _describe(error: Event | None) -> str:
@@ -675,11 +707,10 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
             outcome = _RUNNERS[fault.kind](case, fault)
         except HarnessError as exc:
             outcome = _Outcome(False, False, _all(case.produced), _all(case.produced), [str(exc)])
-        found = case.sink.read()
+        verdict = case.judge(outcome)
     finally:
         case.close()
     seconds = time.monotonic() - started
-    verdict = judge(outcome.must, outcome.may, found)
     result = CaseResult(
         pair=pair.name,
         fault=fault.name,
@@ -697,6 +728,7 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
 
 
 __all__ = [
+    "CDC_SLOT_FAULTS",
     "MOMENT_POINTS",
     "Case",
     "CaseParams",

@@ -43,6 +43,8 @@ class WorkerSpec:
     runner the sensor uses) until the certified positions reach every target; bounded runs
     :func:`~faucet_dagster.runner.bounded.run_bounded_sync` once, from the bookmark and commit token in
     ``bookmark_file`` (the stand-in for Dagster's run storage), and writes the new ones there.
+    ``policy`` is the continuous stream's write policy (a ``WritePolicy`` value: ``apply_changes``
+    for a change source); a bounded sync takes the sink's own.
 
     Retryable failures (``FaucetError.retryable``; ``OwnershipLost`` while ``retry_ownership``: a
     live lease of another worker, or its own expired one) are retried every ``retry_pause`` seconds,
@@ -57,6 +59,7 @@ class WorkerSpec:
     source: Endpoint
     sink: Endpoint
     resources: tuple[str, ...] = ()
+    policy: str = "append"
     state_url: str = ""
     epoch_records: int = 500
     epoch_idle: float = 0.3

@@ -220,7 +220,7 @@ def reached(positions: Sequence[Position], targets: Sequence[Target]) -> bool:
         if not found:
             return False
         codec = codecs.get(found[0].domain.codec)
-        if codec.compare(codec.validate(found[0].value), codec.validate(str(target.position))) < 0:
+        if codec.compare(codec.validate(found[0].value), codec.validate(target.position)) < 0:
             return False
     return True
 
@@ -233,6 +233,7 @@ async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) ->
         source=get_connector(spec.source.connector).stream_source(spec.source.config),
         sink=streaming_sink(spec),
         resources=spec.resources,
+        policy=WritePolicy(spec.policy),
         limits=ReadLimits(records=spec.epoch_records, idle=spec.epoch_idle, age=spec.epoch_age),
         lease_seconds=spec.lease_seconds,
         pipeline=PipelineOptions(batch_rows=spec.batch_rows),
