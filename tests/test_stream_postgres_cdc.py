@@ -413,6 +413,39 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
     assert (written, skipped_rows) == (1 + 100_001 + 10 + 1, 0), "nothing lost, nothing applied twice"
 
 
+# -- a transaction larger than a tick can read ----------------------------------------------------------
+
+
+def test_a_transaction_larger_than_a_tick_is_reported_and_replicated_once_the_budget_allows(
+    replication: Replication,
+) -> None:
+    tables = ("lines",)
+    replication.execute(LINES)
+    connection = FaucetConnection(connector="postgres", config=replication.source_config(tables))
+    assert connection.setup_replication()["slot_created"]
+    stream = replication.stream(tables)
+    with dg.instance_for_test() as instance:
+        roomy = Ticker(stream, instance, budget=30)
+        roomy.tick()  # opens the sessions: the short tick below spends its budget reading
+        replication.execute("INSERT INTO lines SELECT g / 100, g % 100, g FROM generate_series(0, 399999) g")
+        short = Ticker(stream, instance, budget=1.0)
+        short.cursor = roomy.cursor
+        for _ in range(2):
+            result = short.tick()
+            assert not result.asset_events
+            assert result.skip_message is not None
+            assert "without reaching a safe source boundary" in result.skip_message, result.skip_message
+            assert "larger budget" in result.skip_message
+            (created,) = replication.execute("SELECT to_regclass('lines')", url=replication.target_url)
+            assert created == (None,), "nothing of the transaction is visible"
+            assert replication.store.certificates(replication.name) == []
+        roomy.cursor = short.cursor
+        roomy.until_caught_up()
+    replication.assert_identical(tables)
+    [certificate] = replication.store.certificates(replication.name)
+    assert certificate.row_counts == {"public.lines": 400_000}
+
+
 # -- the slot changed behind the stream's back ----------------------------------------------------------
 
 
