@@ -37,11 +37,19 @@ from faucet_dagster.protocol import (
     WorkerIdentity,
     WritePolicy,
 )
+from faucet_dagster.runner.faults import Action
 from faucet_dagster.state import Lease, StateStore
 from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
 from faucet_dagster.testing.faults.oracle import Verdict, judge_state
-from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers
-from faucet_dagster.testing.faults.scenarios import CaseParams, Fault, FaultKind, named_faults, run_case
+from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers, pair_named
+from faucet_dagster.testing.faults.scenarios import (
+    CaseParams,
+    Fault,
+    FaultKind,
+    Moment,
+    named_faults,
+    run_case,
+)
 
 CASES = [(pair, fault) for pair in PAIRS for fault in named_faults(pair)]
 
@@ -110,6 +118,22 @@ def test_the_state_oracle_finds_stale_missing_resurrected_and_reapplied_rows() -
 
 
 # -- regressions found by the harness ---------------------------------------------------------------
+
+
+def test_a_zombie_frozen_in_its_first_epoch_does_not_block_its_successor(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Found by zombie@before_commit at hit 1 on NATS -> PostgreSQL (and CDC -> PostgreSQL): the frozen
+    owner's first epoch held its uncommitted CREATE TABLE, and the successor's CREATE TABLE IF NOT
+    EXISTS waited for it forever. Now the successor's lock waits end after lock_timeout (retryably,
+    retried) and the server ends the frozen transaction after idle_in_transaction_session_timeout."""
+    fault = Fault(FaultKind.ZOMBIE, Action.STOP, Moment.BEFORE_COMMIT)
+    params = CaseParams(records=1_200, epoch_records=400, hit=1)
+    result = run_case(servers, tmp_path, pair_named("nats-postgres"), fault, params)
+    assert result.fired and result.halted_correctly, result.notes
+    assert result.verdict.lost == 0 and result.verdict.unexpected == 0, result.verdict
+    assert result.verdict.records == 1_200 and result.passed, result.verdict
+
 
 DOMAIN = OrderingDomain("kafka", "orders", "0", "cluster:topic", "kafka.offset")
 

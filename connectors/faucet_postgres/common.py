@@ -81,7 +81,9 @@ def pg_error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
     (retryable); 28 and 42501 AuthError; 42P01, 3F000 and 3D000 (no such table, schema, database)
     ConfigError;
     other 42 and 2BP01 (dependent objects) SchemaError; 22/23 DataError; 40 (serialization failure,
-    deadlock) a retryable FaucetError.
+    deadlock) and 55P03 (a lock wait that reached ``lock_timeout``) a retryable FaucetError; 25P03
+    (the server ended a connection idle in a transaction past ``idle_in_transaction_session_timeout``,
+    rolling it back) ConnectionFailed.
     """
     if isinstance(exc, FaucetError):
         return exc
@@ -103,8 +105,16 @@ def pg_error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
         return DataError(message, where=where)
     if state.startswith("40"):
         return FaucetError(message, where=where, retryable=True)
-    if state.startswith(("08", "57")) or (
-        not state and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    if state == "55P03":
+        return FaucetError(
+            f"{message} (another transaction held a lock longer than lock_timeout)",
+            where=where,
+            retryable=True,
+        )
+    if (
+        state.startswith(("08", "57"))
+        or state == "25P03"
+        or (not state and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError))
     ):
         return ConnectionFailed(message, where=where)
     return FaucetError(message, where=where)

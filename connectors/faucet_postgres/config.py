@@ -12,6 +12,13 @@ from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth, TokenAuth, Us
 
 SSLMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
 PostgresWriteMode = Literal["append", "upsert", "replace", "delete", "apply_changes"]
+_MAX_TIMEOUT = 2_147_483.0
+"""The largest server timeout in seconds (the server keeps milliseconds in an int32)."""
+
+
+def _milliseconds(seconds: float) -> str:
+    """A timeout in whole milliseconds for the server: a positive one never rounds down to 0 (off)."""
+    return str(max(1, round(seconds * 1000)) if seconds > 0 else 0)
 
 
 class PostgresConnection(ConnectorConfig):
@@ -167,6 +174,16 @@ class PostgresStreamingSinkConfig(PostgresConnection):
     version is newer than the stored one). The stream's last committed epoch with its owner fence
     (``epochs_table``, one row per stream) and its per-domain watermarks (``watermarks_table``) live
     in ``state_schema_name`` (default: ``schema_name``).
+
+    Two server timeouts bound what an epoch's open transaction can do to another worker's (see the
+    streaming sink's module docstring, "Zombies and locks"): ``lock_timeout`` is how long a statement
+    of this sink waits for a lock another transaction holds before the epoch fails with a retryable
+    error; ``idle_in_transaction_session_timeout`` is how long the server lets this sink's epoch
+    transaction sit idle before it ends the connection (rolling the epoch back). Keep the latter at or
+    below the stream's ``lease_seconds``, so the transaction of a frozen previous owner (a stopped VM,
+    a long pause) ends about when its lease expires, and above the longest pause between the sink's
+    statements inside an epoch, which the read limits (``idle``, ``age``) bound. Seconds; 0: no limit
+    (whatever the server's or the role's default).
     """
 
     table: str | None = Field(default=None, min_length=1)
@@ -178,6 +195,29 @@ class PostgresStreamingSinkConfig(PostgresConnection):
     state_schema_name: str | None = None
     epochs_table: str = Field(default="_faucet_stream_epochs", min_length=1)
     watermarks_table: str = Field(default="_faucet_stream_watermarks", min_length=1)
+    lock_timeout: float = Field(
+        default=10.0,
+        ge=0,
+        le=_MAX_TIMEOUT,
+        description="Seconds a statement waits for a lock held by another transaction (0: no limit).",
+    )
+    idle_in_transaction_session_timeout: float = Field(
+        default=120.0,
+        ge=0,
+        le=_MAX_TIMEOUT,
+        description=(
+            "Seconds the server lets an epoch's transaction sit idle before it ends the connection "
+            "(0: no limit). At most the stream's lease_seconds; above the longest pause between the "
+            "sink's statements inside an epoch."
+        ),
+    )
+
+    def timeout_settings(self) -> dict[str, str]:
+        """The session settings of the two timeouts, in milliseconds (``"0"``: off)."""
+        return {
+            "lock_timeout": _milliseconds(self.lock_timeout),
+            "idle_in_transaction_session_timeout": _milliseconds(self.idle_in_transaction_session_timeout),
+        }
 
     def table_for(self, resource: str) -> str:
         return self.tables.get(resource) or self.table or resource

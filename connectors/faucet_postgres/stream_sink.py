@@ -28,6 +28,26 @@ is fed from one ordering domain only: changes of two domains have no common orde
 ``open`` claims the fence (the epochs row's token becomes the worker's, unless a higher one holds it:
 then OwnershipLost), so an older worker's commit fails from that moment on, checked by the database
 atomically with its effects.
+
+Zombies and locks. An epoch's open transaction holds locks until it ends: a table it created (and
+the catalog entries of its name), a column it added, rows of the keys it upserted, the epochs row once
+its commit began. A previous owner frozen with its epoch open (a stopped VM, a long pause) keeps them,
+and its successor would wait for them for as long as the frozen connection lives. Every connection
+of the sink therefore sets two server timeouts for its session (:meth:`PostgresStreamingSink.connection`):
+
+* ``lock_timeout``: a statement that waited that long for a lock fails; the sink raises a retryable
+  FaucetError saying so, listing the other transactions of the database open at least that long
+  (process ids, states and ages: the holder is among them). The runner aborts the epoch as for any
+  failure before the commit; the next epoch (the next tick) tries again;
+* ``idle_in_transaction_session_timeout``: the server ends a connection whose transaction sat idle
+  that long, rolling the epoch back and freeing its locks. Kept at or below the stream's lease, a
+  frozen owner's transaction ends about when its lease expires. When it wakes up, its next statement
+  fails (ConnectionFailed, retryable: nothing of the epoch remains, the runner aborts it; the lease it
+  lost then stops it with OwnershipLost); a COMMIT whose connection was ended is resolved as not
+  committed by the commit id read-back.
+
+Tables are created inside the epoch's transaction, so an aborted epoch leaves no empty table behind;
+a successor waiting on such a creation is bounded by the same two timeouts.
 """
 
 import asyncio
@@ -79,6 +99,7 @@ from faucet_postgres.common import (
     copy_batch,
     create_table,
     current_schema,
+    error_text,
     pg_error,
     table_columns,
     table_name,
@@ -96,6 +117,8 @@ _MAX_BIGINT = 2**63 - 1
 _ORDINAL = "__faucet_ordinal"
 _STATE_LOCK = 0x66617563  # an advisory lock id ("fauc"), held while the state tables are created
 _BACKEND_EXIT_WAIT = 10.0
+_LOCK_NOT_AVAILABLE = "55P03"
+_IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 
 
 def _capabilities(config: PostgresStreamingSinkConfig) -> SinkCapabilities:
@@ -126,6 +149,31 @@ class PostgresStreamingSink(StreamingSink):
         self.config = config
         self._connect = connect
 
+    async def connection(self, *, autocommit: bool) -> Connection:
+        """A new connection with the config's ``lock_timeout`` and
+        ``idle_in_transaction_session_timeout`` set for its whole session (committed, so a rollback
+        keeps them). Raises ConnectionFailed (retryable) when the server cannot be reached."""
+        config = self.config
+        conn = await self._connect(config, autocommit=autocommit)
+        try:
+            settings = config.timeout_settings()
+            await conn.execute(
+                sql.SQL("SELECT {}").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
+                        for name, value in settings.items()
+                    )
+                )
+            )
+            if not autocommit:
+                await conn.commit()
+        except BaseException as exc:
+            await conn.close()
+            if isinstance(exc, psycopg.Error):
+                raise pg_error(exc, where=config.safe_url(), doing="setting the session timeouts") from exc
+            raise
+        return conn
+
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config)
 
@@ -141,7 +189,7 @@ class PostgresStreamingSink(StreamingSink):
             raise ConfigError(f"policy {policy.value} needs a key", where=where)
         if policy is WritePolicy.VERSIONED_UPSERT and not config.version_column:
             raise ConfigError("policy versioned_upsert needs version_column in the sink config", where=where)
-        conn = await self._connect(config, autocommit=False)
+        conn = await self.connection(autocommit=False)
         try:
             session = PostgresStreamingSinkSession(self, conn, stream, policy, tuple(key), worker)
             await session.prepare()
@@ -223,7 +271,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         worker: WorkerIdentity,
     ) -> None:
         self._config = sink.config
-        self._connect = sink._connect
+        self._connection = sink.connection
         self._conn: Connection | None = conn
         self._stream = stream
         self._policy = policy
@@ -278,7 +326,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             claimed = await cursor.fetchone()
             await conn.commit()
         except psycopg.Error as exc:
-            raise pg_error(exc, where=self._where, doing="preparing the stream state") from exc
+            raise await self._failure(exc, where=self._where, doing="preparing the stream state") from exc
         if claimed is None:
             raise OwnershipLost(
                 f"a fencing token above {self._worker.fencing_token} holds the stream at the destination",
@@ -291,7 +339,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
     async def last_committed(self) -> SinkCommitState | None:
         """The last committed epoch and watermarks, read on a separate connection (committed data only)."""
         self._check_usable()
-        probe = await self._connect(self._config, autocommit=True)
+        probe = await self._connection(autocommit=True)
         try:
             found = await self._read_state(probe)
         finally:
@@ -391,7 +439,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             state.failed = True
             where = f"{self._where} table {table}"
             if isinstance(exc, psycopg.Error):
-                raise pg_error(exc, where=where, doing="applying a batch") from exc
+                raise await self._failure(exc, where=where, doing="applying a batch") from exc
             if isinstance(exc, pa.ArrowException):
                 raise DataError(f"the batch cannot be encoded for COPY: {exc}", where=where) from exc
             raise
@@ -457,7 +505,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                     )
         except psycopg.Error as exc:
             state.failed = True
-            raise pg_error(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
+            raise await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
         receipts = self._receipts(state, transaction=str(fenced[0]))
         self._pending_commit = commit_id
         try:
@@ -535,6 +583,56 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             raise LifecycleError("the session is closed", where=self._where)
         return self._conn
 
+    async def _failure(self, exc: psycopg.Error, *, where: str, doing: str) -> FaucetError:
+        """:func:`pg_error`, saying what a lock wait that timed out or a transaction the server ended
+        for idling means here (both retryable: the runner aborts the epoch, the next one retries)."""
+        error = pg_error(exc, where=where, doing=doing)
+        if exc.sqlstate == _LOCK_NOT_AVAILABLE:
+            seconds = self._config.lock_timeout
+            return FaucetError(
+                f"{doing} waited {seconds:g} s (lock_timeout) for a lock held by another transaction: "
+                f"another worker's open epoch? {await self._old_transactions(seconds)}; the epoch is "
+                "to be aborted and retried (nothing of it was kept)",
+                where=where,
+                retryable=True,
+            )
+        if exc.sqlstate == _IDLE_IN_TRANSACTION_TIMEOUT:
+            idle = self._config.idle_in_transaction_session_timeout
+            return ConnectionFailed(
+                f"{error.message}: the epoch's transaction sat idle longer than "
+                f"idle_in_transaction_session_timeout ({idle:g} s), "
+                "so the server ended it and nothing of the epoch remains (a paused worker, or read limits "
+                "longer than the timeout)",
+                where=where,
+            )
+        return error
+
+    async def _old_transactions(self, seconds: float) -> str:
+        """The other sessions of this database whose transaction began at least ``seconds`` ago (the
+        lock holders are among them), as ``pid (state, age)``; read on a separate connection. Only
+        process ids, states and ages: never query text."""
+        ours = self._conn.info.backend_pid if self._conn is not None else 0
+        try:
+            probe = await self._connection(autocommit=True)
+            try:
+                cursor = await probe.execute(
+                    "SELECT pid, state, extract(epoch FROM now() - xact_start)::float8 "
+                    "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "AND pid <> %s AND xact_start <= now() - make_interval(secs => %s) "
+                    "ORDER BY xact_start LIMIT 5",
+                    (ours, seconds),
+                )
+                found = await cursor.fetchall()
+            finally:
+                await probe.close()
+        except (psycopg.Error, FaucetError) as exc:
+            text = exc.message if isinstance(exc, FaucetError) else error_text(exc)
+            return f"(the open transactions could not be listed: {text})"
+        if not found:
+            return "(no other transaction of this database is that old now: it ended since)"
+        listed = ", ".join(f"pid {pid} ({state or 'state hidden'}, {age:.0f} s)" for pid, state, age in found)
+        return f"(transactions open at least that long: {listed})"
+
     async def _reconnect_if_broken(self) -> Connection:
         """The connection, replaced by a new one when it broke or ended between epochs (no commit
         was pending: a lost commit is resolved first)."""
@@ -544,7 +642,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._conn = None
         if conn is not None:
             await conn.close()
-        conn = await self._connect(self._config, autocommit=False)
+        conn = await self._connection(autocommit=False)
         self._conn = conn
         self._backend = await _backend_of(conn, self._where)
         return conn
@@ -721,7 +819,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             except BaseException as exc:
                 state.failed = True
                 if isinstance(exc, psycopg.Error):
-                    raise pg_error(exc, where=where, doing="applying the epoch's changes") from exc
+                    raise await self._failure(exc, where=where, doing="applying the epoch's changes") from exc
                 if isinstance(exc, pa.ArrowException):
                     raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
                 raise
@@ -758,7 +856,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         state, commit_id = self._uncertain, self._pending_commit
         assert state is not None and commit_id is not None
         try:
-            probe = await self._connect(self._config, autocommit=True)
+            probe = await self._connection(autocommit=True)
             try:
                 if self._backend is not None:
                     await _ensure_exited(probe, self._backend, self._where)

@@ -6,6 +6,7 @@ just before COMMIT, and a read-back connection that cannot be opened.
 """
 
 import asyncio
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from faucet_dagster.protocol import (
     DomainCoverage,
     EpochId,
     EpochMismatch,
+    FaucetError,
     Identities,
     LifecycleError,
     OrderingDomain,
@@ -498,3 +500,105 @@ def test_abort_discards_the_epoch_with_the_table_it_created(postgres_url: str) -
 
     run(scenario())
     assert [row[0] for row in table(postgres_url)] == [1, 2]
+
+
+# -- zombies and locks ------------------------------------------------------------------------------
+
+
+def test_the_session_timeouts_are_sent_in_milliseconds_and_zero_turns_them_off() -> None:
+    config = PostgresStreamingSinkConfig(
+        url="postgresql://localhost/db", lock_timeout=0.0004, idle_in_transaction_session_timeout=0
+    )
+    assert config.timeout_settings() == {"lock_timeout": "1", "idle_in_transaction_session_timeout": "0"}
+    assert PostgresStreamingSinkConfig(url="postgresql://localhost/db").timeout_settings() == {
+        "lock_timeout": "10000",
+        "idle_in_transaction_session_timeout": "120000",
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", [WritePolicy.APPEND, WritePolicy.UPSERT])
+def test_a_lock_held_by_another_workers_open_epoch_fails_the_epoch_retryably_within_lock_timeout(
+    postgres_url: str, policy: WritePolicy
+) -> None:
+    """APPEND: the frozen owner's epoch created the table and never committed; UPSERT: it upserted
+    key 1 of a table that exists. Either way its successor's epoch waits ``lock_timeout``, not for
+    as long as the frozen connection lives, and fails retryably; once the lock is gone it commits."""
+    key = ("id",) if policy.keyed else ()
+
+    async def scenario() -> None:
+        sink = sink_for(postgres_url, lock_timeout=0.5)
+        zombie = await sink.open(STREAM, policy, key, WORKER)
+        successor: PostgresStreamingSinkSession | None = None
+        try:
+            if policy is WritePolicy.UPSERT:
+                await commit_one(zombie, epoch(1), [1], None, 1)
+            frozen = epoch(2)
+            await zombie.begin_epoch(frozen)
+            await zombie.apply(frozen, batch(frozen, rows([1], version=2), [2]))
+            successor = await sink.open(STREAM, policy, key, WorkerIdentity("worker-b", 2))
+            at = epoch(2, token=2)
+            await successor.begin_epoch(at)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(
+                FaucetError, match=re.escape("waited 0.5 s (lock_timeout) for a lock")
+            ) as caught:
+                await asyncio.wait_for(successor.apply(at, batch(at, rows([1], version=3), [2])), 20)
+            waited = asyncio.get_running_loop().time() - started
+            assert caught.value.retryable and type(caught.value) is FaucetError
+            assert 0.4 < waited < 10, waited
+            # The frozen owner's connection is listed among the old transactions (its pid).
+            assert re.search(r"pid \d+ \(idle in transaction, \d+ s\)", caught.value.message)
+            await successor.abort_epoch(at)
+            # The owner wakes up: its commit is fenced; its abort frees the lock; the retry commits.
+            with pytest.raises(OwnershipLost):
+                await zombie.commit_epoch(frozen, covering(1 if policy.keyed else None, 2))
+            await zombie.abort_epoch(frozen)
+            await asyncio.wait_for(commit_one(successor, at, [1, 5], 1 if policy.keyed else None, 2), 20)
+        finally:
+            await zombie.close_session()
+            if successor is not None:
+                await successor.close_session()
+
+    run(scenario())
+    assert table(postgres_url) == [(1, "n1v1", 1), (5, "n5v1", 1)]
+
+
+@pytest.mark.timeout(60)
+def test_the_server_ends_a_frozen_owners_idle_epoch_and_its_late_commit_fails(postgres_url: str) -> None:
+    """The owner's epoch sits idle past ``idle_in_transaction_session_timeout``: the server ends its
+    connection, freeing the table it was creating; the successor commits without waiting; the
+    owner's late commit fails (nothing of its epoch lands) and its next epoch is fenced."""
+
+    async def scenario() -> None:
+        sink = sink_for(postgres_url, lock_timeout=5, idle_in_transaction_session_timeout=0.5)
+        zombie = await sink.open(STREAM, WritePolicy.APPEND, (), WORKER)
+        successor: PostgresStreamingSinkSession | None = None
+        try:
+            frozen = epoch(1)
+            await zombie.begin_epoch(frozen)
+            await zombie.apply(frozen, batch(frozen, rows([1, 2]), [1, 2]))
+            await asyncio.sleep(1.5)  # frozen past the timeout
+            successor = await sink.open(STREAM, WritePolicy.APPEND, (), WorkerIdentity("worker-b", 2))
+            started = asyncio.get_running_loop().time()
+            await asyncio.wait_for(commit_one(successor, epoch(1, token=2), [3, 4], None, 4), 20)
+            assert asyncio.get_running_loop().time() - started < 4  # never waited for a lock
+            with pytest.raises(ConnectionFailed, match="idle_in_transaction_session_timeout"):
+                await zombie.commit_epoch(frozen, covering(None, 2))
+            await zombie.abort_epoch(frozen)
+            state = await zombie.last_committed()
+            assert state is not None and state.epoch == epoch(1, token=2)
+            # Its next epoch runs on a new connection, and the fence refuses it.
+            again = epoch(2)
+            await zombie.begin_epoch(again)
+            await zombie.apply(again, batch(again, rows([5]), [5]))
+            with pytest.raises(OwnershipLost):
+                await zombie.commit_epoch(again, covering(4, 5))
+            await zombie.abort_epoch(again)
+        finally:
+            await zombie.close_session()
+            if successor is not None:
+                await successor.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [3, 4]

@@ -55,6 +55,12 @@ _MOVED_KEYS = 10_000_000
 """What a change workload adds to a sequence to re-key a row for a moment (above every extra key)."""
 NATS_DUPLICATE_WINDOW = 120.0
 """Seconds the NATS target streams deduplicate message ids: longer than any harness run."""
+STREAM_SINK_TIMEOUTS = {"lock_timeout": 1.0, "idle_in_transaction_session_timeout": 4.0}
+"""The PostgreSQL streaming sink's timeouts in the harness, whose leases last 2 s (defaults: 10 s and
+120 s, the default lease). A zombie's open epoch transaction ends 4 s after it froze, about when its
+successor starts (the lease plus a process start later), and the successor's lock waits on it fail
+retryably after 1 s each and are retried. 4 s, not the lease: it must exceed every pause between the
+sink's statements inside an epoch, a consumer group's join included."""
 
 
 KAFKA_PURGE = (
@@ -512,6 +518,14 @@ class PostgresSinkSide(SinkSide):
         return [((str(row["producer"]), int(row["seq"])), row) for row in rows]
 
 
+class PostgresStreamSinkSide(PostgresSinkSide):
+    """:class:`PostgresSinkSide` for a continuous stream: its epoch transactions bounded by
+    :data:`STREAM_SINK_TIMEOUTS`, fitted to the harness's short leases."""
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), **STREAM_SINK_TIMEOUTS}
+
+
 class NatsSinkSide(SinkSide):
     """Stream ``<name>_out`` (subject ``<name>_out.rows``) deduplicating within
     :data:`NATS_DUPLICATE_WINDOW`, written by the NATS sink."""
@@ -602,11 +616,17 @@ class Pair:
 
 
 PAIRS: tuple[Pair, ...] = (
-    Pair("nats-postgres", Mode.CONTINUOUS, NatsSource, PostgresSinkSide),
-    Pair("kafka-postgres", Mode.CONTINUOUS, KafkaSource, PostgresSinkSide),
+    Pair("nats-postgres", Mode.CONTINUOUS, NatsSource, PostgresStreamSinkSide),
+    Pair("kafka-postgres", Mode.CONTINUOUS, KafkaSource, PostgresStreamSinkSide),
     Pair("kafka-nats", Mode.CONTINUOUS, KafkaSource, NatsSinkSide),
     Pair("nats-nats", Mode.CONTINUOUS, NatsSource, NatsSinkSide),
-    Pair("cdc-postgres", Mode.CONTINUOUS, PostgresChangesSource, PostgresSinkSide, WritePolicy.APPLY_CHANGES),
+    Pair(
+        "cdc-postgres",
+        Mode.CONTINUOUS,
+        PostgresChangesSource,
+        PostgresStreamSinkSide,
+        WritePolicy.APPLY_CHANGES,
+    ),
     Pair("files-postgres-bounded", Mode.BOUNDED, FilesSource, PostgresSinkSide),
     Pair("kafka-postgres-bounded", Mode.BOUNDED, KafkaSource, PostgresSinkSide),
 )
@@ -626,6 +646,7 @@ __all__ = [
     "KAFKA_PURGE",
     "PAIRS",
     "RECORD_COLUMNS",
+    "STREAM_SINK_TIMEOUTS",
     "FilesSource",
     "KafkaSource",
     "Key",
@@ -634,6 +655,7 @@ __all__ = [
     "Pair",
     "PostgresChangesSource",
     "PostgresSinkSide",
+    "PostgresStreamSinkSide",
     "Produced",
     "Row",
     "Servers",
