@@ -464,10 +464,11 @@ def _tick(
             skip = f"another worker runs this stream: {exc}"
         except FaucetError as exc:
             failure = exc
+        else:
+            if handle.runner.cut_short is not None:
+                skip = handle.runner.cut_short.describe()
         finally:
             handle.lock.release()
-        if handle.runner.cut_short is not None:
-            skip = handle.runner.cut_short.describe()
     else:
         skip = "a previous tick is still running this stream's epochs"
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)

@@ -52,9 +52,12 @@ SESSION_SETTINGS = (
 and floats print with the shortest text that reads back to the same value."""
 
 
-async def connect(config: PostgresConnection, *, autocommit: bool = False) -> "psycopg.AsyncConnection[Any]":
-    """Open a connection with :data:`SESSION_SETTINGS` applied. Raises ConnectionFailed (retryable)
-    when the server cannot be reached and AuthError when it refuses the credentials."""
+async def connect(
+    config: PostgresConnection, *, autocommit: bool = False, settings: Mapping[str, str] | None = None
+) -> "psycopg.AsyncConnection[Any]":
+    """Open a connection with :data:`SESSION_SETTINGS` and ``settings`` (run-time parameters by name,
+    e.g. ``lock_timeout``) applied for its whole session. Raises ConnectionFailed (retryable) when the
+    server cannot be reached and AuthError when it refuses the credentials."""
     where = config.safe_url()
     try:
         conn = await psycopg.AsyncConnection.connect(config.conninfo(), autocommit=True)
@@ -63,6 +66,8 @@ async def connect(config: PostgresConnection, *, autocommit: bool = False) -> "p
     try:
         for statement in SESSION_SETTINGS:
             await conn.execute(statement)
+        for name, value in (settings or {}).items():
+            await conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         await conn.set_autocommit(autocommit)
     except psycopg.Error as exc:
         await conn.close()

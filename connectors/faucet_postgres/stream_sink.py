@@ -151,28 +151,10 @@ class PostgresStreamingSink(StreamingSink):
 
     async def connection(self, *, autocommit: bool) -> Connection:
         """A new connection with the config's ``lock_timeout`` and
-        ``idle_in_transaction_session_timeout`` set for its whole session (committed, so a rollback
-        keeps them). Raises ConnectionFailed (retryable) when the server cannot be reached."""
-        config = self.config
-        conn = await self._connect(config, autocommit=autocommit)
-        try:
-            settings = config.timeout_settings()
-            await conn.execute(
-                sql.SQL("SELECT {}").format(
-                    sql.SQL(", ").join(
-                        sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
-                        for name, value in settings.items()
-                    )
-                )
-            )
-            if not autocommit:
-                await conn.commit()
-        except BaseException as exc:
-            await conn.close()
-            if isinstance(exc, psycopg.Error):
-                raise pg_error(exc, where=config.safe_url(), doing="setting the session timeouts") from exc
-            raise
-        return conn
+        ``idle_in_transaction_session_timeout`` set for its whole session. Raises ConnectionFailed
+        (retryable) when the server cannot be reached."""
+        settings = self.config.timeout_settings()
+        return await self._connect(self.config, autocommit=autocommit, settings=settings)
 
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config)

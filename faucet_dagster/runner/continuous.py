@@ -202,7 +202,8 @@ class StreamRunner:
         self._cancel_requested = False
         self._cancel_lock = threading.Lock()
         self.cut_short: CutShort | None = None
-        """The last epoch its deadline interrupted after reading rows, until an epoch is certified."""
+        """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
+        (None: no epoch of that call was cut short)."""
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
@@ -224,6 +225,7 @@ class StreamRunner:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget_seconds
         certificates: list[EpochCertificate] = []
+        self.cut_short = None
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -314,7 +316,6 @@ class StreamRunner:
             raise
         self._certified = _advance(self._certified, sealed.coverage)
         self._next_sequence = epoch.sequence + 1
-        self.cut_short = None
         if self._recover_to:
             logger.warning(
                 "stream %s: recovered epoch %s committed before its certificate", self.spec.name, epoch

@@ -353,10 +353,10 @@ class _Faults:
         self.sessions: list[_LostAnswer] = []
         self.refuse_probes = False
 
-    async def __call__(self, config: PostgresConnection, *, autocommit: bool = False) -> Any:
+    async def __call__(self, config: PostgresConnection, *, autocommit: bool = False, **settings: Any) -> Any:
         if autocommit and self.refuse_probes:
             raise ConnectionFailed("the server cannot be reached (injected)", where="test")
-        conn = await connect(config, autocommit=autocommit)
+        conn = await connect(config, autocommit=autocommit, **settings)
         if autocommit:
             return conn
         wrapped = _LostAnswer(conn, config)

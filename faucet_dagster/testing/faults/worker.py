@@ -22,7 +22,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +91,10 @@ class PointedCursor(psycopg.AsyncCursor[Any]):
 
 
 async def pointed_connect(
-    config: PostgresConnection, *, autocommit: bool = False
+    config: PostgresConnection, *, autocommit: bool = False, settings: Mapping[str, str] | None = None
 ) -> psycopg.AsyncConnection[Any]:
     """:func:`faucet_postgres.common.connect`, with :class:`PointedCursor` as the cursor class."""
-    conn = await connect(config, autocommit=autocommit)
+    conn = await connect(config, autocommit=autocommit, settings=settings)
     conn.cursor_factory = PointedCursor
     return conn
 
