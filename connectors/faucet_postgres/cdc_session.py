@@ -1,0 +1,334 @@
+"""The reading side of a change session: decoding the slot's copy into change rows, one source
+transaction at a time, with the snapshot first and heartbeats while idle (see :mod:`faucet_postgres.cdc`)."""
+
+import asyncio
+import time
+
+import psycopg
+
+from faucet_dagster.protocol import (
+    CancelToken,
+    Coverage,
+    DomainCoverage,
+    IntegrityError,
+    LifecycleError,
+    ReadLimits,
+    SchemaError,
+    StreamRecordSink,
+    UnsupportedOperation,
+)
+from faucet_postgres import pgoutput as pg
+from faucet_postgres.cdc_config import HEARTBEAT_PREFIX
+from faucet_postgres.cdc_rows import INSERT, Table, TransactionWriter, change_rows
+from faucet_postgres.cdc_server import CODEC, Connection, Interrupted, interruptible
+from faucet_postgres.cdc_slot import Published, SlotSession
+from faucet_postgres.cdc_snapshot import read_snapshot
+from faucet_postgres.common import pg_error
+
+_FETCH_ROWS = 5_000
+_MIN_POLL = 0.05
+
+
+class _Progress:
+    """What one read has done against its limits."""
+
+    def __init__(self, limits: ReadLimits) -> None:
+        self.limits = limits
+        self.started = self.last_new = time.monotonic()
+        self.bytes = 0
+
+    def limit_reached(self, rows: int) -> bool:
+        limits = self.limits
+        return (
+            (limits.records is not None and rows >= limits.records)
+            or (limits.bytes is not None and self.bytes >= limits.bytes)
+            or (limits.age is not None and time.monotonic() - self.started >= limits.age)
+        )
+
+    def quiet_long_enough(self) -> bool:
+        """True when the idle or the age limit is reached (a read with nothing new then returns)."""
+        now = time.monotonic()
+        idle, age = self.limits.idle, self.limits.age
+        return (idle is not None and now - self.last_new >= idle) or (
+            age is not None and now - self.started >= age
+        )
+
+    def time_left(self, default: float) -> float:
+        now = time.monotonic()
+        left = [default]
+        if self.limits.idle is not None:
+            left.append(self.last_new + self.limits.idle - now)
+        if self.limits.age is not None:
+            left.append(self.started + self.limits.age - now)
+        return max(0.0, min(left))
+
+
+class PostgresCdcSession(SlotSession):
+    """A session on one slot: reads its temporary copy, acknowledges by advancing the slot itself.
+
+    Reads and acknowledgements are serialized; ``close`` waits for the one in progress.
+    """
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        async with self._busy:
+            if self._closed:
+                raise LifecycleError("read after close", where=self._where)
+            if not self._owned:
+                await _pause(_quiet_budget(limits), cancel)
+                return Coverage()
+            await self._attached()
+            start = self._position
+            writer = TransactionWriter(self.domain, sink, self.config.batch_rows)
+            try:
+                await self._read_into(writer, _Progress(limits), cancel)
+            except Interrupted:
+                # The copy was consumed past what reached the sink: copy again on the next read.
+                await self._detach()
+            except BaseException:
+                await self._detach()
+                raise
+            if self._position is None or self._position == start:
+                return Coverage()
+            return Coverage(
+                (
+                    DomainCoverage(
+                        self.domain,
+                        None if start is None else CODEC.canonicalize(start),
+                        CODEC.canonicalize(self._position),
+                    ),
+                )
+            )
+
+    async def _read_into(self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken) -> None:
+        if self._snapshot_pending:
+            await self._read_snapshot(writer, progress, cancel)
+        backoff = _MIN_POLL
+        first = self._position
+        while not cancel.cancelled and not self._exhausted:
+            if self._position != first and progress.limit_reached(writer.rows):
+                return
+            rows = writer.rows
+            if await self._read_changes(writer, progress, cancel):
+                if writer.rows > rows:  # a heartbeat is progress, not something new to wait for
+                    progress.last_new = time.monotonic()
+                backoff = _MIN_POLL
+                continue
+            if self._end is not None:
+                self._exhausted = True
+                return
+            if progress.quiet_long_enough():
+                return
+            await self._heartbeat_if_due()
+            await _pause(progress.time_left(backoff), cancel)
+            backoff = min(backoff * 2, self.config.poll_interval)
+
+    async def _read_changes(self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken) -> int:
+        """One server call: decode up to ``changes_per_call`` messages (whole transactions) into
+        ``writer``. Returns how many messages came."""
+        conn = self._connection()
+        limits = progress.limits
+        upto = self.config.changes_per_call
+        if limits.records is not None:
+            upto = max(1, min(upto, limits.records - writer.rows))
+        seen = 0
+        try:
+            readable = await self._flushed_through(conn)
+            end = CODEC.canonicalize(readable if self._end is None else min(readable, self._end))
+            async with conn.transaction():
+                cursor = conn.cursor("faucet_cdc_changes", binary=True)
+                await cursor.execute(
+                    "SELECT data FROM pg_logical_slot_get_binary_changes(%s, %s::pg_lsn, %s, "
+                    "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
+                    (self._temp_slot, end, upto, self._publication_option),
+                )
+                tables, decode, insert = self._tables, pg.decode, pg.Insert
+                while rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel):
+                    seen += len(rows)
+                    for (data,) in rows:
+                        progress.bytes += len(data)
+                        message = decode(data)
+                        # Inserts inline (no coroutine per row): the bulk of most change streams.
+                        if type(message) is insert and (table := tables.get(message.relation_oid)):
+                            if table.selected and writer.add(table, message.new.values, INSERT, None):
+                                await writer.flush()
+                        else:
+                            await self._apply(message, writer)
+                await cursor.close()
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading changes", where=self._where) from exc
+        return seen
+
+    async def _flushed_through(self, conn: Connection) -> int:
+        """A WAL position every record before which is flushed: where a decoding call may stop.
+
+        Left to itself, ``pg_logical_slot_get_changes`` decodes on to the flush position, and when
+        that falls inside a record it waits for the rest of the record to be flushed. It does, whenever
+        a transaction anywhere in the cluster wrote a record across a page boundary and stays open
+        (the WAL writer flushes whole pages): the call then waits until that transaction ends, which
+        may be never (the sink's own epoch transaction, on the same server). So the call stops at the
+        insert position read here, and when WAL was inserted past the flush position, a transaction
+        of our own commits first: its commit flushes the WAL up to it (no row, no change reaches the
+        stream: PostgreSQL skips empty transactions).
+        """
+        try:
+            cursor = await conn.execute(
+                "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
+            )
+            row = await cursor.fetchone()
+            assert row is not None  # one row by construction
+            inserted, flushed = CODEC.validate(row[0]), CODEC.validate(row[1])
+            if inserted > flushed:
+                async with conn.transaction():
+                    await conn.execute("SET LOCAL synchronous_commit = on")
+                    await conn.execute("SELECT pg_current_xact_id()")
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="flushing the WAL to decode", where=self._where) from exc
+        return inserted
+
+    async def _apply(self, message: pg.Message, writer: TransactionWriter) -> None:
+        """Route one decoded message into ``writer``."""
+        if isinstance(message, pg.Insert):
+            table = self._table(message.relation_oid)
+            if table.selected and writer.add(table, message.new.values, INSERT, None):
+                await writer.flush()
+        elif isinstance(message, pg.Update | pg.Delete):
+            table = self._table(message.relation_oid)
+            if table.selected:
+                for values, operation, unchanged in change_rows(message, table):
+                    if writer.add(table, values, operation, unchanged):
+                        await writer.flush()
+        elif isinstance(message, pg.Begin):
+            if self._position is not None and message.final_lsn <= self._position:
+                raise IntegrityError(
+                    f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
+                    f"position {CODEC.canonicalize(self._position)} was delivered",
+                    where=self._where,
+                )
+            writer.begin(f"{message.xid}/{CODEC.canonicalize(message.final_lsn)}", message.final_lsn)
+        elif isinstance(message, pg.Commit):
+            if not writer.is_open or message.commit_lsn != writer.position:
+                raise IntegrityError(
+                    f"a commit at {CODEC.canonicalize(message.commit_lsn)} closes no open transaction",
+                    where=self._where,
+                )
+            self._position = await writer.end()
+            self._last_boundary_at = time.monotonic()
+        elif isinstance(message, pg.Relation):
+            await self._remember(message, writer)
+        elif isinstance(message, pg.Truncate):
+            names = [self._table(oid).resource for oid in message.relation_oids if self._table(oid).selected]
+            if names:
+                raise UnsupportedOperation(
+                    f"TRUNCATE of {', '.join(names)} in the transaction committed at "
+                    f"{CODEC.canonicalize(writer.position)} has no row form; the replica must be "
+                    "rebuilt (a new slot with a snapshot)",
+                    where=self._where,
+                )
+        # Type, Origin and logical messages (heartbeats) carry no rows.
+
+    def _table(self, oid: int) -> Table:
+        table = self._tables.get(oid)
+        if table is None:
+            raise IntegrityError(
+                f"a change names relation {oid} before its Relation message", where=self._where
+            )
+        return table
+
+    async def _remember(self, relation: pg.Relation, writer: TransactionWriter) -> Table:
+        """Keep ``relation``'s description; rows buffered under an older one are written first."""
+        known = self._tables.get(relation.oid)
+        if known is not None and known.relation == relation:
+            return known
+        if known is not None:
+            await writer.flush_table(known)
+        selected = self._selected is None or relation.oid in self._selected
+        if (
+            self._selected is not None
+            and selected
+            and self._selected[relation.oid] != relation.qualified_name
+        ):
+            raise SchemaError(
+                f"table {self._selected[relation.oid]} was renamed to {relation.qualified_name}: "
+                "name the new table in the stream's resources",
+                where=self._where,
+            )
+        keys = tuple(index for index, column in enumerate(relation.columns) if column.key)
+        if relation.replica_identity == "f" and selected:
+            # FULL flags every column; the primary key (read from the catalog now) tells a key change
+            # from an update of other columns. Without one, any change counts.
+            keys = await self._primary_key(relation) or keys
+        table = self._tables[relation.oid] = Table(relation, selected, keys)
+        return table
+
+    async def _primary_key(self, relation: pg.Relation) -> tuple[int, ...]:
+        try:
+            cursor = await self._connection().execute(
+                "SELECT a.attname::text FROM pg_index AS i JOIN pg_attribute AS a "
+                "ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey::int2[]) "
+                "WHERE i.indrelid = %s AND i.indisprimary",
+                (relation.oid,),
+            )
+            names = {row[0] for row in await cursor.fetchall()}
+        except psycopg.Error as exc:
+            raise pg_error(
+                exc, doing="reading a primary key", where=f"table {relation.qualified_name}"
+            ) from exc
+        return tuple(index for index, column in enumerate(relation.columns) if column.name in names)
+
+    async def _heartbeat_if_due(self) -> None:
+        interval = self.config.heartbeat_interval
+        now = time.monotonic()
+        if interval <= 0 or now - max(self._last_boundary_at, self._last_heartbeat_at) < interval:
+            return
+        self._last_heartbeat_at = now
+        try:
+            await self._connection().execute(
+                "SELECT pg_logical_emit_message(true, %s, %s)", (HEARTBEAT_PREFIX, self.config.slot)
+            )
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="writing a heartbeat", where=self._where) from exc
+
+    # -- the snapshot -------------------------------------------------------------------------------
+
+    async def _read_snapshot(
+        self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken
+    ) -> None:
+        """Deliver every selected table at one exported snapshot, then move the copy to its point."""
+        conn = self._connection()
+        point = await read_snapshot(
+            conn,
+            self.config,
+            self._temp_slot,
+            self._snapshot_tables(),
+            writer,
+            self._remember,
+            cancel,
+            self._where,
+        )
+        await self._advance(conn, self._temp_slot, point)
+        self._position = await writer.end()
+        self._snapshot_pending = False
+        self._last_boundary_at = time.monotonic()
+        progress.last_new = self._last_boundary_at
+
+    def _snapshot_tables(self) -> list[Published]:
+        oids = self._published if self._selected is None else self._selected
+        return sorted((self._published[oid] for oid in oids), key=lambda published: published.name)
+
+
+def _quiet_budget(limits: ReadLimits) -> float:
+    budgets = [value for value in (limits.idle, limits.age) if value is not None]
+    return min(budgets) if budgets else float("inf")
+
+
+async def _pause(seconds: float, cancel: CancelToken) -> None:
+    """Sleep up to ``seconds``; return early when ``cancel`` fires."""
+    if seconds <= 0 or cancel.cancelled:
+        return
+    waiter = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=None if seconds == float("inf") else seconds)
+    finally:
+        waiter.cancel()
