@@ -1,9 +1,16 @@
-"""``python -m bench``: run scenarios and their baselines in one process, print a table, write JSON."""
+"""``python -m bench``: run scenarios and their baselines in one process, print a table, write JSON.
+
+One pass cannot tell a regression from noise on a shared machine, so every selected scenario runs
+``--repeat`` times, interleaved with its baseline (round 1: A B, round 2: A B, ...): each round's
+ratio compares two runs made seconds apart, and the table reports the median ratio with its range.
+"""
 
 import argparse
 import datetime
 import json
+import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -20,53 +27,87 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 @dataclass
 class Result:
+    """One scenario over every round: its runs' rows/s and, per round, the ratio to its baseline.
+
+    ``rows_per_s`` and ``seconds`` are the medians of the successful runs; ``ratio`` is the median of
+    the per-round ratios (this scenario's rows/s over its baseline's in the same round), ``ratio_min``
+    and ``ratio_max`` their range. ``error`` is the first failure (a failed round has no ratio).
+    """
+
     name: str
     baseline: str | None
     rows: int | None = None
     seconds: float | None = None
     rows_per_s: float | None = None
     ratio: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    runs: list[float | None] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
     error: str | None = None
     details: Mapping[str, object] = field(default_factory=dict)
 
 
-def run_scenarios(scenarios: Sequence[Scenario], ctx: BenchContext) -> list[Result]:
-    """Run ``scenarios`` in order on ``ctx``; a failing scenario is recorded and the run goes on."""
-    results: dict[str, Result] = {}
-    for item in scenarios:
-        result = Result(item.name, item.baseline)
-        print(f"# {item.name}: {item.description}", flush=True)
-        try:
-            measured = item.fn(ctx)
-        except Exception as exc:  # noqa: BLE001 - printed, reported, and the exit status is 1
-            traceback.print_exc()
-            result.error = f"{type(exc).__name__}: {exc}"
-        else:
-            result.rows, result.seconds, result.details = measured.rows, measured.seconds, measured.details
-            result.rows_per_s = measured.rows / measured.seconds if measured.seconds > 0 else None
-        results[item.name] = result
+def _run_once(item: Scenario, ctx: BenchContext, result: Result) -> float | None:
+    """Run ``item`` once; record its rows, seconds and details; return its rows/s (None: failed)."""
+    try:
+        measured = item.fn(ctx)
+    except Exception as exc:  # noqa: BLE001 - printed, reported, and the exit status is 1
+        traceback.print_exc()
+        result.error = result.error or f"{type(exc).__name__}: {exc}"
+        return None
+    result.rows, result.details = measured.rows, measured.details
+    return measured.rows / measured.seconds if measured.seconds > 0 else None
+
+
+def run_scenarios(scenarios: Sequence[Scenario], ctx: BenchContext, repeat: int = 1) -> list[Result]:
+    """Run ``scenarios`` ``repeat`` rounds on ``ctx``, each round in order (a baseline before the
+    scenarios that need it); a failing run is recorded and the rounds go on."""
+    results = {item.name: Result(item.name, item.baseline) for item in scenarios}
+    for round_number in range(1, repeat + 1):
+        speeds: dict[str, float | None] = {}
+        for item in scenarios:
+            print(f"# [{round_number}/{repeat}] {item.name}: {item.description}", flush=True)
+            speeds[item.name] = _run_once(item, ctx, results[item.name])
+            results[item.name].runs.append(speeds[item.name])
+        for item in scenarios:
+            mine, base = speeds[item.name], speeds.get(item.baseline) if item.baseline else None
+            if mine and base:
+                results[item.name].ratios.append(mine / base)
     for result in results.values():
-        base = results.get(result.baseline) if result.baseline else None
-        if base is not None and base.rows_per_s and result.rows_per_s:
-            result.ratio = result.rows_per_s / base.rows_per_s
+        speeds_ok = [speed for speed in result.runs if speed]
+        if speeds_ok:
+            result.rows_per_s = statistics.median(speeds_ok)
+            result.seconds = result.rows / result.rows_per_s if result.rows else None
+        if result.ratios:
+            result.ratio = statistics.median(result.ratios)
+            result.ratio_min, result.ratio_max = min(result.ratios), max(result.ratios)
     return list(results.values())
 
 
 def format_table(results: Sequence[Result]) -> str:
-    """The results as a plain-text table; ratio is rows/s divided by the baseline's rows/s."""
-    header = ("scenario", "rows", "seconds", "rows/s", "vs baseline")
+    """The results as a plain-text table: median rows/s, and the median ratio to the baseline with
+    its min-max over the rounds."""
+    header = ("scenario", "rows", "seconds", "rows/s", "runs", "vs baseline (median, min-max)")
     lines: list[tuple[str, ...]] = [header]
     for r in results:
-        if r.error is not None:
-            lines.append((r.name, "-", "-", "-", f"FAILED: {r.error}"[:60]))
+        if r.rows_per_s is None:
+            lines.append((r.name, "-", "-", "-", "0", f"FAILED: {r.error}"[:60]))
             continue
-        ratio = f"{r.ratio:.2f}x {r.baseline}" if r.ratio is not None else ""
+        ratio = (
+            f"{r.ratio:.2f}x ({r.ratio_min:.2f}-{r.ratio_max:.2f}) {r.baseline}"
+            if r.ratio is not None and r.ratio_min is not None and r.ratio_max is not None
+            else ""
+        )
+        if r.error is not None:
+            ratio = f"{ratio} (some runs FAILED: {r.error})"[:100]
         lines.append(
             (
                 r.name,
-                f"{r.rows:,}",
-                f"{r.seconds:.3f}",
-                f"{r.rows_per_s:,.0f}" if r.rows_per_s is not None else "-",
+                f"{r.rows:,}" if r.rows is not None else "-",
+                f"{r.seconds:.3f}" if r.seconds is not None else "-",
+                f"{r.rows_per_s:,.0f}",
+                f"{sum(1 for speed in r.runs if speed)}/{len(r.runs)}",
                 ratio,
             )
         )
@@ -95,10 +136,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--json", type=Path, metavar="PATH", help="where to write results (default bench/results/<ts>.json)"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        metavar="N",
+        help="rounds, each scenario interleaved with its baseline (default 5; ratios are medians)",
+    )
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = parser.parse_args(argv)
     if args.rows <= 0:
         parser.error("--rows must be positive")
+    if args.repeat <= 0:
+        parser.error("--repeat must be positive")
     return args
 
 
@@ -121,19 +171,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     ctx = BenchContext(args.rows)
     try:
-        results = run_scenarios(scenarios, ctx)
+        results = run_scenarios(scenarios, ctx, args.repeat)
         servers = ctx.servers()
     finally:
         ctx.close()
 
     print()
     print(format_table(results))
+    print("load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     path: Path = args.json or RESULTS_DIR / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "started_at": started.isoformat(),
         "wall_seconds": round(time.perf_counter() - began, 3),
         "rows": args.rows,
+        "repeat": args.repeat,
+        "load_average": list(os.getloadavg()),
         "only": args.only,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
