@@ -37,28 +37,36 @@ from typing import Any
 
 import dagster as dg
 
+# Dagster's own set of the standard table keys; dagster 1.13 exports it from here only.
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
-    EpochCertificate,
     FaucetError,
     OwnershipLost,
     ReadLimits,
     WritePolicy,
-    compare_positions,
 )
-from faucet_dagster.protocol.positions import Position
 from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, StreamRunner, StreamSpec
 from faucet_dagster.runner.loop import BackgroundLoop
 from faucet_dagster.state import StateStore
+from faucet_dagster.stream_reports import (
+    CERTIFICATE_CHECK,
+    HEALTH_CHECK,
+    certificate_events,
+    certificate_metadata,
+    certificate_problems,
+    chain_problems,
+    health_evaluation,
+    tick_health,
+    uncertain_stall,
+)
 
 logger = logging.getLogger(__name__)
 
 SENSOR_TIMEOUT_ENV = "DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS"
 DEFAULT_SENSOR_TIMEOUT = 60.0
-CERTIFICATE_CHECK = "faucet_epoch_certificate"
 MAX_REPORTS_PER_TICK = 500
 CURSOR_VERSION = 1
 
@@ -205,7 +213,7 @@ def build_stream_defs(
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.Definitions:
     """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
-    certificate check and its sensor."""
+    certificate and health checks and its sensor."""
     specs = dict(asset_specs or {})
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []
@@ -213,7 +221,7 @@ def build_stream_defs(
     for stream in streams:
         spec = specs.get(stream.name) or stream.asset_spec()
         assets.append(spec)
-        checks.append(certificate_check(stream, spec.key))
+        checks.extend((certificate_check(stream, spec.key), health_check(stream, spec.key)))
         sensors.append(
             faucet_stream_sensor(
                 stream,
@@ -226,126 +234,36 @@ def build_stream_defs(
     return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors)
 
 
-# -- certificates as Dagster events ------------------------------------------------------------
+def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) -> dg.AssetChecksDefinition:
+    """The ``faucet_stream_health`` check: the stream certifies epochs and is not stalled.
 
+    Evaluated by the sensor on every tick that certifies (passing, with the lag) or stalls (failing
+    with the reason and the remedy). Executed on demand, it reads the state store: failing while the
+    stream is marked uncertain, else passing with the lag of the last certificate.
+    """
+    key = stream.asset_spec(asset_key).key
 
-def certificate_problems(certificate: EpochCertificate) -> list[str]:
-    """What is wrong with one certificate on its own: no coverage, or receipts that do not add up."""
-    problems = []
-    if not certificate.coverage:
-        problems.append(f"certificate {certificate.certificate_id} covers nothing")
-    handled = sum(receipt.rows_written + receipt.rows_skipped for receipt in certificate.receipts)
-    sealed = sum(certificate.row_counts.values())
-    if handled != sealed:
-        problems.append(
-            f"certificate {certificate.certificate_id}: the sink handled {handled} rows "
-            f"(written + skipped), the pipeline sealed {sealed}"
+    @dg.asset_check(
+        asset=key,
+        name=HEALTH_CHECK,
+        description="The stream certifies epochs: not halted, uncertain, cut short or waiting on a lease.",
+    )
+    def _check() -> dg.AssetCheckResult:
+        with StateStore(stream.state_url) as store:
+            statuses = store.status(stream.name)
+            last = store.last_certificate(stream.name)
+        stall = None
+        if statuses and statuses[0].uncertain:
+            stall = uncertain_stall(stream.name, statuses[0].uncertain_reason)
+        evaluation = health_evaluation(key, stall, last)
+        return dg.AssetCheckResult(
+            passed=evaluation.passed,
+            metadata=evaluation.metadata,
+            severity=evaluation.severity,
+            description=evaluation.description,
         )
-    return problems
 
-
-def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
-    """Where consecutive certificates do not chain: a gap in sequence or coverage between them."""
-    problems = []
-    ends: dict[tuple[str, str, str], Position] = {}
-    previous: EpochCertificate | None = None
-    for certificate in certificates:
-        if previous is not None and certificate.sequence != previous.sequence + 1:
-            problems.append(f"certificate {certificate.sequence} follows {previous.sequence}")
-        for item in certificate.coverage:
-            end = ends.get(item.domain.lineage)
-            start = None if item.start is None else Position(item.domain, item.start)
-            if end is not None and (start is None or compare_positions(start, end) != 0):
-                problems.append(
-                    f"certificate {certificate.sequence} starts at {item.start} in {item.domain}, "
-                    f"the previous one ended at {end.value}"
-                )
-            ends[item.domain.lineage] = Position(item.domain, item.end)
-        previous = certificate
-    return problems
-
-
-def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token."""
-    coverage = dg.TableMetadataValue(
-        records=[
-            dg.TableRecord(
-                {
-                    "source": item.domain.source,
-                    "resource": item.domain.resource,
-                    "partition": item.domain.partition,
-                    "incarnation": item.domain.incarnation,
-                    "start": item.start or "",
-                    "end": item.end,
-                }
-            )
-            for item in certificate.coverage
-        ],
-        schema=dg.TableSchema(
-            columns=[
-                dg.TableColumn(name, "string")
-                for name in ("source", "resource", "partition", "incarnation", "start", "end")
-            ]
-        ),
-    )
-    receipts = dg.TableMetadataValue(
-        records=[
-            dg.TableRecord(
-                {
-                    "resource": receipt.resource,
-                    "rows_written": receipt.rows_written,
-                    "rows_skipped": receipt.rows_skipped,
-                    "details": json.dumps(dict(receipt.details), sort_keys=True),
-                }
-            )
-            for receipt in certificate.receipts
-        ],
-        schema=dg.TableSchema(
-            columns=[
-                dg.TableColumn("resource", "string"),
-                dg.TableColumn("rows_written", "int"),
-                dg.TableColumn("rows_skipped", "int"),
-                dg.TableColumn("details", "string"),
-            ]
-        ),
-    )
-    return {
-        "faucet/epoch": str(certificate.epoch),
-        "faucet/sequence": certificate.sequence,
-        "faucet/coverage": coverage,
-        "faucet/receipts": receipts,
-        "dagster/row_count": sum(receipt.rows_written for receipt in certificate.receipts),
-        "faucet/row_counts": dict(certificate.row_counts),
-        "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
-        "faucet/digest": certificate.digest,
-        "faucet/fencing_token": certificate.fencing_token,
-        "faucet/worker": certificate.worker,
-        "faucet/delivery": certificate.delivery.value,
-        "faucet/timings": dict(certificate.timings),
-        "faucet/certified_at": certificate.created_at,
-        "faucet/certificate": dg.MetadataValue.json(json.loads(certificate.to_json())),
-    }
-
-
-def certificate_events(
-    certificate: EpochCertificate, asset_key: dg.AssetKey
-) -> tuple[dg.AssetMaterialization, dg.AssetCheckEvaluation]:
-    """The materialization of the sink asset for ``certificate`` and its check evaluation."""
-    problems = certificate_problems(certificate)
-    materialization = dg.AssetMaterialization(
-        asset_key=asset_key,
-        description=f"certified epoch {certificate.epoch}",
-        metadata=certificate_metadata(certificate),
-    )
-    evaluation = dg.AssetCheckEvaluation(
-        asset_key=asset_key,
-        check_name=CERTIFICATE_CHECK,
-        passed=not problems,
-        metadata={"faucet/epoch": str(certificate.epoch), "faucet/problems": "\n".join(problems)},
-        severity=dg.AssetCheckSeverity.ERROR,
-        description="the certificate's receipts add up to its sealed rows" if not problems else problems[0],
-    )
-    return materialization, evaluation
+    return _check
 
 
 # -- the tick ----------------------------------------------------------------------------------
@@ -456,11 +374,13 @@ def _tick(
         store.mark_reported(stream.name, confirmed)
         reported = confirmed
     failure: FaucetError | None = None
+    lost: OwnershipLost | None = None
     skip = "no new certified epoch"
     if handle.lock.acquire(blocking=False):
         try:
             _loop().run(handle.runner.run_epochs(budget))
         except OwnershipLost as exc:
+            lost = exc
             skip = f"another worker runs this stream: {exc}"
         except FaucetError as exc:
             failure = exc
@@ -472,6 +392,17 @@ def _tick(
     else:
         skip = "a previous tick is still running this stream's epochs"
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
+    cut_short = handle.runner.cut_short
+    health = tick_health(
+        context,
+        stream.name,
+        stream.lease_seconds,
+        asset_key,
+        certificates,
+        failure=failure,
+        lost=lost,
+        cut_short=cut_short,
+    )
     if failure is not None:
         if not certificates:
             raise failure
@@ -482,12 +413,15 @@ def _tick(
     events: list[dg.AssetMaterialization | dg.AssetCheckEvaluation] = []
     for certificate in certificates:
         events.extend(certificate_events(certificate, asset_key))
+    events.extend(health.events)
     cursor = format_cursor(certificates[-1].sequence if certificates else reported)
-    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=None if events else skip)
+    skip = health.skip or skip
+    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=None if certificates else skip)
 
 
 __all__ = [
     "CERTIFICATE_CHECK",
+    "HEALTH_CHECK",
     "FaucetStream",
     "build_stream_defs",
     "certificate_check",
@@ -495,5 +429,6 @@ __all__ = [
     "certificate_metadata",
     "close_cached_streams",
     "faucet_stream_sensor",
+    "health_check",
     "tick_budget",
 ]
