@@ -15,10 +15,11 @@ import dagster as dg
 import nats
 import psycopg
 import pytest
+from faucet_postgres.codecs import PostgresLsnCodec
 from kafka_topics import create_topic, produce_json
 
 from faucet_dagster.cli import main
-from faucet_dagster.protocol import EpochCertificate, ReadLimits, UncertainOutcome
+from faucet_dagster.protocol import EpochCertificate, ReadLimits, UncertainOutcome, WritePolicy
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.sensors import (
@@ -29,6 +30,7 @@ from faucet_dagster.sensors import (
     health_check,
 )
 from faucet_dagster.state import StateStore
+from faucet_dagster.testing import PostgresServer
 
 COLUMNS = {"id": "int64 not null", "name": "string"}
 
@@ -264,3 +266,67 @@ def test_a_stalled_stream_fails_the_health_check_with_the_reason_and_the_remedy(
         result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
         assert len(materializations(result)) == 1 and [e.passed for e in health(result)] == [True]
         assert health_check(stream)().passed
+
+
+def test_the_cdc_lag_is_the_wal_after_the_certified_transaction(
+    postgres_url: str, postgres_server: PostgresServer, unique_name: Callable[..., str], tmp_path: Path
+) -> None:
+    slot, replica = unique_name("cdc"), unique_name("replica")
+    target_url = postgres_server.create_database(replica)
+    sink = {"url": target_url, "tables": {"public.lines": "lines"}}
+
+    def execute(statement: str) -> list[tuple[Any, ...]]:
+        with psycopg.connect(postgres_url) as conn:
+            cursor = conn.execute(statement)
+            return cursor.fetchall() if cursor.description else []
+
+    def flushed() -> int:
+        [(lsn,)] = execute("SELECT pg_current_wal_flush_lsn()::text")
+        return PostgresLsnCodec().validate(lsn)
+
+    execute("CREATE TABLE lines (id int PRIMARY KEY, qty int)")
+    source = FaucetConnection(
+        connector="postgres",
+        config={
+            "url": postgres_url,
+            "slot": slot,
+            "publication": f"{slot}_pub",
+            "tables": ["public.lines"],
+            "heartbeat_interval": 0,
+            "poll_interval": 0.05,
+        },
+    )
+    assert source.setup_replication()["slot_created"]
+    execute("INSERT INTO lines SELECT g, g FROM generate_series(1, 10) g")
+    after_first = flushed()
+    execute("INSERT INTO lines SELECT g, g FROM generate_series(11, 5000) g")
+    after_second = flushed()
+    stream = FaucetStream(
+        name=slot,
+        source=FaucetEndpoint(source),
+        sink=FaucetEndpoint(FaucetConnection(connector="postgres", config=sink)),
+        resources=("public.lines",),
+        policy=WritePolicy.APPLY_CHANGES,
+        limits=ReadLimits(records=5, idle=0.3),
+        state_url=f"sqlite:///{tmp_path / 'state.db'}",
+    )
+    try:
+        with StateStore(stream.state_url) as store:
+            runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
+
+            async def one_epoch() -> EpochCertificate | None:
+                try:
+                    return await runner.run_epoch()
+                finally:
+                    await runner.close()
+
+            certificate = asyncio.run(one_epoch())
+    finally:
+        postgres_server.drop_database(replica)
+    # The epoch ends at the first transaction's commit; the second one's WAL is all behind.
+    assert certificate is not None and certificate.row_counts == {"public.lines": 10}
+    [lag] = certificate.lag
+    [covered] = certificate.coverage
+    assert lag.unit == "WAL bytes" and lag.seconds is None and lag.position == covered.end
+    assert PostgresLsnCodec().validate(str(lag.head)) >= after_second
+    assert lag.behind >= after_second - after_first > 0
