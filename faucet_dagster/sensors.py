@@ -15,7 +15,8 @@ A tick:
    certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
    new cursor. Dagster stores the events and the cursor together, so each certificate is reported
-   once.
+   once. The tick's ``faucet_stream_health`` evaluation passes when it certified and fails, with the
+   reason and the operator's remedy, when the stream stalled (:mod:`faucet_dagster.stream_reports`).
 
 The runner (its open source and sink sessions and its lease) is cached per code-server process,
 behind a lock per stream: ticks run on different threads, and a tick that finds the previous one
