@@ -71,49 +71,42 @@ def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
     return problems
 
 
+def _table(columns: Mapping[str, str], rows: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
+    """A metadata table of ``rows`` with ``columns`` (name to Dagster column type), in that order."""
+    return dg.TableMetadataValue(
+        records=[dg.TableRecord({name: row[name] for name in columns}) for row in rows],
+        schema=dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in columns.items()]),
+    )
+
+
 def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token."""
-    coverage = dg.TableMetadataValue(
-        records=[
-            dg.TableRecord(
-                {
-                    "source": item.domain.source,
-                    "resource": item.domain.resource,
-                    "partition": item.domain.partition,
-                    "incarnation": item.domain.incarnation,
-                    "start": item.start or "",
-                    "end": item.end,
-                }
-            )
+    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token,
+    and the numbers Dagster plots (throughput, lag)."""
+    coverage = _table(
+        dict.fromkeys(("source", "resource", "partition", "incarnation", "start", "end"), "string"),
+        [
+            {
+                "source": item.domain.source,
+                "resource": item.domain.resource,
+                "partition": item.domain.partition,
+                "incarnation": item.domain.incarnation,
+                "start": item.start or "",
+                "end": item.end,
+            }
             for item in certificate.coverage
         ],
-        schema=dg.TableSchema(
-            columns=[
-                dg.TableColumn(name, "string")
-                for name in ("source", "resource", "partition", "incarnation", "start", "end")
-            ]
-        ),
     )
-    receipts = dg.TableMetadataValue(
-        records=[
-            dg.TableRecord(
-                {
-                    "resource": receipt.resource,
-                    "rows_written": receipt.rows_written,
-                    "rows_skipped": receipt.rows_skipped,
-                    "details": json.dumps(dict(receipt.details), sort_keys=True),
-                }
-            )
+    receipts = _table(
+        {"resource": "string", "rows_written": "int", "rows_skipped": "int", "details": "string"},
+        [
+            {
+                "resource": receipt.resource,
+                "rows_written": receipt.rows_written,
+                "rows_skipped": receipt.rows_skipped,
+                "details": json.dumps(dict(receipt.details), sort_keys=True),
+            }
             for receipt in certificate.receipts
         ],
-        schema=dg.TableSchema(
-            columns=[
-                dg.TableColumn("resource", "string"),
-                dg.TableColumn("rows_written", "int"),
-                dg.TableColumn("rows_skipped", "int"),
-                dg.TableColumn("details", "string"),
-            ]
-        ),
     )
     return {
         "faucet/epoch": str(certificate.epoch),
@@ -161,30 +154,26 @@ def lag_metadata(lag: Sequence[SourceLag]) -> dict[str, Any]:
     metadata: dict[str, Any] = {
         "faucet/lag_positions": dg.MetadataValue.int(sum(item.behind for item in lag)),
         "faucet/lag_unit": dg.MetadataValue.text(", ".join(units)),
-        "faucet/lag": dg.TableMetadataValue(
-            records=[
-                dg.TableRecord(
-                    {
-                        "domain": str(item.domain),
-                        "position": item.position or "",
-                        "head": item.head or "",
-                        "behind": item.behind,
-                        "unit": item.unit,
-                        "seconds": "" if item.seconds is None else f"{item.seconds:.3f}",
-                    }
-                )
+        "faucet/lag": _table(
+            {
+                "domain": "string",
+                "position": "string",
+                "head": "string",
+                "behind": "int",
+                "unit": "string",
+                "seconds": "string",
+            },
+            [
+                {
+                    "domain": str(item.domain),
+                    "position": item.position or "",
+                    "head": item.head or "",
+                    "behind": item.behind,
+                    "unit": item.unit,
+                    "seconds": "" if item.seconds is None else f"{item.seconds:.3f}",
+                }
                 for item in lag
             ],
-            schema=dg.TableSchema(
-                columns=[
-                    dg.TableColumn("domain", "string"),
-                    dg.TableColumn("position", "string"),
-                    dg.TableColumn("head", "string"),
-                    dg.TableColumn("behind", "int"),
-                    dg.TableColumn("unit", "string"),
-                    dg.TableColumn("seconds", "string"),
-                ]
-            ),
         ),
     }
     known = [value for value in seconds if value is not None]

@@ -118,6 +118,21 @@ def value(metadata: Any, key: str) -> Any:
     return metadata[key].value
 
 
+def one_epoch(stream: FaucetStream, store: StateStore, limits: ReadLimits | None = None) -> EpochCertificate:
+    """Run one epoch of ``stream`` with a runner of its own, then close it; its certificate."""
+    runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
+
+    async def scenario() -> EpochCertificate | None:
+        try:
+            return await runner.run_epoch(limits)
+        finally:
+            await runner.close()
+
+    certificate = asyncio.run(scenario())
+    assert certificate is not None, "the epoch certified nothing"
+    return certificate
+
+
 # -- lag and the plotted numbers ------------------------------------------------------------------
 
 
@@ -170,16 +185,7 @@ def test_the_nats_lag_in_seconds_is_the_age_of_the_certified_message_against_the
     env.publish(10)
     time.sleep(1.5)
     env.publish(10)
-    runner = StreamRunner(env.stream().build_spec(), env.store, worker_id="w1")
-
-    async def one_epoch() -> EpochCertificate | None:
-        try:
-            return await runner.run_epoch(ReadLimits(records=10, idle=0.3))
-        finally:
-            await runner.close()
-
-    certificate = asyncio.run(one_epoch())
-    assert certificate is not None
+    certificate = one_epoch(env.stream(), env.store, ReadLimits(records=10, idle=0.3))
     [lag] = certificate.lag
     assert (lag.position, lag.head, lag.behind) == ("10", "20", 10)
     # Message 10 was stored at least 1.5 s before message 20 (server timestamps).
@@ -204,16 +210,8 @@ def test_the_kafka_lag_is_the_offsets_after_each_certified_partition_end(
         state_url=f"sqlite:///{tmp_path / 'state.db'}",
     )
     with StateStore(stream.state_url) as store:
-        runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
-
-        async def one_epoch() -> EpochCertificate | None:
-            try:
-                return await runner.run_epoch()
-            finally:
-                await runner.close()
-
-        certificate = asyncio.run(one_epoch())
-    assert certificate is not None and sum(certificate.row_counts.values()) == 100
+        certificate = one_epoch(stream, store)
+    assert sum(certificate.row_counts.values()) == 100
     assert len(certificate.lag) == 4 and {item.unit for item in certificate.lag} == {"offsets"}
     # 250 records per partition: offsets 0 to 249, the head is 249 in each.
     assert {item.head for item in certificate.lag} == {"249"}
@@ -312,19 +310,11 @@ def test_the_cdc_lag_is_the_wal_after_the_certified_transaction(
     )
     try:
         with StateStore(stream.state_url) as store:
-            runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
-
-            async def one_epoch() -> EpochCertificate | None:
-                try:
-                    return await runner.run_epoch()
-                finally:
-                    await runner.close()
-
-            certificate = asyncio.run(one_epoch())
+            certificate = one_epoch(stream, store)
     finally:
         postgres_server.drop_database(replica)
     # The epoch ends at the first transaction's commit; the second one's WAL is all behind.
-    assert certificate is not None and certificate.row_counts == {"public.lines": 10}
+    assert certificate.row_counts == {"public.lines": 10}
     [lag] = certificate.lag
     [covered] = certificate.coverage
     assert lag.unit == "WAL bytes" and lag.seconds is None and lag.position == covered.end
