@@ -298,8 +298,10 @@ class StreamSession(ABC):
         Called by the runner right after a read (never concurrently with another method), and
         recorded in the epoch's certificate. Informational only: it never gates a commit or an
         acknowledgement, and a failure (a typed :class:`FaucetError`) is logged and the lag left
-        out. A read of the head should be cheap (one metadata request) and must not move what the
-        session reads or acknowledges. The default reports nothing, for sources that cannot tell.
+        out; one slower than the runner's ``LAG_TIMEOUT`` is cancelled, which the session survives as
+        it survives a cancelled read. A read of the head should be cheap (one metadata request) and
+        must not move what the session reads or acknowledges. The default reports nothing, for
+        sources that cannot tell.
         """
         return ()
 
