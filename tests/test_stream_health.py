@@ -15,16 +15,26 @@ import dagster as dg
 import nats
 import psycopg
 import pytest
+from faucet_nats.source import NatsStreamSession
 from faucet_postgres.codecs import PostgresLsnCodec
 from kafka_topics import create_topic, produce_json
 
 from faucet_dagster.cli import main
-from faucet_dagster.protocol import EpochCertificate, ReadLimits, UncertainOutcome, WritePolicy
+from faucet_dagster.protocol import (
+    ConnectionFailed,
+    EpochCertificate,
+    ReadLimits,
+    SourceLag,
+    UncertainOutcome,
+    WritePolicy,
+)
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
+from faucet_dagster.runner import continuous
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.sensors import (
     HEALTH_CHECK,
     FaucetStream,
+    certificate_metadata,
     close_cached_streams,
     faucet_stream_sensor,
     health_check,
@@ -320,3 +330,27 @@ def test_the_cdc_lag_is_the_wal_after_the_certified_transaction(
     assert lag.unit == "WAL bytes" and lag.seconds is None and lag.position == covered.end
     assert PostgresLsnCodec().validate(str(lag.head)) >= after_second
     assert lag.behind >= after_second - after_first > 0
+
+
+def test_a_source_that_cannot_say_its_lag_still_certifies_without_it(
+    env: NatsEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lag is informational: failing or hanging at the exact point it is read, it is left out."""
+
+    async def fails(self: NatsStreamSession) -> tuple[SourceLag, ...]:
+        raise ConnectionFailed("the server went away while asked for its head", where="test")
+
+    async def hangs(self: NatsStreamSession) -> tuple[SourceLag, ...]:
+        await asyncio.sleep(60)
+        return ()
+
+    monkeypatch.setattr(continuous, "LAG_TIMEOUT", 0.5)
+    for lag in (fails, hangs):
+        monkeypatch.setattr(NatsStreamSession, "lag", lag)
+        env.publish(10)
+        started = time.monotonic()
+        certificate = one_epoch(env.stream(), env.store)
+        assert certificate.lag == () and sum(certificate.row_counts.values()) == 10
+        assert time.monotonic() - started < 30
+    metadata = certificate_metadata(certificate)
+    assert "faucet/lag_positions" not in metadata and "faucet/rows_written" in metadata
