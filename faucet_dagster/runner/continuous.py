@@ -85,9 +85,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
 LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
+DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
 
 
 @dataclass(frozen=True)

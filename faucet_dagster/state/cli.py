@@ -2,11 +2,13 @@
 
 ``status`` prints each stream's lease (owner, fencing token, time left), whether it is marked
 uncertain and why, its last certified epoch, how far Dagster received reports, its certified
-positions, its dead-letter count and its lag: how far the source's head was ahead of the last
-certificate when that epoch's read ended. ``release`` is the operator's answer to an uncertain close: it
+positions and its dead-letter count. ``release`` is the operator's answer to an uncertain close: it
 clears the uncertain flag and the lease so the stream can be taken over (the fencing token is kept,
 so the next owner still fences every earlier one). Both take ``--state-url`` (default:
 ``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and ``--json``.
+
+``status`` also prints each stream's lag: how far the source's head was ahead of the last certificate
+when that epoch's read ended.
 """
 
 import argparse
