@@ -16,7 +16,7 @@ A tick:
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
    new cursor. Dagster stores the events and the cursor together, so each certificate is reported
    once. The tick's ``faucet_stream_health`` evaluation passes when it certified and fails, with the
-   reason and the operator's remedy, when the stream stalled (:mod:`faucet_dagster.stream_reports`).
+   reason and the operator's remedy, when the stream stalled (:mod:`faucet_dagster.stream_health`).
 
 The runner (its open source and sink sessions and its lease) is cached per code-server process,
 behind a lock per stream: ticks run on different threads, and a tick that finds the previous one
@@ -38,28 +38,29 @@ from typing import Any
 
 import dagster as dg
 
-# Dagster's own set of the standard table keys; dagster 1.13 exports it from here only.
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
+    EpochCertificate,
     FaucetError,
     OwnershipLost,
     ReadLimits,
     WritePolicy,
+    compare_positions,
 )
+from faucet_dagster.protocol.positions import Position
 from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, StreamRunner, StreamSpec
 from faucet_dagster.runner.loop import BackgroundLoop
 from faucet_dagster.state import StateStore
-from faucet_dagster.stream_reports import (
-    CERTIFICATE_CHECK,
+from faucet_dagster.stream_health import (
     HEALTH_CHECK,
-    certificate_events,
-    certificate_metadata,
-    certificate_problems,
-    chain_problems,
     health_evaluation,
+    lag_metadata,
+    metadata_table,
+    table_metadata,
+    throughput_metadata,
     tick_health,
     uncertain_stall,
 )
@@ -68,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 SENSOR_TIMEOUT_ENV = "DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS"
 DEFAULT_SENSOR_TIMEOUT = 60.0
+CERTIFICATE_CHECK = "faucet_epoch_certificate"
 MAX_REPORTS_PER_TICK = 500
 CURSOR_VERSION = 1
 
@@ -265,6 +267,116 @@ def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) ->
         )
 
     return _check
+
+
+# -- certificates as Dagster events ------------------------------------------------------------
+
+
+def certificate_problems(certificate: EpochCertificate) -> list[str]:
+    """What is wrong with one certificate on its own: no coverage, or receipts that do not add up."""
+    problems = []
+    if not certificate.coverage:
+        problems.append(f"certificate {certificate.certificate_id} covers nothing")
+    handled = sum(receipt.rows_written + receipt.rows_skipped for receipt in certificate.receipts)
+    sealed = sum(certificate.row_counts.values())
+    if handled != sealed:
+        problems.append(
+            f"certificate {certificate.certificate_id}: the sink handled {handled} rows "
+            f"(written + skipped), the pipeline sealed {sealed}"
+        )
+    return problems
+
+
+def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
+    """Where consecutive certificates do not chain: a gap in sequence or coverage between them."""
+    problems = []
+    ends: dict[tuple[str, str, str], Position] = {}
+    previous: EpochCertificate | None = None
+    for certificate in certificates:
+        if previous is not None and certificate.sequence != previous.sequence + 1:
+            problems.append(f"certificate {certificate.sequence} follows {previous.sequence}")
+        for item in certificate.coverage:
+            end = ends.get(item.domain.lineage)
+            start = None if item.start is None else Position(item.domain, item.start)
+            if end is not None and (start is None or compare_positions(start, end) != 0):
+                problems.append(
+                    f"certificate {certificate.sequence} starts at {item.start} in {item.domain}, "
+                    f"the previous one ended at {end.value}"
+                )
+            ends[item.domain.lineage] = Position(item.domain, item.end)
+        previous = certificate
+    return problems
+
+
+def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
+    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token,
+    and the numbers Dagster plots (throughput, lag)."""
+    coverage = metadata_table(
+        dict.fromkeys(("source", "resource", "partition", "incarnation", "start", "end"), "string"),
+        [
+            {
+                "source": item.domain.source,
+                "resource": item.domain.resource,
+                "partition": item.domain.partition,
+                "incarnation": item.domain.incarnation,
+                "start": item.start or "",
+                "end": item.end,
+            }
+            for item in certificate.coverage
+        ],
+    )
+    receipts = metadata_table(
+        {"resource": "string", "rows_written": "int", "rows_skipped": "int", "details": "string"},
+        [
+            {
+                "resource": receipt.resource,
+                "rows_written": receipt.rows_written,
+                "rows_skipped": receipt.rows_skipped,
+                "details": json.dumps(dict(receipt.details), sort_keys=True),
+            }
+            for receipt in certificate.receipts
+        ],
+    )
+    return {
+        "faucet/epoch": str(certificate.epoch),
+        "faucet/sequence": certificate.sequence,
+        "faucet/coverage": coverage,
+        "faucet/receipts": receipts,
+        "faucet/rows_written": sum(receipt.rows_written for receipt in certificate.receipts),
+        "faucet/row_counts": dict(certificate.row_counts),
+        "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
+        "faucet/digest": certificate.digest,
+        "faucet/fencing_token": certificate.fencing_token,
+        "faucet/worker": certificate.worker,
+        "faucet/delivery": certificate.delivery.value,
+        "faucet/timings": dict(certificate.timings),
+        "faucet/certified_at": certificate.created_at,
+        "faucet/certificate": dg.MetadataValue.json(json.loads(certificate.to_json())),
+        **throughput_metadata(certificate),
+        **lag_metadata(certificate.lag),
+        **table_metadata(certificate),
+    }
+
+
+def certificate_events(
+    certificate: EpochCertificate, asset_key: dg.AssetKey
+) -> tuple[dg.AssetMaterialization, dg.AssetCheckEvaluation]:
+    """The materialization of the sink asset for ``certificate`` and its check evaluation."""
+    problems = certificate_problems(certificate)
+    materialization = dg.AssetMaterialization(
+        asset_key=asset_key,
+        description=f"certified epoch {certificate.epoch}",
+        metadata=certificate_metadata(certificate),
+    )
+    evaluation = dg.AssetCheckEvaluation(
+        asset_key=asset_key,
+        check_name=CERTIFICATE_CHECK,
+        passed=not problems,
+        metadata={"faucet/epoch": str(certificate.epoch), "faucet/problems": "\n".join(problems)},
+        severity=dg.AssetCheckSeverity.ERROR,
+        description="the certificate's receipts add up to its sealed rows" if not problems else problems[0],
+    )
+    return materialization, evaluation
 
 
 # -- the tick ----------------------------------------------------------------------------------

@@ -1,16 +1,14 @@
-"""Certificates and stream health as Dagster events: what a stream's sensor reports, and how.
+"""Stream health as Dagster metadata and check evaluations: the lag, the numbers Dagster plots, stalls.
 
-* :func:`certificate_events`: one ``AssetMaterialization`` of the sink asset per certificate, its
-  metadata (:func:`certificate_metadata`: coverage, receipts, counts, digest, the numbers Dagster plots:
-  epoch seconds, rows per second, lag behind the source's head) and the ``faucet_epoch_certificate``
-  evaluation (:func:`certificate_problems`; :func:`chain_problems` across certificates);
+* :func:`lag_metadata`, :func:`throughput_metadata`, :func:`table_metadata`: the parts of a certificate's
+  metadata that Dagster plots on the asset's Plots tab (lag behind the source's head, epoch seconds,
+  rows per second) and Dagster's standard table keys a stream can state exactly;
 * :func:`tick_health`: the ``faucet_stream_health`` evaluation of a tick, passing when it certified,
-  failing with the reason and the operator's remedy when the stream stalled (:class:`Stall`: halted on an
-  error, uncertain, waiting on a lease, cut short by the budget), and the tick's log lines.
+  failing with the reason and the operator's remedy when the stream stalled (:class:`Stall`: halted on
+  an error, uncertain, waiting on a lease, cut short by the budget), and the tick's log lines.
 """
 
 import contextlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,113 +18,18 @@ import dagster as dg
 # Dagster's own set of the standard table keys; dagster 1.13 exports it from here only.
 from dagster._core.definitions.metadata import TableMetadataSet
 
-from faucet_dagster.protocol import (
-    EpochCertificate,
-    ErrorKind,
-    FaucetError,
-    OwnershipLost,
-    SourceLag,
-    compare_positions,
-)
-from faucet_dagster.protocol.positions import Position
+from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, OwnershipLost, SourceLag
 from faucet_dagster.runner.continuous import CutShort
 
-CERTIFICATE_CHECK = "faucet_epoch_certificate"
 HEALTH_CHECK = "faucet_stream_health"
 
 
-def certificate_problems(certificate: EpochCertificate) -> list[str]:
-    """What is wrong with one certificate on its own: no coverage, or receipts that do not add up."""
-    problems = []
-    if not certificate.coverage:
-        problems.append(f"certificate {certificate.certificate_id} covers nothing")
-    handled = sum(receipt.rows_written + receipt.rows_skipped for receipt in certificate.receipts)
-    sealed = sum(certificate.row_counts.values())
-    if handled != sealed:
-        problems.append(
-            f"certificate {certificate.certificate_id}: the sink handled {handled} rows "
-            f"(written + skipped), the pipeline sealed {sealed}"
-        )
-    return problems
-
-
-def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
-    """Where consecutive certificates do not chain: a gap in sequence or coverage between them."""
-    problems = []
-    ends: dict[tuple[str, str, str], Position] = {}
-    previous: EpochCertificate | None = None
-    for certificate in certificates:
-        if previous is not None and certificate.sequence != previous.sequence + 1:
-            problems.append(f"certificate {certificate.sequence} follows {previous.sequence}")
-        for item in certificate.coverage:
-            end = ends.get(item.domain.lineage)
-            start = None if item.start is None else Position(item.domain, item.start)
-            if end is not None and (start is None or compare_positions(start, end) != 0):
-                problems.append(
-                    f"certificate {certificate.sequence} starts at {item.start} in {item.domain}, "
-                    f"the previous one ended at {end.value}"
-                )
-            ends[item.domain.lineage] = Position(item.domain, item.end)
-        previous = certificate
-    return problems
-
-
-def _table(columns: Mapping[str, str], rows: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
+def metadata_table(columns: Mapping[str, str], rows: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
     """A metadata table of ``rows`` with ``columns`` (name to Dagster column type), in that order."""
     return dg.TableMetadataValue(
         records=[dg.TableRecord({name: row[name] for name in columns}) for row in rows],
         schema=dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in columns.items()]),
     )
-
-
-def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token,
-    and the numbers Dagster plots (throughput, lag)."""
-    coverage = _table(
-        dict.fromkeys(("source", "resource", "partition", "incarnation", "start", "end"), "string"),
-        [
-            {
-                "source": item.domain.source,
-                "resource": item.domain.resource,
-                "partition": item.domain.partition,
-                "incarnation": item.domain.incarnation,
-                "start": item.start or "",
-                "end": item.end,
-            }
-            for item in certificate.coverage
-        ],
-    )
-    receipts = _table(
-        {"resource": "string", "rows_written": "int", "rows_skipped": "int", "details": "string"},
-        [
-            {
-                "resource": receipt.resource,
-                "rows_written": receipt.rows_written,
-                "rows_skipped": receipt.rows_skipped,
-                "details": json.dumps(dict(receipt.details), sort_keys=True),
-            }
-            for receipt in certificate.receipts
-        ],
-    )
-    return {
-        "faucet/epoch": str(certificate.epoch),
-        "faucet/sequence": certificate.sequence,
-        "faucet/coverage": coverage,
-        "faucet/receipts": receipts,
-        "faucet/rows_written": sum(receipt.rows_written for receipt in certificate.receipts),
-        "faucet/row_counts": dict(certificate.row_counts),
-        "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
-        "faucet/digest": certificate.digest,
-        "faucet/fencing_token": certificate.fencing_token,
-        "faucet/worker": certificate.worker,
-        "faucet/delivery": certificate.delivery.value,
-        "faucet/timings": dict(certificate.timings),
-        "faucet/certified_at": certificate.created_at,
-        "faucet/certificate": dg.MetadataValue.json(json.loads(certificate.to_json())),
-        **throughput_metadata(certificate),
-        **lag_metadata(certificate.lag),
-        **_table_metadata(certificate),
-    }
 
 
 def throughput_metadata(certificate: EpochCertificate) -> dict[str, Any]:
@@ -154,7 +57,7 @@ def lag_metadata(lag: Sequence[SourceLag]) -> dict[str, Any]:
     metadata: dict[str, Any] = {
         "faucet/lag_positions": dg.MetadataValue.int(sum(item.behind for item in lag)),
         "faucet/lag_unit": dg.MetadataValue.text(", ".join(units)),
-        "faucet/lag": _table(
+        "faucet/lag": metadata_table(
             {
                 "domain": "string",
                 "position": "string",
@@ -182,7 +85,7 @@ def lag_metadata(lag: Sequence[SourceLag]) -> dict[str, Any]:
     return metadata
 
 
-def _table_metadata(certificate: EpochCertificate) -> dict[str, Any]:
+def table_metadata(certificate: EpochCertificate) -> dict[str, Any]:
     """Dagster's table keys a stream can state exactly: ``dagster/table_name`` (database.schema.table)
     when every receipt names the same table with its database. Never ``dagster/row_count``: that is the
     table's rows, which a sink cannot count cheaply and exactly (the epoch's are ``faucet/rows_written``)."""
@@ -196,27 +99,6 @@ def _table_metadata(certificate: EpochCertificate) -> dict[str, Any]:
         return {}
     [name] = names
     return dict(TableMetadataSet(table_name=name))
-
-
-def certificate_events(
-    certificate: EpochCertificate, asset_key: dg.AssetKey
-) -> tuple[dg.AssetMaterialization, dg.AssetCheckEvaluation]:
-    """The materialization of the sink asset for ``certificate`` and its check evaluation."""
-    problems = certificate_problems(certificate)
-    materialization = dg.AssetMaterialization(
-        asset_key=asset_key,
-        description=f"certified epoch {certificate.epoch}",
-        metadata=certificate_metadata(certificate),
-    )
-    evaluation = dg.AssetCheckEvaluation(
-        asset_key=asset_key,
-        check_name=CERTIFICATE_CHECK,
-        passed=not problems,
-        metadata={"faucet/epoch": str(certificate.epoch), "faucet/problems": "\n".join(problems)},
-        severity=dg.AssetCheckSeverity.ERROR,
-        description="the certificate's receipts add up to its sealed rows" if not problems else problems[0],
-    )
-    return materialization, evaluation
 
 
 # -- health: lag and stalls -------------------------------------------------------------------
