@@ -6,9 +6,6 @@ positions and its dead-letter count. ``release`` is the operator's answer to an 
 clears the uncertain flag and the lease so the stream can be taken over (the fencing token is kept,
 so the next owner still fences every earlier one). Both take ``--state-url`` (default:
 ``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and ``--json``.
-
-``status`` also prints each stream's lag: how far the source's head was ahead of the last certificate
-when that epoch's read ended.
 """
 
 import argparse
@@ -37,6 +34,8 @@ def add_streams_parser(commands: "argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _status_command(args: argparse.Namespace) -> int:
+    """Print each stream's status, then its lag: how far the source's head was ahead of the last
+    certificate when that epoch's read ended."""
     with StateStore(args.state_url) as store:
         statuses = store.status(args.stream)
         lasts = {status.stream: store.last_certificate(status.stream) for status in statuses}
