@@ -15,7 +15,8 @@ A tick:
    certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
    new cursor. Dagster stores the events and the cursor together, so each certificate is reported
-   once.
+   once. The tick's ``faucet_stream_health`` evaluation passes when it certified and fails, with the
+   reason and the operator's remedy, when the stream stalled (:mod:`faucet_dagster.stream_health`).
 
 The runner (its open source and sink sessions and its lease) is cached per code-server process,
 behind a lock per stream: ticks run on different threads, and a tick that finds the previous one
@@ -53,6 +54,16 @@ from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, StreamRunner, StreamSpec
 from faucet_dagster.runner.loop import BackgroundLoop
 from faucet_dagster.state import StateStore
+from faucet_dagster.stream_health import (
+    HEALTH_CHECK,
+    health_evaluation,
+    lag_metadata,
+    metadata_table,
+    table_metadata,
+    throughput_metadata,
+    tick_health,
+    uncertain_stall,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +216,7 @@ def build_stream_defs(
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.Definitions:
     """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
-    certificate check and its sensor."""
+    certificate and health checks and its sensor."""
     specs = dict(asset_specs or {})
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []
@@ -213,7 +224,7 @@ def build_stream_defs(
     for stream in streams:
         spec = specs.get(stream.name) or stream.asset_spec()
         assets.append(spec)
-        checks.append(certificate_check(stream, spec.key))
+        checks.extend((certificate_check(stream, spec.key), health_check(stream, spec.key)))
         sensors.append(
             faucet_stream_sensor(
                 stream,
@@ -224,6 +235,38 @@ def build_stream_defs(
             )
         )
     return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors)
+
+
+def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) -> dg.AssetChecksDefinition:
+    """The ``faucet_stream_health`` check: the stream certifies epochs and is not stalled.
+
+    Evaluated by the sensor on every tick that certifies (passing, with the lag) or stalls (failing
+    with the reason and the remedy). Executed on demand, it reads the state store: failing while the
+    stream is marked uncertain, else passing with the lag of the last certificate.
+    """
+    key = stream.asset_spec(asset_key).key
+
+    @dg.asset_check(
+        asset=key,
+        name=HEALTH_CHECK,
+        description="The stream certifies epochs: not halted, uncertain, cut short or waiting on a lease.",
+    )
+    def _check() -> dg.AssetCheckResult:
+        with StateStore(stream.state_url) as store:
+            statuses = store.status(stream.name)
+            last = store.last_certificate(stream.name)
+        stall = None
+        if statuses and statuses[0].uncertain:
+            stall = uncertain_stall(stream.name, statuses[0].uncertain_reason)
+        evaluation = health_evaluation(key, stall, last)
+        return dg.AssetCheckResult(
+            passed=evaluation.passed,
+            metadata=evaluation.metadata,
+            severity=evaluation.severity,
+            description=evaluation.description,
+        )
+
+    return _check
 
 
 # -- certificates as Dagster events ------------------------------------------------------------
@@ -266,55 +309,40 @@ def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
 
 
 def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token."""
-    coverage = dg.TableMetadataValue(
-        records=[
-            dg.TableRecord(
-                {
-                    "source": item.domain.source,
-                    "resource": item.domain.resource,
-                    "partition": item.domain.partition,
-                    "incarnation": item.domain.incarnation,
-                    "start": item.start or "",
-                    "end": item.end,
-                }
-            )
+    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token,
+    and the numbers Dagster plots (throughput, lag)."""
+    coverage = metadata_table(
+        dict.fromkeys(("source", "resource", "partition", "incarnation", "start", "end"), "string"),
+        [
+            {
+                "source": item.domain.source,
+                "resource": item.domain.resource,
+                "partition": item.domain.partition,
+                "incarnation": item.domain.incarnation,
+                "start": item.start or "",
+                "end": item.end,
+            }
             for item in certificate.coverage
         ],
-        schema=dg.TableSchema(
-            columns=[
-                dg.TableColumn(name, "string")
-                for name in ("source", "resource", "partition", "incarnation", "start", "end")
-            ]
-        ),
     )
-    receipts = dg.TableMetadataValue(
-        records=[
-            dg.TableRecord(
-                {
-                    "resource": receipt.resource,
-                    "rows_written": receipt.rows_written,
-                    "rows_skipped": receipt.rows_skipped,
-                    "details": json.dumps(dict(receipt.details), sort_keys=True),
-                }
-            )
+    receipts = metadata_table(
+        {"resource": "string", "rows_written": "int", "rows_skipped": "int", "details": "string"},
+        [
+            {
+                "resource": receipt.resource,
+                "rows_written": receipt.rows_written,
+                "rows_skipped": receipt.rows_skipped,
+                "details": json.dumps(dict(receipt.details), sort_keys=True),
+            }
             for receipt in certificate.receipts
         ],
-        schema=dg.TableSchema(
-            columns=[
-                dg.TableColumn("resource", "string"),
-                dg.TableColumn("rows_written", "int"),
-                dg.TableColumn("rows_skipped", "int"),
-                dg.TableColumn("details", "string"),
-            ]
-        ),
     )
     return {
         "faucet/epoch": str(certificate.epoch),
         "faucet/sequence": certificate.sequence,
         "faucet/coverage": coverage,
         "faucet/receipts": receipts,
-        "dagster/row_count": sum(receipt.rows_written for receipt in certificate.receipts),
+        "faucet/rows_written": sum(receipt.rows_written for receipt in certificate.receipts),
         "faucet/row_counts": dict(certificate.row_counts),
         "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
         "faucet/digest": certificate.digest,
@@ -324,6 +352,9 @@ def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
         "faucet/timings": dict(certificate.timings),
         "faucet/certified_at": certificate.created_at,
         "faucet/certificate": dg.MetadataValue.json(json.loads(certificate.to_json())),
+        **throughput_metadata(certificate),
+        **lag_metadata(certificate.lag),
+        **table_metadata(certificate),
     }
 
 
@@ -456,11 +487,13 @@ def _tick(
         store.mark_reported(stream.name, confirmed)
         reported = confirmed
     failure: FaucetError | None = None
+    lost: OwnershipLost | None = None
     skip = "no new certified epoch"
     if handle.lock.acquire(blocking=False):
         try:
             _loop().run(handle.runner.run_epochs(budget))
         except OwnershipLost as exc:
+            lost = exc
             skip = f"another worker runs this stream: {exc}"
         except FaucetError as exc:
             failure = exc
@@ -472,6 +505,17 @@ def _tick(
     else:
         skip = "a previous tick is still running this stream's epochs"
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
+    cut_short = handle.runner.cut_short
+    health = tick_health(
+        context,
+        stream.name,
+        stream.lease_seconds,
+        asset_key,
+        certificates,
+        failure=failure,
+        lost=lost,
+        cut_short=cut_short,
+    )
     if failure is not None:
         if not certificates:
             raise failure
@@ -482,12 +526,15 @@ def _tick(
     events: list[dg.AssetMaterialization | dg.AssetCheckEvaluation] = []
     for certificate in certificates:
         events.extend(certificate_events(certificate, asset_key))
+    events.extend(health.events)
     cursor = format_cursor(certificates[-1].sequence if certificates else reported)
-    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=None if events else skip)
+    skip = health.skip or skip
+    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=None if certificates else skip)
 
 
 __all__ = [
     "CERTIFICATE_CHECK",
+    "HEALTH_CHECK",
     "FaucetStream",
     "build_stream_defs",
     "certificate_check",
@@ -495,5 +542,6 @@ __all__ = [
     "certificate_metadata",
     "close_cached_streams",
     "faucet_stream_sensor",
+    "health_check",
     "tick_budget",
 ]

@@ -170,7 +170,7 @@ def test_with_the_variables_each_stream_certifies_its_events_in_one_sensor_tick(
             assert [int(str(m["faucet/sequence"].value)) for m in metadata] == list(
                 range(1, len(metadata) + 1)
             )
-            assert sum(int(str(m["dagster/row_count"].value)) for m in metadata) == EVENTS
+            assert sum(int(str(m["faucet/rows_written"].value)) for m in metadata) == EVENTS
             assert {m["faucet/delivery"].value for m in metadata} == {"effectively_once"}
             coverage = metadata[-1]["faucet/coverage"].value
             assert isinstance(coverage, dg.TableMetadataValue)

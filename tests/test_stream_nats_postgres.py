@@ -524,7 +524,8 @@ def test_a_tick_skips_while_another_worker_holds_the_lease_and_fails_on_an_uncer
     sensor = faucet_stream_sensor(faucet_stream(env), budget_seconds=2)
     held = env.store.acquire_lease(env.stream, "another-code-server", 30)
     data = sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
-    assert data.asset_events == [] and "another worker runs this stream" in str(data.skip_message)
+    assert not [event for event in data.asset_events if isinstance(event, dg.AssetMaterialization)]
+    assert "waiting on a lease another worker holds" in str(data.skip_message)
     assert env.ids() == []
     env.store.release_lease(held)
     env.store.mark_uncertain(env.stream, "the previous worker's close timed out")
@@ -532,7 +533,7 @@ def test_a_tick_skips_while_another_worker_holds_the_lease_and_fails_on_an_uncer
         sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
     env.store.release(env.stream)
     data = sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
-    assert len(data.asset_events) == 2 and env.ids() == list(range(10))
+    assert len(data.asset_events) == 3 and env.ids() == list(range(10))  # certificate, its check, health
 
 
 def test_stream_definitions_load_and_the_certificate_check_verifies_the_chain(env: Env) -> None:
@@ -545,9 +546,9 @@ def test_stream_definitions_load_and_the_certificate_check_verifies_the_chain(en
     assert json.loads(str(data.cursor))["reported_through"] == 3
     materializations = [e for e in data.asset_events if isinstance(e, dg.AssetMaterialization)]
     evaluations = [e for e in data.asset_events if isinstance(e, dg.AssetCheckEvaluation)]
-    assert [m.metadata["dagster/row_count"].value for m in materializations] == [1_000, 1_000, 500]
-    assert all(e.passed for e in evaluations) and len(evaluations) == 3
-    [check] = defs.asset_checks or []
+    assert [m.metadata["faucet/rows_written"].value for m in materializations] == [1_000, 1_000, 500]
+    assert all(e.passed for e in evaluations) and len(evaluations) == 4  # 3 certificates, 1 health
+    [check] = [c for c in defs.asset_checks or [] if CERTIFICATE_CHECK in {k.name for k in c.check_keys}]
     result = check()
     assert result.passed and result.metadata["faucet/certificates_checked"].value == 3
 

@@ -432,7 +432,7 @@ def test_a_transaction_larger_than_a_tick_is_reported_and_replicated_once_the_bu
         short.cursor = roomy.cursor
         for _ in range(2):
             result = short.tick()
-            assert not result.asset_events
+            assert not [event for event in result.asset_events if isinstance(event, dg.AssetMaterialization)]
             assert result.skip_message is not None
             assert "without reaching a safe source boundary" in result.skip_message, result.skip_message
             assert "larger budget" in result.skip_message

@@ -351,6 +351,24 @@ class KafkaReader:
             state.boundary = end
             state.next_offset = end + 1
 
+    async def head_offsets(self) -> dict[TopicPartitionKey, int]:
+        """Each partition's high watermark (read_committed: its last stable offset) as of the consumer's
+        latest fetch response, never below the one captured at open. No request: fetch responses
+        carry the real watermark (module docstring of :mod:`faucet_kafka.client`)."""
+        consumer = self._require_consumer()
+
+        def cached() -> dict[TopicPartitionKey, int]:
+            found = {}
+            for key in self.parts:
+                found[key] = consumer.get_watermark_offsets(TopicPartition(*key), cached=True)[1]
+            return found
+
+        try:
+            highs = await self._thread.call(cached)
+        except KafkaException as exc:
+            raise wrap_kafka_error(exc, "reading the high watermarks", self.where) from exc
+        return {key: max(high, self.high_watermarks.get(key, 0)) for key, high in highs.items()}
+
     async def positions(self, keys: Iterable[TopicPartitionKey]) -> dict[TopicPartitionKey, int]:
         """The consumer's position (next offset it delivers) per partition; -1001 before any delivery."""
         consumer = self._require_consumer()

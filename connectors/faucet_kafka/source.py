@@ -52,6 +52,7 @@ from faucet_dagster.protocol import (
     Replay,
     Source,
     SourceCapabilities,
+    SourceLag,
     StreamRecordSink,
     StreamSession,
     StreamSource,
@@ -277,6 +278,24 @@ class KafkaStreamSession(StreamSession):
             await self._reader.commit(offsets)
             for state, _, end in commits:
                 state.acknowledged = end
+
+    async def lag(self) -> tuple[SourceLag, ...]:
+        """Per partition, the offsets after where the reads reached up to the high watermark of the
+        consumer's latest fetch response (no extra request; transaction markers count as offsets).
+        Kafka does not tell when its newest record was written without fetching it: no seconds."""
+        async with self._lock:
+            self._check_open()
+            highs = await self._reader.head_offsets()
+        return tuple(
+            SourceLag(
+                state.domain,
+                None if state.boundary is None else str(state.boundary),
+                str(highs[key] - 1) if highs[key] > 0 else None,
+                max(0, highs[key] - state.next_offset),
+                "offsets",
+            )
+            for key, state in self._reader.parts.items()
+        )
 
     async def close(self) -> None:
         """Wait for an outstanding read or acknowledgement, then close the consumer and join its thread.

@@ -47,6 +47,7 @@ class StreamFacts:
     ``first_seq`` is the first stored sequence (``last_seq + 1`` when the stream is empty);
     ``incarnation`` identifies this stream's life: its creation time to the nanosecond and its
     configured first sequence, so a deleted and recreated stream of the same name differs.
+    ``last_time`` is the server's RFC 3339 timestamp of the last message (empty when unknown).
     """
 
     name: str
@@ -55,6 +56,7 @@ class StreamFacts:
     first_seq: int
     last_seq: int
     messages: int
+    last_time: str = ""
 
     @property
     def incarnation(self) -> str:
@@ -160,6 +162,7 @@ class JetStreamApi:
                 first_seq=first_seq,
                 last_seq=last_seq,
                 messages=messages,
+                last_time=str(state.get("last_ts") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectionFailed("JetStream sent stream info without its state", where=where) from exc

@@ -13,7 +13,9 @@ Continuous: ``open`` checks the certified position is still stored (else
 ``read`` hands rows to the pipeline in large runs and ends with one ``ProgressBoundary`` at the last
 sequence written (every JetStream message is a safe boundary: there are no transactions).
 ``acknowledge`` sends one confirmed cumulative acknowledgement for the last covered sequence, after
-``authority()`` confirmed ownership. Nothing else ever acknowledges.
+``authority()`` confirmed ownership. Nothing else ever acknowledges. ``lag`` counts the stream
+sequences after the last read's end up to the stream's last sequence, with the age of that end's
+message against the newest one (server timestamps).
 
 Bounded: an ephemeral consumer reads from the bookmark to the stream's last sequence at the start, in
 pages whose bookmark is the last sequence they hold.
@@ -21,6 +23,7 @@ pages whose bookmark is the last sequence they hold.
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 import nats.errors
@@ -60,6 +63,7 @@ from faucet_dagster.protocol import (
     Replay,
     Source,
     SourceCapabilities,
+    SourceLag,
     StreamRecordSink,
     StreamSession,
     StreamSource,
@@ -69,7 +73,14 @@ from faucet_nats.codecs import NatsStreamSequenceCodec
 from faucet_nats.config import NatsSourceConfig
 from faucet_nats.consumer import Chunk, PushConsumer
 from faucet_nats.decode import Decoder
-from faucet_nats.jetstream import JetStreamApi, StreamFacts, connect, stream_missing
+from faucet_nats.jetstream import (
+    NO_MESSAGE_FOUND,
+    JetStreamApi,
+    JetStreamRefused,
+    StreamFacts,
+    connect,
+    stream_missing,
+)
 
 CODEC = NatsStreamSequenceCodec()
 T = TypeVar("T")
@@ -428,6 +439,42 @@ class NatsStreamSession(StreamSession):
                 )
             await consumer.acknowledge(consumer.acked if end is None else end, authority)
 
+    async def lag(self) -> tuple[SourceLag, ...]:
+        """Stream sequences after where the reads reached, up to the stream's last sequence (with a
+        subject filter, other subjects' messages count too), and how much older the message there is
+        than the newest one by their server timestamps. One STREAM.INFO request, and one message read
+        when behind. Nothing for a worker that does not own the domain."""
+        consumer = self._consumer
+        if consumer is None or self._closed:
+            return ()
+        api = JetStreamApi(self._client, self._config)
+        head = await api.stream(self._config.stream)
+        reached = self._position if self._position is not None else consumer.facts.first_seq - 1
+        behind = max(0, head.last_seq - reached)
+        seconds: float | None = 0.0
+        if behind:
+            seconds = None
+            at = await self._message_time(api, reached) if reached > 0 else None
+            newest = _rfc3339(head.last_time)
+            if at is not None and newest is not None:
+                seconds = max(0.0, (newest - at).total_seconds())
+        position = None if self._position is None else str(self._position)
+        return (SourceLag(self.domain, position, str(head.last_seq), behind, "messages", seconds),)
+
+    async def _message_time(self, api: JetStreamApi, seq: int) -> datetime | None:
+        """The server timestamp of the message at ``seq`` (None: it is no longer stored)."""
+        body = {"seq": seq}
+        try:
+            answer = await api.request(f"STREAM.MSG.GET.{self._config.stream}", body, where=self._where)
+        except JetStreamRefused as exc:
+            if exc.err_code == NO_MESSAGE_FOUND:
+                return None
+            raise
+        try:
+            return _rfc3339(str(answer["message"]["time"]))
+        except (KeyError, TypeError) as exc:
+            raise ConnectionFailed("JetStream sent a message without its time", where=self._where) from exc
+
     async def close(self) -> None:
         """Join an outstanding read or acknowledgement, then stop the consumer and disconnect.
 
@@ -446,6 +493,16 @@ class NatsStreamSession(StreamSession):
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("the session is closed", where=self._where)
+
+
+def _rfc3339(text: str) -> datetime | None:
+    """A JetStream timestamp (RFC 3339 in UTC, nanoseconds) as an aware datetime; None when it is not
+    one (the lag then has no seconds)."""
+    stamp, _, fraction = text.removesuffix("Z").partition(".")
+    try:
+        return datetime.fromisoformat(f"{stamp}.{(fraction + '000000')[:6]}+00:00")
+    except ValueError:
+        return None
 
 
 async def _unless_cancelled(step: Awaitable[T], cancel: CancelToken) -> bool:

@@ -22,6 +22,7 @@ from faucet_dagster.protocol import (
     OrderingDomain,
     Position,
     PositionUnavailable,
+    SourceLag,
     StreamSession,
 )
 from faucet_postgres.cdc_config import MARKER_TABLE, PostgresCdcConfig
@@ -176,6 +177,31 @@ class SlotSession(StreamSession):
         reached = None if row is None or row[0] is None else CODEC.validate(row[0])
         if reached != target:
             raise IntegrityError(f"slot {slot} advanced to {row and row[0]}, not {wanted}", where=self._where)
+
+    # -- lag -----------------------------------------------------------------------------------------
+
+    async def lag(self) -> tuple[SourceLag, ...]:
+        """WAL bytes from where the reads reached to the server's current WAL flush position.
+
+        Never quite 0 when caught up: the WAL also holds the last commit record itself, checkpoints,
+        other databases' writes and, on the same server, the destination's. No seconds: the WAL does
+        not tell when its newest record was written. Nothing while the session holds no connection
+        (after an interruption: the next read attaches again).
+        """
+        async with self._busy:
+            conn, domain = self._conn, self._domain
+            if self._closed or conn is None or domain is None:
+                return ()
+            try:
+                cursor = await conn.execute("SELECT pg_current_wal_flush_lsn()::text")
+                row = await cursor.fetchone()
+            except psycopg.Error as exc:
+                raise pg_error(exc, doing="reading the current WAL position", where=self._where) from exc
+        assert row is not None  # one row by construction
+        head = CODEC.validate(row[0])
+        reached = self._created_lsn if self._position is None else self._position
+        position = None if self._position is None else CODEC.canonicalize(self._position)
+        return (SourceLag(domain, position, CODEC.canonicalize(head), max(0, head - reached), "WAL bytes"),)
 
     async def close(self) -> None:
         """Wait for a read or acknowledgement in progress, then drop the copy with its connection."""

@@ -260,6 +260,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._key = key
         self._worker = worker
         self._where = f"{sink.config.safe_url()} stream {stream}"
+        self._database = conn.info.dbname  # for receipts: a table named fully, database.schema.table
         self._schema = ""
         self._epochs = sql.Identifier("")
         self._watermarks = sql.Identifier("")
@@ -822,7 +823,12 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
     def _receipts(self, state: _Epoch, *, transaction: str) -> tuple[Receipt, ...]:
         receipts = []
         for resource, tally in sorted(state.tallies.items()):
-            details = {"table": tally.table, "policy": self._policy.value, "transaction_id": transaction}
+            details = {
+                "database": self._database,
+                "table": tally.table,
+                "policy": self._policy.value,
+                "transaction_id": transaction,
+            }
             if tally.first is not None and tally.last is not None:
                 details |= {"first_position": tally.first, "last_position": tally.last}
             pending = state.changes.get(self._config.table_for(resource))

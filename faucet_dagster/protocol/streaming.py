@@ -10,6 +10,8 @@ contract between the runner, the pipeline and a connector:
   pipeline) and returns the :class:`Coverage` it reached: candidates until certified;
 * ``StreamSession.acknowledge`` runs only after certification, checking ``authority()`` before every
   provider acknowledgement;
+* ``StreamSession.lag`` (optional) says how far the reads are behind the source's head, as
+  :class:`SourceLag` values the certificate carries;
 * a :class:`StreamingSink` opens a :class:`StreamingSinkSession` whose epochs are begun, applied,
   committed (returning :class:`Receipt` values) or aborted.
 """
@@ -230,6 +232,31 @@ class Membership:
         return zlib.crc32(f"{resource}/{partition}".encode()) % self.members == self.member
 
 
+@dataclass(frozen=True)
+class SourceLag:
+    """How far a session's reads are behind the source's head in one domain, measured after a read.
+
+    ``position`` is where the reads reached (``None``: nothing read yet), ``head`` the source's newest
+    position (its last stored message or record, its current WAL position; ``None``: it holds nothing
+    yet), both as the source writes positions. ``behind`` counts
+    what lies between in the source's own ``unit`` (``"messages"``, ``"offsets"``, ``"WAL bytes"``): 0
+    is caught up. ``seconds`` is how much older the event at ``position`` is than the one at ``head``,
+    where the source knows both times (``None`` where it does not; 0 when caught up).
+    """
+
+    domain: OrderingDomain
+    position: str | None
+    head: str | None
+    behind: int
+    unit: str
+    seconds: float | None = None
+
+    def describe(self) -> str:
+        """For people: ``120 messages (1.5s) behind in <domain>``."""
+        seconds = "" if self.seconds is None else f" ({self.seconds:.1f}s)"
+        return f"{self.behind} {self.unit}{seconds} behind in {self.domain}"
+
+
 class StreamSession(ABC):
     """A reusable session on a source, opened at certified positions.
 
@@ -264,6 +291,19 @@ class StreamSession(ABC):
 
         Unacknowledged records stay with the provider and are delivered again on the next open.
         """
+
+    async def lag(self) -> tuple[SourceLag, ...]:
+        """How far the positions the reads reached are behind the source's head, per domain read.
+
+        Called by the runner right after a read (never concurrently with another method), and
+        recorded in the epoch's certificate. Informational only: it never gates a commit or an
+        acknowledgement, and a failure (a typed :class:`FaucetError`) is logged and the lag left
+        out; one slower than the runner's ``LAG_TIMEOUT`` is cancelled, which the session survives as
+        it survives a cancelled read. A read of the head should be cheap (one metadata request) and
+        must not move what the session reads or acknowledges. The default reports nothing, for
+        sources that cannot tell.
+        """
+        return ()
 
     @property
     def exhausted(self) -> bool:
@@ -416,6 +456,8 @@ class EpochCertificate:
     Persisted before the source is acknowledged; shown as asset metadata in Dagster. Holds no
     secrets: resources and positions only. ``row_counts`` counts the rows handed to the sink per
     resource; ``dead_lettered`` the rows routed to the dead-letter route instead, per resource.
+    ``lag`` is how far the source's head was ahead of the epoch's coverage when its read ended (empty
+    when the source cannot tell).
     """
 
     stream: str
@@ -430,6 +472,7 @@ class EpochCertificate:
     timings: Mapping[str, float] = field(default_factory=dict)
     created_at: str = ""
     dead_lettered: Mapping[str, int] = field(default_factory=dict)
+    lag: tuple[SourceLag, ...] = ()
 
     @property
     def epoch(self) -> EpochId:
@@ -464,4 +507,15 @@ class EpochCertificate:
             timings=raw["timings"],
             created_at=raw["created_at"],
             dead_lettered=raw.get("dead_lettered", {}),
+            lag=tuple(
+                SourceLag(
+                    OrderingDomain(**item["domain"]),
+                    item["position"],
+                    item["head"],
+                    item["behind"],
+                    item["unit"],
+                    item["seconds"],
+                )
+                for item in raw.get("lag", ())
+            ),
         )

@@ -68,6 +68,7 @@ from faucet_dagster.protocol import (
     ReadLimits,
     RejectedRecord,
     SinkCommitState,
+    SourceLag,
     StreamingSink,
     StreamingSinkSession,
     StreamSession,
@@ -84,6 +85,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+LAG_TIMEOUT = 5.0
+"""Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
 DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
 
 
@@ -278,6 +281,7 @@ class StreamRunner:
             return None
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
         timings.lap("read_and_seal")
+        lag = await self._source_lag(source_session)
 
         # 4. Commit at the sink: durable as the policy promises once it returns.
         fault_point(Point.BEFORE_SINK_COMMIT)
@@ -307,6 +311,7 @@ class StreamRunner:
             timings=timings.laps,
             created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
             dead_lettered=sealed.dead_lettered,
+            lag=lag,
         )
         try:
             await asyncio.to_thread(self.store.append_certificate, certificate, lease)
@@ -471,6 +476,15 @@ class StreamRunner:
                 self._cancel = None
         # Cancellation is an interruption, never evidence that a transaction or the recovery ended.
         return None if token.cancelled else coverage
+
+    async def _source_lag(self, session: StreamSession) -> tuple[SourceLag, ...]:
+        """How far the source's head is past this epoch's read, for its certificate. Informational:
+        bounded by ``LAG_TIMEOUT`` and never failing the epoch (a failure is logged, the lag left out)."""
+        try:
+            return await asyncio.wait_for(session.lag(), LAG_TIMEOUT)
+        except (FaucetError, TimeoutError) as exc:
+            logger.warning("stream %s: the source's lag is unknown: %r", self.spec.name, exc)
+            return ()
 
     async def _authority(self) -> None:
         """The authority a source checks before every provider acknowledgement: the live lease."""

@@ -10,7 +10,9 @@ so the next owner still fences every earlier one). Both take ``--state-url`` (de
 
 import argparse
 import json
+from typing import Any
 
+from faucet_dagster.protocol import EpochCertificate
 from faucet_dagster.state.store import StateStore, StreamStatus
 
 
@@ -32,15 +34,49 @@ def add_streams_parser(commands: "argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _status_command(args: argparse.Namespace) -> int:
+    """Print each stream's status, then its lag: how far the source's head was ahead of the last
+    certificate when that epoch's read ended."""
     with StateStore(args.state_url) as store:
         statuses = store.status(args.stream)
+        lasts = {status.stream: store.last_certificate(status.stream) for status in statuses}
     if args.json:
-        print(json.dumps([status.to_dict() for status in statuses], indent=2))
+        print(
+            json.dumps([status.to_dict() | _lag_dict(lasts[status.stream]) for status in statuses], indent=2)
+        )
     elif not statuses:
         print(f"no streams in {store.where}")
     for status in [] if args.json else statuses:
-        print(_describe(status))
+        print("\n".join([_describe(status), *_lag_lines(lasts[status.stream])]))
     return 0
+
+
+def _lag_lines(last: EpochCertificate | None) -> list[str]:
+    """How far the source's head was ahead of the last certificate, when that epoch's read ended."""
+    if last is None:
+        return []
+    if not last.lag:
+        return [f"  lag: unknown (the source does not say where its head is; certified {last.created_at})"]
+    return [f"  lag at epoch {last.sequence} (certified {last.created_at}):"] + [
+        f"    {item.describe()}" for item in last.lag
+    ]
+
+
+def _lag_dict(last: EpochCertificate | None) -> dict[str, Any]:
+    lag = [] if last is None else last.lag
+    return {
+        "lag": [
+            {
+                "domain": str(item.domain),
+                "position": item.position,
+                "head": item.head,
+                "behind": item.behind,
+                "unit": item.unit,
+                "seconds": item.seconds,
+            }
+            for item in lag
+        ],
+        "lag_certified_at": None if last is None else last.created_at,
+    }
 
 
 def _release_command(args: argparse.Namespace) -> int:
