@@ -41,9 +41,13 @@ from faucet_dagster.protocol import (
     Delivery,
     FetchContext,
     JsonValue,
+    Mode,
+    WritePolicy,
+    Role,
     Sink,
     Source,
 )
+from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.bounded import (
     DEFAULT_BATCH_SIZE,
@@ -86,6 +90,29 @@ class FaucetSync:
             durable_state=True,
         )
 
+    def pair_check(self) -> PairCheck:
+        """What the definitions' load checks of this sync (see :mod:`faucet_dagster.preflight`)."""
+        return PairCheck(
+            where=f"sync {self.name}",
+            mode=Mode.BOUNDED,
+            source=self.source,
+            sink=self.sink,
+            delivery=self.delivery,
+            dead_letter=self.dead_letter,
+        )
+
+    def shardable(self) -> bool:
+        """Whether the source is known now and declares itself shardable (no I/O: capabilities
+        come from the config, environment references unread; a source that cannot be built without
+        their values is not known now)."""
+        source, _ = build_offline(self.source, Role.SOURCE)
+        if not isinstance(source, Source):
+            return False
+        try:
+            return source.capabilities().shardable
+        finally:
+            run_sync(source.close())
+
     def endpoints(self) -> tuple[FaucetEndpoint, ...]:
         return (
             (self.source, self.sink)
@@ -96,10 +123,11 @@ class FaucetSync:
 
 @dataclass(frozen=True)
 class FaucetSyncData:
-    """What a translator sees of a sync: the declaration and the partition keys it will have."""
+    """What a translator sees of a sync: the declaration and whether its asset is partitioned (one
+    dynamic partition a shard of its source)."""
 
     sync: FaucetSync
-    partition_keys: tuple[str, ...] | None = None
+    partitioned: bool = False
 
 
 @dataclass
@@ -107,10 +135,12 @@ class FaucetTranslator:
     """Maps a sync to its Dagster ``AssetSpec``; override ``get_asset_spec`` (the one override point).
 
     Defaults: key ``[sync.name]``; kinds ``{"faucet", <source connector>, <sink connector>}`` (a
-    connection given by resource key is only known at run time and adds no kind); a dependency on
-    the source dataset, ``[<source connector or resource key>, sync.name]``; the description;
-    tags ``faucet/source`` and ``faucet/sink``. Group, owners and further tags are
-    yours to add, for example ``super().get_asset_spec(data).replace_attributes(group_name="raw")``.
+    connection given by resource key is only known at run time and adds no kind); the description;
+    tags ``faucet/source`` and ``faucet/sink``; no deps. A dependency on the source dataset is yours
+    to declare, on an asset that exists (an external ``AssetSpec`` with its kinds and group, or the
+    asset that produces the files), for example
+    ``super().get_asset_spec(data).replace_attributes(deps=[raw_orders_files])``: a made-up upstream
+    key would be a stub in group ``default`` that automation conditions wait on forever.
     """
 
     def get_asset_spec(self, data: FaucetSyncData) -> dg.AssetSpec:
@@ -118,7 +148,6 @@ class FaucetTranslator:
         kinds = {"faucet"} | {c for c in (sync.source.connector, sync.sink.connector) if c is not None}
         return dg.AssetSpec(
             key=dg.AssetKey([sync.name]),
-            deps=[dg.AssetKey([sync.source.label, sync.name])],
             description=sync.description
             or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}.",
             kinds=kinds,
@@ -135,6 +164,8 @@ class SyncState:
 
     bookmark: JsonValue | None = None
     commit_token: CommitToken | None = None
+    partition_rows: int | None = None
+    """The partition's ``dagster/partition_row_count`` (0 for a first run; ``None``: not kept)."""
 
 
 class FaucetSyncs:
@@ -144,17 +175,25 @@ class FaucetSyncs:
     ``MaterializeResult`` per asset, after its sync completed.
     """
 
-    def __init__(
-        self,
-        by_key: Mapping[dg.AssetKey, FaucetSync],
-        shards: Mapping[str, str] | None = None,
-    ) -> None:
+    def __init__(self, by_key: Mapping[dg.AssetKey, FaucetSync]) -> None:
         self.by_key = dict(by_key)
-        self.shards = dict(shards or {})
-        """Partition key -> shard, for a partitioned sync."""
 
     def run(self, context: dg.AssetExecutionContext) -> Iterator[dg.MaterializeResult[Any]]:
-        """Run the selected syncs one after the other; blocks until each one completed."""
+        """Run the selected syncs one after the other; blocks until each one completed.
+
+        A partitioned asset runs one partition a run (each resumes from its own bookmark): a run over
+        a range of partitions is refused with what to launch instead.
+        """
+        if context.has_partition_key_range:
+            keys = context.partition_keys
+            if len(keys) > 1:
+                raise ConfigError(
+                    f"a faucet sync moves one partition (shard) a run, each from its own bookmark, and "
+                    f"this run covers {len(keys)} ({keys[0]} ... {keys[-1]}): launch a backfill (the "
+                    "UI, or `dagster asset backfill`), which runs one run per partition, or one "
+                    "`dg launch --partition KEY` per partition",
+                    where=", ".join(key.to_user_string() for key in context.selected_asset_keys),
+                )
         selected = context.selected_asset_keys
         for key, sync in self.by_key.items():
             if key in selected:
@@ -164,20 +203,10 @@ class FaucetSyncs:
         self, context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync
     ) -> dg.MaterializeResult[Any]:
         partition = context.partition_key if context.has_partition_key else None
-        shard = None
-        if partition is not None:
-            try:
-                shard = self.shards[partition]
-            except KeyError:
-                raise ConfigError(
-                    f"partition {partition!r} names no shard of the source (reload the definitions to "
-                    "see new files)",
-                    where=key.to_user_string(),
-                ) from None
         state = last_sync_state(context.instance, key, partition)
         context.log.info(
             f"faucet sync {sync.name}: {sync.source.label} -> {sync.sink.label}"
-            f"{', shard ' + shard if shard else ''}, resuming from "
+            f"{', partition ' + partition if partition else ''}, resuming from "
             f"{'the start' if state.bookmark is None else 'the last bookmark'}"
         )
 
@@ -190,14 +219,14 @@ class FaucetSyncs:
         ctx: dict[str, JsonValue] = {"run_id": context.run.run_id, "asset_key": key.to_user_string()}
         if partition is not None:
             ctx["partition_key"] = partition
-        outcome = run_sync(_execute(sync, context.resources, state, shard, ctx, on_page))
+        outcome = run_sync(_execute(sync, context.resources, state, partition, ctx, on_page))
         result = outcome.result
         context.log.info(
             f"faucet sync {sync.name}: read {result.rows_read}, wrote {result.rows_written}, "
             f"dead-lettered {result.rows_dead_lettered}, skipped {result.rows_skipped} in "
             f"{result.seconds:.2f}s ({result.plan.policy.value}, {result.plan.delivery.value})"
         )
-        return dg.MaterializeResult(asset_key=key, metadata=sync_metadata(outcome))
+        return dg.MaterializeResult(asset_key=key, metadata=sync_metadata(outcome, state))
 
 
 @dataclass(frozen=True)
@@ -207,20 +236,35 @@ class SyncOutcome:
     result: BoundedSyncResult
     source_uri: str
     sink_uri: str
+    table_rows: int | None = None
+    """The destination table's rows after the run, when the sink can count them."""
 
 
 async def _execute(
     sync: FaucetSync,
     resources: Any,
     state: SyncState,
-    shard: str | None,
+    partition: str | None,
     ctx: FetchContext,
     on_page: Callable[[PageReport], None],
 ) -> SyncOutcome:
-    """Build the connectors for this run, run the sync, and close them whatever happens."""
+    """Build the connectors for this run, run the sync, and close them whatever happens.
+
+    A partition's shard is looked up now, among the shards the source lists (the definitions'
+    load lists nothing)."""
     async with AsyncExitStack() as stack:
         source: Source = sync.source.resolve(resources).build_source(sync.source.config)
         stack.push_async_callback(source.close)
+        shard = None
+        if partition is not None:
+            shards = await source.enumerate_shards()
+            shard = shard_of(partition, shards)
+            if shard is None:
+                raise ConfigError(
+                    f"partition {partition!r} names no shard the source lists now "
+                    f"({len(shards)} shard(s): was it removed?)",
+                    where=f"sync {sync.name}",
+                )
         sink: Sink = sync.sink.resolve(resources).build_sink(sync.sink.config)
         stack.push_async_callback(sink.close)
         dead_letter: Sink | None = None
@@ -238,7 +282,8 @@ async def _execute(
             context=ctx,
             on_page=on_page,
         )
-        return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri())
+        rows = await sink.row_count()
+        return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri(), rows)
 
 
 def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str | None) -> SyncState:
@@ -260,23 +305,40 @@ def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: s
             metadata = materialization.metadata
             token = metadata.get(COMMIT_TOKEN_KEY)
             token_text = token.value if isinstance(token, dg.TextMetadataValue) else None
+            rows = metadata.get("dagster/partition_row_count")
             return SyncState(
                 bookmark=_bookmark_from(metadata[BOOKMARK_KEY]),
                 commit_token=None if not token_text else CommitToken.parse(token_text),
+                partition_rows=rows.value if isinstance(rows, dg.IntMetadataValue) else None,
             )
         if not page.has_more:
-            return SyncState()
+            return SyncState(partition_rows=None if partition is None else 0)
         cursor = page.cursor
 
 
-def sync_metadata(outcome: SyncOutcome) -> dict[str, Any]:
-    """The metadata of one materialization (see the module docstring); no config, no secrets."""
+def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> dict[str, Any]:
+    """The metadata of one materialization (see the module docstring); no config, no secrets.
+
+    Dagster's table metadata (:class:`dagster.TableMetadataSet`): ``dagster/row_count`` the
+    destination table's rows after the run (when the sink can count them), ``dagster/table_name``
+    fully qualified, ``dagster/storage_kind`` the sink's URI scheme, ``dagster/column_schema``; for
+    a partition of an appending sync, ``dagster/partition_row_count`` the rows this partition has
+    appended over all its runs (``previous`` is the state of its last run).
+    """
     result = outcome.result
     token = result.commit_token
+    partition_rows = None
+    if previous is not None and result.plan.policy is WritePolicy.APPEND and previous.partition_rows is not None:
+        partition_rows = previous.partition_rows + result.rows_written
+    table = dg.TableMetadataSet(
+        column_schema=_table_schema(result.schema),
+        row_count=outcome.table_rows,
+        partition_row_count=partition_rows,
+        table_name=table_name(outcome.sink_uri),
+        storage_kind=storage_kind(outcome.sink_uri),
+    )
     return {
-        "dagster/row_count": dg.MetadataValue.int(result.rows_written),
-        "dagster/table_name": dg.MetadataValue.text(table_name(outcome.sink_uri)),
-        "dagster/column_schema": dg.MetadataValue.table_schema(_table_schema(result.schema)),
+        **{key: value for key, value in table.items() if value is not None},
         BOOKMARK_KEY: _bookmark_value(result.bookmark),
         COMMIT_TOKEN_KEY: dg.MetadataValue.null() if token is None else dg.MetadataValue.text(str(token)),
         "faucet/delivery": dg.MetadataValue.text(result.plan.delivery.value),
@@ -294,11 +356,29 @@ def sync_metadata(outcome: SyncOutcome) -> dict[str, Any]:
 
 
 def table_name(uri: str) -> str:
-    """A table name for ``dagster/table_name`` from a sink's dataset URI: its fragment when it has
-    one (``sqlite:///w.db#orders`` -> ``orders``), else its last path segment
-    (``postgresql://host/db/public.orders`` -> ``public.orders``)."""
+    """The fully qualified table name (``database.schema.table`` as far as the URI names them) for
+    ``dagster/table_name``, from a sink's dataset URI: ``sqlite:///w.db#orders`` -> ``w.orders``,
+    ``postgresql://host/shop#public.orders`` and ``postgresql://host/shop/public.orders`` ->
+    ``shop.public.orders``."""
     base, _, fragment = uri.partition("#")
-    return fragment or base.rstrip("/").rsplit("/", 1)[-1] or uri
+    segments = [segment for segment in base.split("://", 1)[-1].split("/")[1:] if segment]
+    if fragment:
+        table = fragment
+        database = segments[-1] if segments else ""
+    else:
+        table = segments[-1] if segments else uri
+        database = segments[-2] if len(segments) > 1 else ""
+    database = database.split("?", 1)[0]
+    for suffix in (".db", ".sqlite", ".sqlite3"):
+        database = database.removesuffix(suffix)
+    return f"{database}.{table}" if database else table
+
+
+def storage_kind(uri: str) -> str | None:
+    """The storage system of a dataset URI, its scheme without a driver (``postgresql+psycopg`` ->
+    ``postgresql``)."""
+    scheme, separator, _ = uri.partition("://")
+    return scheme.split("+", 1)[0] or None if separator else None
 
 
 def _table_schema(schema: pa.Schema | None) -> dg.TableSchema:
@@ -357,20 +437,23 @@ def faucet_assets(
     sync. A sync whose source is shardable makes the asset partitioned, and must then be the only
     sync of this asset. Connections given by resource key become required resources of the asset.
 
-    Partitions are enumerated now, when the definitions load (the source lists its shards; no
-    other I/O); new shards appear when the definitions reload.
+    Every config is parsed and every pair planned now, without I/O (see
+    :mod:`faucet_dagster.preflight`): a mistake fails the definitions' load. A partitioned asset's
+    partitions are dynamic (``faucet_<sync>_shards``): nothing is listed now; the sensor of
+    :func:`faucet_dagster.partitions.faucet_partitions_sensor` (or
+    :func:`faucet_dagster.partitions.refresh_partitions`) adds a partition per new shard.
     """
     translator = translator or FaucetTranslator()
-    partition_keys, shards = _partitions(syncs)
-    specs = [
-        translator.get_asset_spec(FaucetSyncData(sync, partition_keys if len(syncs) == 1 else None))
-        for sync in syncs
-    ]
+    check_pairs([sync.pair_check() for sync in syncs], where=name or "faucet_assets")
+    partitioned = _shardable(syncs)
+    partitions_def = (
+        None if partitioned is None else dg.DynamicPartitionsDefinition(name=partitions_def_name(partitioned))
+    )
+    specs = [translator.get_asset_spec(FaucetSyncData(sync, partitioned is not None)) for sync in syncs]
     keys = [spec.key for spec in specs]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"two syncs map to the same asset key: {keys}", where="faucet_assets")
-    partitions_def = None if partition_keys is None else dg.StaticPartitionsDefinition(list(partition_keys))
-    bound = FaucetSyncs(dict(zip(keys, syncs, strict=True)), shards)
+    bound = FaucetSyncs(dict(zip(keys, syncs, strict=True)))
     resource_keys = {
         endpoint.resource_key
         for sync in syncs
@@ -426,37 +509,47 @@ def _op_name(name: str) -> str:
     return f"faucet_{cleaned}"
 
 
-def _partitions(syncs: Sequence[FaucetSync]) -> tuple[tuple[str, ...] | None, dict[str, str]]:
-    """Partition keys and the shard each names, for a sync whose shardable source is known now."""
-    shardable = [
-        (sync, source) for sync, source in _sources_known_now(syncs) if source.capabilities().shardable
-    ]
+def _shardable(syncs: Sequence[FaucetSync]) -> FaucetSync | None:
+    """The sync whose source is known now and shardable (its capabilities, read without I/O)."""
+    shardable = [sync for sync in syncs if sync.shardable()]
     if not shardable:
-        return None, {}
-    sync, source = shardable[0]
+        return None
     if len(syncs) != 1:
         raise ConfigError(
             f"a sync with a shardable source becomes a partitioned asset and must be alone in its "
-            f"multi_asset: {sync.name}",
+            f"multi_asset: {shardable[0].name}",
             where="faucet_assets",
         )
-    shards = run_sync(_shards(source))
-    by_key = dict(zip(_partition_keys(shards), shards, strict=True))
-    return tuple(by_key), by_key
+    return shardable[0]
 
 
-def _sources_known_now(syncs: Sequence[FaucetSync]) -> Iterator[tuple[FaucetSync, Source]]:
-    """The sources whose connection the sync holds (built without I/O), with their syncs."""
-    for sync in syncs:
-        if not isinstance(sync.source.connection, str):
-            yield sync, sync.source.connection.build_source(sync.source.config)
+def partitions_def_name(sync: FaucetSync) -> str:
+    """The name of the dynamic partitions of ``sync``'s asset: ``faucet_<sync>_shards``."""
+    return f"{_op_name(sync.name)}_shards"
 
 
-async def _shards(source: Source) -> Sequence[str]:
+async def list_shards(source: Source) -> Sequence[str]:
+    """The shards of ``source`` (I/O: a run or a partitions sensor, never the definitions' load)."""
     try:
         return await source.enumerate_shards()
     finally:
         await source.close()
+
+
+def shard_partitions(shards: Sequence[str]) -> dict[str, str]:
+    """Partition key -> shard for ``shards`` (see :func:`_partition_keys`)."""
+    return dict(zip(_partition_keys(shards), shards, strict=True))
+
+
+def shard_of(partition: str, shards: Sequence[str]) -> str | None:
+    """The shard a partition key names among ``shards``: by the keys these shards map to, else the
+    one shard that is the key or ends with ``/<key>`` (a key added when the shards were fewer and
+    their common directory deeper)."""
+    found = shard_partitions(shards).get(partition)
+    if found is not None:
+        return found
+    matches = [shard for shard in shards if shard == partition or shard.endswith("/" + partition)]
+    return matches[0] if len(matches) == 1 else None
 
 
 def _partition_keys(shards: Sequence[str]) -> list[str]:
