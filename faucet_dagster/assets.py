@@ -34,6 +34,7 @@ from typing import Any, cast
 
 import dagster as dg
 import pyarrow as pa
+from dagster._core.definitions.metadata import TableMetadataSet
 
 from faucet_dagster.protocol import (
     CommitToken,
@@ -330,7 +331,7 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
     partition_rows = None
     if previous is not None and result.plan.policy is WritePolicy.APPEND and previous.partition_rows is not None:
         partition_rows = previous.partition_rows + result.rows_written
-    table = dg.TableMetadataSet(
+    table = TableMetadataSet(
         column_schema=_table_schema(result.schema),
         row_count=outcome.table_rows,
         partition_row_count=partition_rows,
@@ -338,7 +339,7 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
         storage_kind=storage_kind(outcome.sink_uri),
     )
     return {
-        **{key: value for key, value in table.items() if value is not None},
+        **{key: table[key] for key in table.keys()},
         BOOKMARK_KEY: _bookmark_value(result.bookmark),
         COMMIT_TOKEN_KEY: dg.MetadataValue.null() if token is None else dg.MetadataValue.text(str(token)),
         "faucet/delivery": dg.MetadataValue.text(result.plan.delivery.value),
