@@ -36,6 +36,7 @@ import dagster as dg
 import pyarrow as pa
 from dagster._core.definitions.metadata import TableMetadataSet
 
+from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.protocol import (
     CommitToken,
     ConfigError,
@@ -43,12 +44,11 @@ from faucet_dagster.protocol import (
     FetchContext,
     JsonValue,
     Mode,
-    WritePolicy,
     Role,
     Sink,
     Source,
+    WritePolicy,
 )
-from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.bounded import (
     DEFAULT_BATCH_SIZE,
@@ -329,7 +329,11 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
     result = outcome.result
     token = result.commit_token
     partition_rows = None
-    if previous is not None and result.plan.policy is WritePolicy.APPEND and previous.partition_rows is not None:
+    if (
+        previous is not None
+        and result.plan.policy is WritePolicy.APPEND
+        and previous.partition_rows is not None
+    ):
         partition_rows = previous.partition_rows + result.rows_written
     table = TableMetadataSet(
         column_schema=_table_schema(result.schema),
@@ -339,7 +343,7 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
         storage_kind=storage_kind(outcome.sink_uri),
     )
     return {
-        **{key: table[key] for key in table.keys()},
+        **{key: table[key] for key in list(table.keys())},  # keys(): the fields that are set
         BOOKMARK_KEY: _bookmark_value(result.bookmark),
         COMMIT_TOKEN_KEY: dg.MetadataValue.null() if token is None else dg.MetadataValue.text(str(token)),
         "faucet/delivery": dg.MetadataValue.text(result.plan.delivery.value),

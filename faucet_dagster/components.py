@@ -61,7 +61,8 @@ DeliveryName = Literal["effectively_once", "at_least_once"]
 
 def _field(description: str, **kwargs: Any) -> dg.Resolver:
     """A plain field with its description (shown by editors and ``dg`` docs)."""
-    return dg.Resolver.default(description=description, **kwargs)
+    resolver: dg.Resolver = dg.Resolver.default(description=description, **kwargs)
+    return resolver
 
 
 class ConnectionModel(dg.Model, dg.Resolvable):
@@ -146,7 +147,9 @@ class SyncModel(dg.Model, dg.Resolvable):
         EndpointModel | None, _field("Where rows that cannot be converted or written go (it must append).")
     ] = None
     description: Annotated[str | None, _field("The asset's description.")] = None
-    schedule: Annotated[str | None, _field("A cron schedule materializing the sync (every partition).")] = None
+    schedule: Annotated[str | None, _field("A cron schedule materializing the sync (every partition).")] = (
+        None
+    )
     asset: AssetAttributes = {}
 
 
@@ -247,7 +250,8 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
     ] = {}
     syncs: Annotated[list[SyncModel], _field("Bounded syncs: an asset each.")] = []
     streams: Annotated[
-        list[StreamModel], _field("Continuous streams: a sink asset, its certificate check and a sensor each.")
+        list[StreamModel],
+        _field("Continuous streams: a sink asset, its certificate check and a sensor each."),
     ] = []
 
     @classmethod
@@ -367,7 +371,9 @@ def _stream_check(stream: FaucetStream) -> PairCheck:
         delivery=stream.delivery,
         policy=stream.policy,
         key=stream.key,
-        routes_bad_rows=any(schema.on_bad_row is BadRowPolicy.DEAD_LETTER for schema in stream.schemas.values()),
+        routes_bad_rows=any(
+            schema.on_bad_row is BadRowPolicy.DEAD_LETTER for schema in stream.schemas.values()
+        ),
     )
 
 

@@ -52,9 +52,7 @@ def faucet_partitions_sensor(
         new = [key for key in shard_partition_keys(sync) if key not in known]
         if not new:
             return dg.SensorResult(skip_reason=f"no new shard ({len(known)} partition(s))")
-        return dg.SensorResult(
-            dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions, new)]
-        )
+        return dg.SensorResult(dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions, new)])
 
     return _partitions
 

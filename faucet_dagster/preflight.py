@@ -66,7 +66,8 @@ def check_pairs(checks: Sequence[PairCheck], *, where: str, problems: Sequence[s
         problems.extend(f"{check.where}: {problem}" for problem in pair_problems(check))
     if problems:
         raise ConfigError(
-            f"{len(problems)} problem(s) in the faucet declarations:\n" + "\n".join(f"  - {p}" for p in problems),
+            f"{len(problems)} problem(s) in the faucet declarations:\n"
+            + "\n".join(f"  - {p}" for p in problems),
             where=where,
         )
 
@@ -85,7 +86,10 @@ def pair_problems(check: PairCheck) -> list[str]:
             dead_letter, dead_letter_problems = build_offline(check.dead_letter, Role.SINK)
             built.append(dead_letter)
             problems.extend(f"dead_letter: {p}" for p in dead_letter_problems)
-            if isinstance(dead_letter, Sink) and WritePolicy.APPEND not in dead_letter.supported_write_modes():
+            if (
+                isinstance(dead_letter, Sink)
+                and WritePolicy.APPEND not in dead_letter.supported_write_modes()
+            ):
                 problems.append("dead_letter: the dead-letter sink cannot append")
         if source is None or sink is None or (check.dead_letter is not None and dead_letter is None):
             return problems  # not buildable now (a problem above, or a value only the run knows)

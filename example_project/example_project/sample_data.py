@@ -6,6 +6,7 @@ so the repository carries no data files and every checkout gets the same rows. 5
 files by size and modification time; rewriting one would make the next sync read it again).
 """
 
+import contextlib
 import os
 import random
 import uuid
@@ -55,10 +56,8 @@ def _write_atomically(target: Path, table: pa.Table, write: Callable[[pa.Table, 
     partial = target.with_name(f"{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
     try:
         write(table, str(partial))
-        try:
+        with contextlib.suppress(FileExistsError):  # another process wrote the same rows first
             os.link(partial, target)
-        except FileExistsError:
-            pass  # another process wrote the same rows first
     finally:
         partial.unlink(missing_ok=True)
 
