@@ -36,6 +36,7 @@ import dagster as dg
 import pyarrow as pa
 from dagster._core.definitions.metadata import TableMetadataSet
 
+from faucet_dagster.declared import DECLARED
 from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.protocol import (
     CommitToken,
@@ -450,6 +451,7 @@ def faucet_assets(
     """
     translator = translator or FaucetTranslator()
     check_pairs([sync.pair_check() for sync in syncs], where=name or "faucet_assets")
+    DECLARED.syncs.update((sync.name, sync) for sync in syncs)
     partitioned = _shardable(syncs)
     partitions_def = (
         None if partitioned is None else dg.DynamicPartitionsDefinition(name=partitions_def_name(partitioned))

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from faucet_dagster.cdc_cli import add_cdc_parser
+from faucet_dagster.check_cli import add_check_parser
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import (
     ConfigError,
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     plan_parser.set_defaults(handler=_plan_command)
     add_streams_parser(commands)
     add_cdc_parser(commands)
+    add_check_parser(commands)
     # Imported here: the battery imports this module's `faucet plan` to check refusals.
     from faucet_dagster.conformance.cli import add_conformance_parser
 

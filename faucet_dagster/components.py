@@ -46,6 +46,7 @@ import dagster as dg
 from dagster.components.resolved.core_models import resolve_asset_spec_update_kwargs_to_mapping
 
 from faucet_dagster.assets import FaucetSync, FaucetSyncData, FaucetTranslator, faucet_sync_assets
+from faucet_dagster.declared import DECLARED
 from faucet_dagster.partitions import faucet_partitions_sensor
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
 from faucet_dagster.preflight import PairCheck, check_pairs
@@ -303,6 +304,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         defs = []
         for model in (model for model in self.streams if model.enabled):
             stream = _stream(model, connections)
+            DECLARED.streams[stream.name] = stream
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
             spec = apply_asset_attributes(stream.asset_spec(), model.asset, f"stream {model.name}")
             defs.append(
