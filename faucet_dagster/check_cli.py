@@ -152,7 +152,7 @@ def print_table(rows: Sequence[CheckRow]) -> None:
             row.role,
             row.connector,
             row.dataset,
-            ("ok: " if row.ok else "FAILED: ") + row.outcome,
+            row.outcome if row.ok else f"FAILED: {row.outcome}",
         )
         for row in rows
     ]
