@@ -27,6 +27,7 @@ Metadata of every materialization: ``dagster/row_count`` (rows this materializat
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -450,13 +451,19 @@ def faucet_assets(
     :func:`faucet_dagster.partitions.refresh_partitions`) adds a partition per new shard.
     """
     translator = translator or FaucetTranslator()
+    declared_at = declaring_line()
     check_pairs([sync.pair_check() for sync in syncs], where=name or "faucet_assets")
     DECLARED.syncs.update((sync.name, sync) for sync in syncs)
     partitioned = _shardable(syncs)
     partitions_def = (
         None if partitioned is None else dg.DynamicPartitionsDefinition(name=partitions_def_name(partitioned))
     )
-    specs = [translator.get_asset_spec(FaucetSyncData(sync, partitioned is not None)) for sync in syncs]
+    specs = [
+        with_code_reference(
+            translator.get_asset_spec(FaucetSyncData(sync, partitioned is not None)), declared_at
+        )
+        for sync in syncs
+    ]
     keys = [spec.key for spec in specs]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"two syncs map to the same asset key: {keys}", where="faucet_assets")
@@ -503,6 +510,31 @@ def faucet_sync_assets(
 
         assets.append(_sync)
     return assets
+
+
+def declaring_line() -> tuple[str, int] | None:
+    """The file and line of the first caller outside faucet-dagster and Dagster: where a sync was
+    declared in Python (``None`` when Dagster's own loader is the caller, as for a component)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in ("dagster", "dagster_shared", "dagster_dg_cli"):
+            return None
+        if module.split(".")[0] != "faucet_dagster":
+            return os.path.abspath(frame.f_code.co_filename), frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def with_code_reference(spec: dg.AssetSpec, line: tuple[str, int] | None) -> dg.AssetSpec:
+    """``spec`` referencing the line that declared it (``dagster/code_references``), unless it holds
+    references already (a component's ``defs.yaml`` line, a translator's own)."""
+    if line is None or "dagster/code_references" in spec.metadata:
+        return spec
+    reference = dg.LocalFileCodeReference(file_path=line[0], line_number=line[1])
+    return spec.merge_attributes(
+        metadata={"dagster/code_references": dg.CodeReferencesMetadataValue(code_references=[reference])}
+    )
 
 
 def replace_partitions(

@@ -44,8 +44,15 @@ from typing import Annotated, Any, Literal
 
 import dagster as dg
 from dagster.components.resolved.core_models import resolve_asset_spec_update_kwargs_to_mapping
+from pydantic import PrivateAttr
 
-from faucet_dagster.assets import FaucetSync, FaucetSyncData, FaucetTranslator, faucet_sync_assets
+from faucet_dagster.assets import (
+    FaucetSync,
+    FaucetSyncData,
+    FaucetTranslator,
+    faucet_sync_assets,
+    with_code_reference,
+)
 from faucet_dagster.declared import DECLARED
 from faucet_dagster.partitions import faucet_partitions_sensor
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
@@ -255,6 +262,18 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         _field("Continuous streams: a sink asset, its certificate check and a sensor each."),
     ] = []
 
+    _lines: dict[str, dict[int, tuple[str, int]]] = PrivateAttr(default_factory=dict)
+    """The ``defs.yaml`` line of each sync and stream, by kind and index, when loaded from YAML."""
+
+    @classmethod
+    def load(cls, attributes: Any, context: dg.ComponentLoadContext) -> "FaucetComponent":
+        """Dagster's loading, keeping where each sync and stream is declared (the loading context
+        holds the YAML's source positions; ``build_defs``' does not)."""
+        component = super().load(attributes, context)
+        assert isinstance(component, FaucetComponent)
+        component._lines = _declaration_lines(context)
+        return component
+
     @classmethod
     def get_spec(cls) -> dg.ComponentTypeSpec:
         return dg.ComponentTypeSpec(
@@ -272,7 +291,9 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         problem."""
         where = _declared_in(context)
         self.check(where)
-        return dg.Definitions.merge(self.build_sync_defs(), self.build_stream_defs())
+        return dg.Definitions.merge(
+            self.build_sync_defs(self._lines.get("syncs")), self.build_stream_defs(self._lines.get("streams"))
+        )
 
     def check(self, where: str = "FaucetComponent") -> None:
         """Parse every connector config and plan every pair of this component, without I/O; raise one
@@ -298,15 +319,21 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             for name, model in self.connections.items()
         }
 
-    def build_stream_defs(self) -> dg.Definitions:
-        """The sink asset, certificate check and sensor of each enabled one of ``streams``."""
+    def build_stream_defs(self, lines: Mapping[int, tuple[str, int]] | None = None) -> dg.Definitions:
+        """The sink asset, certificate check and sensor of each enabled one of ``streams``; ``lines``
+        are the YAML lines that declared them, by index (their code references)."""
         connections = self._connections()
         defs = []
-        for model in (model for model in self.streams if model.enabled):
+        for index, model in enumerate(self.streams):
+            if not model.enabled:
+                continue
             stream = _stream(model, connections)
             DECLARED.streams[stream.name] = stream
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
-            spec = apply_asset_attributes(stream.asset_spec(), model.asset, f"stream {model.name}")
+            spec = with_code_reference(
+                apply_asset_attributes(stream.asset_spec(), model.asset, f"stream {model.name}"),
+                (lines or {}).get(index),
+            )
             defs.append(
                 build_stream_defs(
                     [stream],
@@ -318,10 +345,14 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             )
         return dg.Definitions.merge(*defs) if defs else dg.Definitions()
 
-    def build_sync_defs(self) -> dg.Definitions:
-        """The assets of ``syncs``, their schedules, and a partitions sensor for each partitioned one."""
+    def build_sync_defs(self, lines: Mapping[int, tuple[str, int]] | None = None) -> dg.Definitions:
+        """The assets of ``syncs``, their schedules, and a partitions sensor for each partitioned one;
+        ``lines`` are the YAML lines that declared them, by index (their code references)."""
         connections = self._connections()
-        translator = _AttributesTranslator({sync.name: sync.asset for sync in self.syncs})
+        translator = _AttributesTranslator(
+            {sync.name: sync.asset for sync in self.syncs},
+            {sync.name: (lines or {}).get(index) for index, sync in enumerate(self.syncs)},
+        )
         schedules = []
         sensors = []
         assets = []
@@ -362,6 +393,20 @@ def _declared_in(context: dg.ComponentLoadContext) -> str:
         return str(path.relative_to(context.project_root))
     except ValueError:
         return str(path)
+
+
+def _declaration_lines(context: dg.ComponentLoadContext) -> dict[str, dict[int, tuple[str, int]]]:
+    """The ``defs.yaml`` file and line of each sync and stream, by kind and index (none when the
+    component was not loaded from YAML)."""
+    tree = context.resolution_context.source_position_tree
+    attributes = None if tree is None else tree.children.get("attributes")
+    found: dict[str, dict[int, tuple[str, int]]] = {}
+    for kind in ("syncs", "streams"):
+        declared = None if attributes is None else attributes.children.get(kind)
+        for index, child in declared.children.items() if declared is not None else []:
+            if isinstance(index, int):
+                found.setdefault(kind, {})[index] = (child.position.filename, child.position.start.line)
+    return found
 
 
 def _stream_check(stream: FaucetStream) -> PairCheck:
@@ -426,11 +471,16 @@ def _stream(model: StreamModel, connections: Mapping[str, FaucetConnection]) -> 
 class _AttributesTranslator(FaucetTranslator):
     """The default translation, with each sync's ``asset`` attributes from the YAML applied over it."""
 
-    def __init__(self, attributes: Mapping[str, Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        attributes: Mapping[str, Mapping[str, Any]],
+        lines: Mapping[str, tuple[str, int] | None],
+    ) -> None:
         self.attributes = dict(attributes)
+        self.lines = dict(lines)
 
     def get_asset_spec(self, data: FaucetSyncData) -> dg.AssetSpec:
-        spec = super().get_asset_spec(data)
+        spec = with_code_reference(super().get_asset_spec(data), self.lines.get(data.sync.name))
         attributes = self.attributes.get(data.sync.name)
         return spec if not attributes else apply_asset_attributes(spec, attributes, f"sync {data.sync.name}")
 

@@ -5,6 +5,7 @@ tokens go through Dagster's run storage in a temporary DAGSTER_HOME. The one fau
 crash at an exact point: after the sync committed at the sink, before Dagster records the event.
 """
 
+import inspect
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -345,3 +346,16 @@ def test_the_package_exposes_the_dagster_names_lazily() -> None:
     assert faucet_dagster.FaucetComponent is FaucetComponent
     assert faucet_dagster.faucet_sync_assets is faucet_sync_assets
     assert faucet_dagster.faucet_schedule is faucet_schedule
+
+
+def test_a_sync_asset_references_the_python_line_that_declared_it(tmp_path: Path) -> None:
+    sync = FaucetSync(
+        "orders",
+        source=files(tmp_path),
+        sink=FaucetConnection(connector="sql", config={"url": f"sqlite:///{tmp_path}/w.db"}).using(table="o"),
+    )
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    [asset] = faucet_sync_assets([sync])
+    [spec] = asset.specs
+    references = spec.metadata["dagster/code_references"].code_references
+    assert [(ref.file_path, ref.line_number) for ref in references] == [(__file__, line)]

@@ -57,11 +57,17 @@ def test_the_component_loads_from_defs_yaml_through_dg(project: Path) -> None:
     assert listed.returncode == 0, listed.stdout + listed.stderr
     defs = json.loads(listed.stdout)
     assets = {asset["asset_key"]: asset for asset in defs["assets"]}
+    yaml_lines = (project / "example_project" / "defs" / "shop" / "defs.yaml").read_text().splitlines()
     for name in ("customers", "orders"):
         assert set(assets[name]["kinds"]) == {"faucet", "files", "sql"}
         assert assets[name]["group_name"] == "shop"
-        assert assets[name]["source"].endswith("defs/shop/defs.yaml:3")
+        assert not assets[name].get("deps")  # no invented upstream asset
+        # The code reference is the line that declares the sync.
+        line = yaml_lines.index(f"    - name: {name}") + 1
+        assert assets[name]["source"].endswith(f"defs/shop/defs.yaml:{line}")
     assert [schedule["name"] for schedule in defs["schedules"]] == ["faucet_orders_schedule"]
+    assert [sensor["name"] for sensor in defs["sensors"]] == ["faucet_orders_shards_sensor"]
+    assert "warning" not in listed.stderr.lower(), listed.stderr
 
 
 def test_the_scaffolder_writes_a_component_that_loads(project: Path) -> None:
