@@ -44,7 +44,7 @@ from typing import Annotated, Any, Literal
 
 import dagster as dg
 from dagster.components.resolved.core_models import resolve_asset_spec_update_kwargs_to_mapping
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from faucet_dagster.assets import (
     FaucetSync,
@@ -100,7 +100,11 @@ class FaucetAssetAttributes(dg.AssetAttributesModel):  # type: ignore[misc,valid
     ``freshness_policy``, ``skippable``. ``tags`` and ``metadata`` are merged, the others replace
     faucet's defaults. ``group`` is the older spelling of ``group_name``."""
 
-    group: str | None = None
+    key: str | None = Field(None, description="The asset key, slash-separated: `raw/orders`.")
+    group: str | None = Field(None, description="The older spelling of group_name.")
+    partitions_def: None = Field(
+        None, description="Not settable: a sync's partitions are its source's shards."
+    )
 
 
 def _resolve_asset(context: dg.ResolutionContext, model: Any) -> Mapping[str, Any]:
@@ -120,13 +124,11 @@ AssetAttributes = Annotated[
 ]
 
 
-def apply_asset_attributes(spec: dg.AssetSpec, attributes: Mapping[str, Any], where: str) -> dg.AssetSpec:
+def apply_asset_attributes(spec: dg.AssetSpec, attributes: Mapping[str, Any]) -> dg.AssetSpec:
     """``spec`` with resolved asset ``attributes`` applied as Dagster's components apply a
     ``translation``: ``tags`` and ``metadata`` merged, ``key_prefix`` prefixing the key, the rest
-    replaced. ``partitions_def`` is refused: a sync's partitions are its source's shards."""
-    changes = dict(attributes)
-    if "partitions_def" in changes:
-        raise ConfigError("partitions come from the source's shards; drop `partitions_def`", where=where)
+    replaced. ``partitions_def`` stays faucet's (a sync's partitions are its source's shards)."""
+    changes = {name: value for name, value in attributes.items() if name != "partitions_def"}
     if "code_version" in changes:
         changes["code_version"] = str(changes["code_version"])
     prefix = changes.pop("key_prefix", None)
@@ -250,8 +252,7 @@ class FaucetComponentScaffolder(dg.Scaffolder[Any]):
 
 @dg.scaffold_with(FaucetComponentScaffolder)
 class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
-    """Faucet syncs and streams declared in YAML: each sync becomes a partition-aware asset, each stream
-    a sink asset with its certificate check and sensor (see the module doc)."""
+    """Faucet syncs and streams in YAML: an asset per sync; a sink asset, check and sensor per stream."""
 
     connections: Annotated[
         dict[str, ConnectionModel], _field("Connector configs shared by endpoints, by name.")
@@ -331,7 +332,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             DECLARED.streams[stream.name] = stream
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
             spec = with_code_reference(
-                apply_asset_attributes(stream.asset_spec(), model.asset, f"stream {model.name}"),
+                apply_asset_attributes(stream.asset_spec(), model.asset),
                 (lines or {}).get(index),
             )
             defs.append(
@@ -482,7 +483,7 @@ class _AttributesTranslator(FaucetTranslator):
     def get_asset_spec(self, data: FaucetSyncData) -> dg.AssetSpec:
         spec = with_code_reference(super().get_asset_spec(data), self.lines.get(data.sync.name))
         attributes = self.attributes.get(data.sync.name)
-        return spec if not attributes else apply_asset_attributes(spec, attributes, f"sync {data.sync.name}")
+        return spec if not attributes else apply_asset_attributes(spec, attributes)
 
 
 __all__ = ["FaucetAssetAttributes", "FaucetComponent", "FaucetComponentScaffolder", "apply_asset_attributes"]

@@ -144,3 +144,16 @@ syncs:
             defs=[asset], instance=instance, cursor=first.cursor, evaluation_time=start + timedelta(hours=1)
         )
         assert later.total_requested == 1
+
+
+def test_every_field_of_the_component_schema_has_a_description() -> None:
+    schema = FaucetComponent.get_model_cls().model_json_schema()
+    models = {"FaucetComponent": schema, **schema.get("$defs", {})}
+    missing = [
+        f"{model}.{name}"
+        for model, definition in models.items()
+        for name, field in (definition.get("properties") or {}).items()
+        if not field.get("description")
+    ]
+    assert missing == []
+    assert FaucetComponent.__doc__ is not None and "\n" not in FaucetComponent.__doc__.strip()
