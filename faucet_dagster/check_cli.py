@@ -113,8 +113,9 @@ def _check_endpoint(where: str, side: str, endpoint: FaucetEndpoint, role: Role,
 def _stream_dataset(config: dict[str, Any]) -> str:
     """What a stream connector names, for the table (no secrets: names only)."""
     for key in ("stream", "topics", "table", "slot"):
-        if key in config:
-            return f"{key}={config[key]}"
+        value = config.get(key)
+        if value:
+            return f"{key}={','.join(map(str, value)) if isinstance(value, list | tuple) else value}"
     return ""
 
 

@@ -54,3 +54,42 @@ def test_faucet_check_connects_to_every_connection_and_reports_a_table(
     assert "FAILED: " in rows[("sync", "unreachable", "sink", "postgres")]
     assert "faucet_no_such_database" in rows[("sync", "unreachable", "sink", "postgres")]
     assert lines[-1] == "5 passed, 1 failed"
+
+
+def test_faucet_check_finds_a_missing_topic_before_a_stream_sensor_ticks(
+    tmp_path: Path, postgres_url: str, kafka_bootstrap: str
+) -> None:
+    (tmp_path / "streams.py").write_text(
+        textwrap.dedent(
+            """\
+            import dagster as dg
+
+            from faucet_dagster.components import FaucetComponent
+
+            component = FaucetComponent.resolve_from_yaml('''
+            streams:
+              - name: events
+                source:
+                  connector: kafka
+                  config: {bootstrap_servers: {env: CHECK_KAFKA}, group_id: g, topics: [faucet_no_such_topic]}
+                sink: {connector: postgres, config: {url: {env: CHECK_PG_URL}}}
+                resources: [faucet_no_such_topic]
+            ''')
+            defs = component.build_stream_defs()
+            """
+        )
+    )
+    checked = subprocess.run(
+        [str(Path(sys.executable).with_name("faucet")), "check", "-m", "streams", "-d", str(tmp_path)],
+        env={**os.environ, "CHECK_PG_URL": postgres_url, "CHECK_KAFKA": kafka_bootstrap},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    rows = {tuple(line.split()[:4]): line for line in checked.stdout.splitlines()[1:-1]}
+    assert (
+        "FAILED: topic faucet_no_such_topic does not exist" in rows[("stream", "events", "source", "kafka")]
+    )
+    assert rows[("stream", "events", "sink", "postgres")].endswith("  ok")
