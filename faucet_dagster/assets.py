@@ -14,15 +14,20 @@ successful run. When the plan holds the atomic watermark, the sink stays authori
 crash between its commit and the Dagster event: the next run re-reads the same rows from the older
 bookmark and skips every row the sink had already committed, so nothing is written twice.
 
-A source whose capabilities say ``shardable`` and whose connection is known when the definitions load
-(not a resource key) becomes a partitioned asset: one ``StaticPartitionsDefinition`` key per shard
-(the shard's path relative to the shards' common directory), each with its own bookmark.
+Loading the definitions does no I/O: every config is parsed and every pair planned
+(:mod:`faucet_dagster.preflight`), and a mistake fails the load. A source whose capabilities say
+``shardable`` and whose connection is known when the definitions load (not a resource key) becomes a
+partitioned asset with dynamic partitions, ``faucet_<sync>_shards``, one a shard (its path relative
+to the shards' common directory), each with its own bookmark; the shards are listed by
+:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition.
 
-Metadata of every materialization: ``dagster/row_count`` (rows this materialization wrote),
-``dagster/table_name``, ``dagster/column_schema``, ``faucet/bookmark``, ``faucet/commit_token``,
-``faucet/delivery``, ``faucet/plan``, ``faucet/rows_read``, ``faucet/rows_written``,
+Metadata of every materialization: Dagster's table metadata (``dagster/row_count``, the table's rows
+after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualified;
+``dagster/storage_kind``; ``dagster/column_schema``), ``faucet/bookmark``, ``faucet/commit_token``,
+``faucet/delivery``, ``faucet/plan``, ``faucet/rows_read``, ``faucet/rows_written`` (this run's),
 ``faucet/rows_dead_lettered``, ``faucet/rows_skipped``, ``faucet/pages``, ``faucet/rows_per_second``,
-``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets).
+``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets). Each asset's
+``dagster/code_references`` names the line that declared its sync.
 """
 
 import json
@@ -60,6 +65,7 @@ from faucet_dagster.runner.bounded import (
     run_bounded_sync,
 )
 from faucet_dagster.runner.sync import run_sync
+from faucet_dagster.shards import shard_of
 
 BOOKMARK_KEY = "faucet/bookmark"
 COMMIT_TOKEN_KEY = "faucet/commit_token"
@@ -565,45 +571,6 @@ def _shardable(syncs: Sequence[FaucetSync]) -> FaucetSync | None:
 def partitions_def_name(sync: FaucetSync) -> str:
     """The name of the dynamic partitions of ``sync``'s asset: ``faucet_<sync>_shards``."""
     return f"{_op_name(sync.name)}_shards"
-
-
-async def list_shards(source: Source) -> Sequence[str]:
-    """The shards of ``source`` (I/O: a run or a partitions sensor, never the definitions' load)."""
-    try:
-        return await source.enumerate_shards()
-    finally:
-        await source.close()
-
-
-def shard_partitions(shards: Sequence[str]) -> dict[str, str]:
-    """Partition key -> shard for ``shards`` (see :func:`_partition_keys`)."""
-    return dict(zip(_partition_keys(shards), shards, strict=True))
-
-
-def shard_of(partition: str, shards: Sequence[str]) -> str | None:
-    """The shard a partition key names among ``shards``: by the keys these shards map to, else the
-    one shard that is the key or ends with ``/<key>`` (a key added when the shards were fewer and
-    their common directory deeper)."""
-    found = shard_partitions(shards).get(partition)
-    if found is not None:
-        return found
-    matches = [shard for shard in shards if shard == partition or shard.endswith("/" + partition)]
-    return matches[0] if len(matches) == 1 else None
-
-
-def _partition_keys(shards: Sequence[str]) -> list[str]:
-    """Each shard relative to the shards' common directory (a file name, for files in one folder).
-
-    Shards that do not share a directory, or whose relative names collide, keep their full names.
-    """
-    if len(shards) == 1:
-        return [os.path.basename(shards[0]) or shards[0]]
-    try:
-        common = os.path.commonpath(shards) if shards else ""
-    except ValueError:  # absolute and relative paths mixed: no common directory
-        common = ""
-    keys = [os.path.relpath(shard, common) if common else shard for shard in shards]
-    return keys if len(set(keys)) == len(keys) else list(shards)
 
 
 __all__ = [

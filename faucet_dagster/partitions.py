@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from faucet_dagster.assets import FaucetSync, list_shards, partitions_def_name, shard_partitions
+from faucet_dagster.assets import FaucetSync, partitions_def_name
 from faucet_dagster.protocol import ConfigError
 from faucet_dagster.runner.sync import run_sync
+from faucet_dagster.shards import list_shards, shard_partitions
 
 PARTITIONS_SENSOR_TAG = "faucet/partitions"
 """Tag of a partitions sensor; its value is the dynamic partitions definition it maintains."""
