@@ -33,6 +33,7 @@ after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualifie
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -537,10 +538,12 @@ def with_code_reference(spec: dg.AssetSpec, line: tuple[str, int] | None) -> dg.
     references already (a component's ``defs.yaml`` line, a translator's own)."""
     if line is None or "dagster/code_references" in spec.metadata:
         return spec
-    reference = dg.LocalFileCodeReference(file_path=line[0], line_number=line[1])
-    return spec.merge_attributes(
-        metadata={"dagster/code_references": dg.CodeReferencesMetadataValue(code_references=[reference])}
-    )
+    with warnings.catch_warnings():
+        # Dagster marks code references beta; its own components attach them the same way.
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        reference = dg.LocalFileCodeReference(file_path=line[0], line_number=line[1])
+        value = dg.CodeReferencesMetadataValue(code_references=[reference])
+    return spec.merge_attributes(metadata={"dagster/code_references": value})
 
 
 def replace_partitions(

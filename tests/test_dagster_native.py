@@ -126,7 +126,7 @@ syncs:
     asset:
       group_name: raw
       code_version: "3"
-      automation_condition: "{{{{ automation_condition.on_cron('0 * * * *') }}}}"
+      automation_condition: "{{{{ dg.AutomationCondition.on_cron('0 * * * *') }}}}"
       metadata: {{owner_note: hourly}}
 """
     )
