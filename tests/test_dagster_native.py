@@ -39,6 +39,17 @@ attributes:
     - name: late_bound
       source: {connector: files, config: {paths: [x/*.csv]}}
       sink: {connection: secret, config: {table: e}}
+  streams:
+    - name: misspelt_stream
+      source: {connector: kafka, config: {bootstrap_servers: "localhost:9", group_id: g, topics: [t]}}
+      sink: {connector: postgres, config: {url: "postgresql://localhost/db", tabel: x}}
+      resources: [t]
+    - name: refused_stream
+      source: {connector: kafka, config: {bootstrap_servers: "localhost:9", group_id: g, topics: [t]}}
+      sink: {connector: postgres, config: {url: "postgresql://localhost/db"}}
+      resources: [t]
+      policy: upsert
+      key: [id]
 """
 
 
@@ -92,6 +103,8 @@ def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path
         "sync no_url: sink: sql sink config: mode: Input should be",
         "sync dialect: sink: sql sink config: url: Value error, no SQLAlchemy dialect 'sqlte'",
         "sync refused: refused by the planner: [effectively-once-unreachable]",
+        "stream misspelt_stream: sink: postgres streaming_sink config: tabel: Extra inputs are not permitted",
+        "stream refused_stream: refused by the planner: [order-dependent-policy]",
     ):
         assert expected in output, output
     # A secret is read when a run builds the connector: checking needs no value for it.
