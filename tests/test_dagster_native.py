@@ -11,8 +11,11 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+import sqlalchemy as sa
 
 from faucet_dagster.components import FaucetComponent
+
+DG = str(Path(sys.executable).with_name("dg"))
 
 MISTAKES = """\
 type: faucet_dagster.components.FaucetComponent
@@ -85,7 +88,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "FAUCET_TEST_UNSET_URL"}
     checked = subprocess.run(
-        [str(Path(sys.executable).with_name("dg")), "check", "defs"],
+        [DG, "check", "defs"],
         cwd=project,
         env=env,
         capture_output=True,
@@ -170,3 +173,74 @@ def test_every_field_of_the_component_schema_has_a_description() -> None:
     ]
     assert missing == []
     assert FaucetComponent.__doc__ is not None and "\n" not in FaucetComponent.__doc__.strip()
+
+
+def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path) -> None:
+    root = tmp_path / "launch"
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "2024-01.csv").write_text("id\n1\n2\n")
+    (data / "2024-02.csv").write_text("id\n3\n")
+    package = root / "launched"
+    (package / "defs" / "shop").mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "launched"\nversion = "0.0.0"\n'
+        '[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "launched"\n'
+    )
+    (package / "__init__.py").write_text("")
+    (package / "defs" / "__init__.py").write_text("")
+    (package / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n"
+        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
+    )
+    (package / "defs" / "shop" / "defs.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            type: faucet_dagster.components.FaucetComponent
+            attributes:
+              syncs:
+                - name: orders
+                  source: {{connector: files, config: {{paths: ["{data}/*.csv"], shard_by_file: true}}}}
+                  sink: {{connector: sql, config: {{url: "sqlite:///{tmp_path}/w.db", table: orders}}}}
+            """
+        )
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    # The sensor's work, as the daemon would do it, from the same instance.
+    refreshed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import dagster as dg; from launched.definitions import defs; "
+            "from faucet_dagster.partitions import refresh_partitions; "
+            "print(refresh_partitions(dg.DagsterInstance.get(), defs))",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert "{'faucet_orders_shards': ['2024-01.csv', '2024-02.csv']}" in refreshed.stdout
+    launched = subprocess.run(
+        [DG, "launch", "--assets", "orders", "--partition", "2024-02.csv"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    engine = sa.create_engine(f"sqlite:///{tmp_path}/w.db")
+    try:
+        with engine.connect() as connection:
+            ids = [row[0] for row in connection.execute(sa.text("SELECT id FROM orders"))]
+    finally:
+        engine.dispose()
+    assert ids == [3]
