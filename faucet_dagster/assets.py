@@ -159,7 +159,13 @@ class FaucetTranslator:
         return dg.AssetSpec(
             key=dg.AssetKey([sync.name]),
             description=sync.description
-            or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}.",
+            or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}."
+            + (
+                " One partition a shard of the source, one partition a run: `dg launch --assets "
+                f"{sync.name} --partition KEY`, or a backfill for many."
+                if data.partitioned
+                else ""
+            ),
             kinds=kinds,
             tags={
                 "faucet/source": sync.source.label,
