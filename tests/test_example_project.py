@@ -104,3 +104,27 @@ def test_the_same_assets_pointed_at_postgresql(project: Path, postgres_url: str)
             for table, key in (("customers", "customer_id"), ("orders", "order_id"))
         ]
     assert counts == [(50_000, 50_000), (240_000, 240_000)]
+
+
+def test_code_servers_starting_together_generate_the_samples_once(tmp_path: Path) -> None:
+    # `dg dev` starts the webserver's and the daemon's code servers at once: each generates the
+    # samples it finds missing (smaller ones here), and none may fail on another's partial file.
+    script = (
+        "import sys; from pathlib import Path; import example_project.sample_data as s; "
+        "s.CUSTOMERS = 2000; s.ORDERS_PER_MONTH = 2000; s.ensure_sample_data(Path(sys.argv[1]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE)}
+    starts = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outcomes = [(process.wait(timeout=300), process.communicate()[1]) for process in starts]
+    assert [code for code, _ in outcomes] == [0, 0, 0, 0], outcomes
+    orders = tmp_path / ".faucet_data" / "samples" / "orders"
+    assert sorted(path.name for path in orders.iterdir()) == [f"2024-{m:02d}.csv" for m in range(1, 13)]
