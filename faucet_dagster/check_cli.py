@@ -9,20 +9,16 @@ the pair. Exit codes: 0 every check passed, 1 one failed, 2 bad input (the modul
 
 import argparse
 import asyncio
-import importlib
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from faucet_dagster.declared import DECLARED
+from faucet_dagster.declared import DECLARED, import_code_location
 from faucet_dagster.preflight import pair_problems
 from faucet_dagster.protocol import ConnectionFailed, FaucetError, Mode, Role, StreamingSink, StreamSource
 from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.sync import run_sync
-
-DEFAULT_TIMEOUT = 20.0
 
 
 @dataclass(frozen=True)
@@ -37,27 +33,9 @@ class CheckRow:
     outcome: str
 
 
-def add_check_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "check",
-        help="connect to every connection of a code location and plan every pair",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
-    parser.add_argument(
-        "-d", "--working-directory", type=Path, default=Path.cwd(), help="where the module is imported from"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds each connector's check may take"
-    )
-    parser.set_defaults(handler=_check_command)
-
-
-def _check_command(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(args.working_directory.resolve()))
+def check_command(args: argparse.Namespace) -> int:
     try:
-        importlib.import_module(args.module)
+        import_code_location(args.module, args.working_directory)
     except FaucetError:
         raise  # a faucet declaration refused while loading: main() prints it, exit 2
     except Exception as exc:  # noqa: BLE001 - the code location's own import error, shown as bad input
@@ -170,4 +148,4 @@ def print_table(rows: Sequence[CheckRow]) -> None:
     print(f"{len(rows) - failed} passed, {failed} failed")
 
 
-__all__ = ["CheckRow", "add_check_parser", "check_declared", "print_table"]
+__all__ = ["CheckRow", "check_command", "check_declared", "print_table"]

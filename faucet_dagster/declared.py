@@ -5,7 +5,11 @@ imports a code location, then checks what was recorded. Nothing reads this while
 runs execute.
 """
 
+import importlib
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,3 +27,10 @@ class Declared:
 
 DECLARED = Declared()
 """This process's declarations (a later one of the same name replaces an earlier one)."""
+
+
+def import_code_location(module: str, directory: Path) -> ModuleType:
+    """Import a code location's module from ``directory`` (Dagster's ``-m`` and ``-d``), which
+    records its faucet declarations here."""
+    sys.path.insert(0, str(directory.resolve()))
+    return importlib.import_module(module)

@@ -9,11 +9,13 @@ example_project``), :func:`refresh_partitions` evaluates the same sensors once a
 request.
 """
 
+import argparse
 from collections.abc import Sequence
 
 import dagster as dg
 
 from faucet_dagster.assets import FaucetSync, partitions_def_name
+from faucet_dagster.declared import import_code_location
 from faucet_dagster.protocol import ConfigError
 from faucet_dagster.runner.sync import run_sync
 from faucet_dagster.shards import list_shards, shard_partitions
@@ -85,4 +87,23 @@ def refresh_partitions(instance: dg.DagsterInstance, defs: dg.Definitions) -> di
     return added
 
 
-__all__ = ["PARTITIONS_SENSOR_TAG", "faucet_partitions_sensor", "refresh_partitions", "shard_partition_keys"]
+def refresh_command(args: argparse.Namespace) -> int:
+    defs = getattr(import_code_location(args.module, args.working_directory), args.attribute, None)
+    if not isinstance(defs, dg.Definitions):
+        raise ConfigError(f"{args.module}.{args.attribute} is not a dagster Definitions", where=args.module)
+    with dg.DagsterInstance.get() as instance:
+        added = refresh_partitions(instance, defs)
+    for name, keys in added.items():
+        print(f"{name}: added {len(keys)} partition(s): {', '.join(keys)}")
+    if not added:
+        print("no new shard")
+    return 0
+
+
+__all__ = [
+    "PARTITIONS_SENSOR_TAG",
+    "faucet_partitions_sensor",
+    "refresh_command",
+    "refresh_partitions",
+    "shard_partition_keys",
+]
