@@ -5,8 +5,8 @@ source is shardable gets a ``DynamicPartitionsDefinition`` named ``faucet_<sync>
 sensor :func:`faucet_partitions_sensor` builds adds a partition for each shard the source lists that
 the instance does not know yet (Dagster's ``AddDynamicPartitionsRequest``). A shard that disappears
 keeps its partition and its history. Outside the daemon (a script, a test, ``python -m
-example_project``), :func:`refresh_partitions` evaluates the same sensors once and applies what they
-request.
+example_project``, ``faucet partitions refresh -m MODULE``), :func:`refresh_partitions` evaluates
+the same sensors once and applies what they request.
 """
 
 import argparse
