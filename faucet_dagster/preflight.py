@@ -37,7 +37,7 @@ from faucet_dagster.runner.sync import run_sync
 ENV_PLACEHOLDER = "<faucet: set from an environment variable at run time>"
 """What stands for a variable's value while the definitions load (never a valid URL or number)."""
 
-Path = tuple[str | int, ...]
+FieldPath = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def build_offline(endpoint: FaucetEndpoint, role: Role) -> tuple[object | None, 
         roles = ", ".join(sorted(r.value for r in spec.roles))
         return None, [f"connector {spec.name!r} has no {role.value} role (it has: {roles})"]
     raw = merge_config(connection.config, endpoint.config)
-    env_paths: list[Path] = []
+    env_paths: list[FieldPath] = []
     placeheld = _placehold(raw, (), env_paths)
     try:
         config = role_spec.config_model.model_validate(placeheld)
@@ -164,7 +164,7 @@ def build_offline(endpoint: FaucetEndpoint, role: Role) -> tuple[object | None, 
         return None, [] if env_paths else [exc.message]
 
 
-def _placehold(value: Any, path: Path, found: list[Path]) -> Any:
+def _placehold(value: Any, path: FieldPath, found: list[FieldPath]) -> Any:
     """``value`` with each environment reference replaced by :data:`ENV_PLACEHOLDER` (paths in ``found``)."""
     if env_name(value) is not None:
         found.append(path)
@@ -176,7 +176,7 @@ def _placehold(value: Any, path: Path, found: list[Path]) -> Any:
     return value
 
 
-def _env_bound(loc: Path, env_paths: Sequence[Path]) -> bool:
+def _env_bound(loc: FieldPath, env_paths: Sequence[FieldPath]) -> bool:
     """Whether a validation error at ``loc`` may come from a placeholder: a whole-model error of a
     config holding a reference, or an error at (or inside) a field that held one. A union's tag in
     ``loc`` (``auth.user_password.config``) is skipped over by matching the path as a subsequence."""
@@ -187,7 +187,7 @@ def _env_bound(loc: Path, env_paths: Sequence[Path]) -> bool:
     return any(_subsequence(env_path, loc) or _subsequence(loc, env_path) for env_path in env_paths)
 
 
-def _subsequence(short: Path, long: Path) -> bool:
+def _subsequence(short: FieldPath, long: FieldPath) -> bool:
     remaining = iter(long)
     return all(any(part == item for item in remaining) for part in short)
 
