@@ -18,6 +18,11 @@ from faucet_dagster.components import FaucetComponent
 DG = str(Path(sys.executable).with_name("dg"))
 FAUCET = str(Path(sys.executable).with_name("faucet"))
 
+
+def run(cwd: Path, env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
 MISTAKES = """\
 type: faucet_dagster.components.FaucetComponent
 attributes:
@@ -88,15 +93,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "FAUCET_TEST_UNSET_URL"}
-    checked = subprocess.run(
-        [DG, "check", "defs"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    checked = run(project, env, DG, "check", "defs")
     output = checked.stdout + checked.stderr
     assert checked.returncode != 0, output
     assert "mistakes/defs/shop/defs.yaml" in output
@@ -211,32 +208,10 @@ def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path)
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = {**os.environ, "DAGSTER_HOME": str(home)}
     # The sensor's work, once, from a shell (the daemon runs the sensor instead).
-    refreshed = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("faucet")),
-            "partitions",
-            "refresh",
-            "-m",
-            "launched.definitions",
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    refreshed = run(root, env, FAUCET, "partitions", "refresh", "-m", "launched.definitions")
     assert refreshed.returncode == 0, refreshed.stdout + refreshed.stderr
     assert refreshed.stdout == "faucet_orders_shards: added 2 partition(s): 2024-01.csv, 2024-02.csv\n"
-    launched = subprocess.run(
-        [DG, "launch", "--assets", "orders", "--partition", "2024-02.csv"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    launched = run(root, env, DG, "launch", "--assets", "orders", "--partition", "2024-02.csv")
     assert launched.returncode == 0, launched.stdout + launched.stderr
     engine = sa.create_engine(f"sqlite:///{tmp_path}/w.db")
     try:
