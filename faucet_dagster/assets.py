@@ -14,19 +14,26 @@ successful run. When the plan holds the atomic watermark, the sink stays authori
 crash between its commit and the Dagster event: the next run re-reads the same rows from the older
 bookmark and skips every row the sink had already committed, so nothing is written twice.
 
-A source whose capabilities say ``shardable`` and whose connection is known when the definitions load
-(not a resource key) becomes a partitioned asset: one ``StaticPartitionsDefinition`` key per shard
-(the shard's path relative to the shards' common directory), each with its own bookmark.
+Loading the definitions does no I/O: every config is parsed and every pair planned
+(:mod:`faucet_dagster.preflight`), and a mistake fails the load. A source whose capabilities say
+``shardable`` and whose connection is known when the definitions load (not a resource key) becomes a
+partitioned asset with dynamic partitions, ``faucet_<sync>_shards``, one a shard (its path relative
+to the shards' common directory), each with its own bookmark; the shards are listed by
+:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition.
 
-Metadata of every materialization: ``dagster/row_count`` (rows this materialization wrote),
-``dagster/table_name``, ``dagster/column_schema``, ``faucet/bookmark``, ``faucet/commit_token``,
-``faucet/delivery``, ``faucet/plan``, ``faucet/rows_read``, ``faucet/rows_written``,
+Metadata of every materialization: Dagster's table metadata (``dagster/row_count``, the table's rows
+after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualified;
+``dagster/storage_kind``; ``dagster/column_schema``), ``faucet/bookmark``, ``faucet/commit_token``,
+``faucet/delivery``, ``faucet/plan``, ``faucet/rows_read``, ``faucet/rows_written`` (this run's),
 ``faucet/rows_dead_lettered``, ``faucet/rows_skipped``, ``faucet/pages``, ``faucet/rows_per_second``,
-``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets).
+``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets). Each asset's
+``dagster/code_references`` names the line that declared its sync.
 """
 
 import json
 import os
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -34,15 +41,21 @@ from typing import Any, cast
 
 import dagster as dg
 import pyarrow as pa
+from dagster._core.definitions.metadata import TableMetadataSet
 
+from faucet_dagster.declared import DECLARED
+from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.protocol import (
     CommitToken,
     ConfigError,
     Delivery,
     FetchContext,
     JsonValue,
+    Mode,
+    Role,
     Sink,
     Source,
+    WritePolicy,
 )
 from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.bounded import (
@@ -53,6 +66,7 @@ from faucet_dagster.runner.bounded import (
     run_bounded_sync,
 )
 from faucet_dagster.runner.sync import run_sync
+from faucet_dagster.shards import shard_of
 
 BOOKMARK_KEY = "faucet/bookmark"
 COMMIT_TOKEN_KEY = "faucet/commit_token"
@@ -86,6 +100,29 @@ class FaucetSync:
             durable_state=True,
         )
 
+    def pair_check(self) -> PairCheck:
+        """What the definitions' load checks of this sync (see :mod:`faucet_dagster.preflight`)."""
+        return PairCheck(
+            where=f"sync {self.name}",
+            mode=Mode.BOUNDED,
+            source=self.source,
+            sink=self.sink,
+            delivery=self.delivery,
+            dead_letter=self.dead_letter,
+        )
+
+    def shardable(self) -> bool:
+        """Whether the source is known now and declares itself shardable (no I/O: capabilities
+        come from the config, environment references unread; a source that cannot be built without
+        their values is not known now)."""
+        source, _ = build_offline(self.source, Role.SOURCE)
+        if not isinstance(source, Source):
+            return False
+        try:
+            return source.capabilities().shardable
+        finally:
+            run_sync(source.close())
+
     def endpoints(self) -> tuple[FaucetEndpoint, ...]:
         return (
             (self.source, self.sink)
@@ -96,10 +133,11 @@ class FaucetSync:
 
 @dataclass(frozen=True)
 class FaucetSyncData:
-    """What a translator sees of a sync: the declaration and the partition keys it will have."""
+    """What a translator sees of a sync: the declaration and whether its asset is partitioned (one
+    dynamic partition a shard of its source)."""
 
     sync: FaucetSync
-    partition_keys: tuple[str, ...] | None = None
+    partitioned: bool = False
 
 
 @dataclass
@@ -107,10 +145,12 @@ class FaucetTranslator:
     """Maps a sync to its Dagster ``AssetSpec``; override ``get_asset_spec`` (the one override point).
 
     Defaults: key ``[sync.name]``; kinds ``{"faucet", <source connector>, <sink connector>}`` (a
-    connection given by resource key is only known at run time and adds no kind); a dependency on
-    the source dataset, ``[<source connector or resource key>, sync.name]``; the description;
-    tags ``faucet/source`` and ``faucet/sink``. Group, owners and further tags are
-    yours to add, for example ``super().get_asset_spec(data).replace_attributes(group_name="raw")``.
+    connection given by resource key is only known at run time and adds no kind); the description;
+    tags ``faucet/source`` and ``faucet/sink``; no deps. A dependency on the source dataset is yours
+    to declare, on an asset that exists (an external ``AssetSpec`` with its kinds and group, or the
+    asset that produces the files), for example
+    ``super().get_asset_spec(data).replace_attributes(deps=[raw_orders_files])``: a made-up upstream
+    key would be a stub in group ``default`` that automation conditions wait on forever.
     """
 
     def get_asset_spec(self, data: FaucetSyncData) -> dg.AssetSpec:
@@ -118,9 +158,14 @@ class FaucetTranslator:
         kinds = {"faucet"} | {c for c in (sync.source.connector, sync.sink.connector) if c is not None}
         return dg.AssetSpec(
             key=dg.AssetKey([sync.name]),
-            deps=[dg.AssetKey([sync.source.label, sync.name])],
             description=sync.description
-            or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}.",
+            or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}."
+            + (
+                " One partition a shard of the source, one partition a run: `dg launch --assets "
+                f"{sync.name} --partition KEY`, or a backfill for many."
+                if data.partitioned
+                else ""
+            ),
             kinds=kinds,
             tags={
                 "faucet/source": sync.source.label,
@@ -135,6 +180,8 @@ class SyncState:
 
     bookmark: JsonValue | None = None
     commit_token: CommitToken | None = None
+    partition_rows: int | None = None
+    """The partition's ``dagster/partition_row_count`` (0 for a first run; ``None``: not kept)."""
 
 
 class FaucetSyncs:
@@ -144,17 +191,25 @@ class FaucetSyncs:
     ``MaterializeResult`` per asset, after its sync completed.
     """
 
-    def __init__(
-        self,
-        by_key: Mapping[dg.AssetKey, FaucetSync],
-        shards: Mapping[str, str] | None = None,
-    ) -> None:
+    def __init__(self, by_key: Mapping[dg.AssetKey, FaucetSync]) -> None:
         self.by_key = dict(by_key)
-        self.shards = dict(shards or {})
-        """Partition key -> shard, for a partitioned sync."""
 
     def run(self, context: dg.AssetExecutionContext) -> Iterator[dg.MaterializeResult[Any]]:
-        """Run the selected syncs one after the other; blocks until each one completed."""
+        """Run the selected syncs one after the other; blocks until each one completed.
+
+        A partitioned asset runs one partition a run (each resumes from its own bookmark): a run over
+        a range of partitions is refused with what to launch instead.
+        """
+        if context.has_partition_key_range:
+            keys = context.partition_keys
+            if len(keys) > 1:
+                raise ConfigError(
+                    f"a faucet sync moves one partition (shard) a run, each from its own bookmark, and "
+                    f"this run covers {len(keys)} ({keys[0]} ... {keys[-1]}): launch a backfill (the "
+                    "UI, or `dagster asset backfill`), which runs one run per partition, or one "
+                    "`dg launch --partition KEY` per partition",
+                    where=", ".join(key.to_user_string() for key in context.selected_asset_keys),
+                )
         selected = context.selected_asset_keys
         for key, sync in self.by_key.items():
             if key in selected:
@@ -164,20 +219,10 @@ class FaucetSyncs:
         self, context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync
     ) -> dg.MaterializeResult[Any]:
         partition = context.partition_key if context.has_partition_key else None
-        shard = None
-        if partition is not None:
-            try:
-                shard = self.shards[partition]
-            except KeyError:
-                raise ConfigError(
-                    f"partition {partition!r} names no shard of the source (reload the definitions to "
-                    "see new files)",
-                    where=key.to_user_string(),
-                ) from None
         state = last_sync_state(context.instance, key, partition)
         context.log.info(
             f"faucet sync {sync.name}: {sync.source.label} -> {sync.sink.label}"
-            f"{', shard ' + shard if shard else ''}, resuming from "
+            f"{', partition ' + partition if partition else ''}, resuming from "
             f"{'the start' if state.bookmark is None else 'the last bookmark'}"
         )
 
@@ -190,14 +235,14 @@ class FaucetSyncs:
         ctx: dict[str, JsonValue] = {"run_id": context.run.run_id, "asset_key": key.to_user_string()}
         if partition is not None:
             ctx["partition_key"] = partition
-        outcome = run_sync(_execute(sync, context.resources, state, shard, ctx, on_page))
+        outcome = run_sync(_execute(sync, context.resources, state, partition, ctx, on_page))
         result = outcome.result
         context.log.info(
             f"faucet sync {sync.name}: read {result.rows_read}, wrote {result.rows_written}, "
             f"dead-lettered {result.rows_dead_lettered}, skipped {result.rows_skipped} in "
             f"{result.seconds:.2f}s ({result.plan.policy.value}, {result.plan.delivery.value})"
         )
-        return dg.MaterializeResult(asset_key=key, metadata=sync_metadata(outcome))
+        return dg.MaterializeResult(asset_key=key, metadata=sync_metadata(outcome, state))
 
 
 @dataclass(frozen=True)
@@ -207,20 +252,35 @@ class SyncOutcome:
     result: BoundedSyncResult
     source_uri: str
     sink_uri: str
+    table_rows: int | None = None
+    """The destination table's rows after the run, when the sink can count them."""
 
 
 async def _execute(
     sync: FaucetSync,
     resources: Any,
     state: SyncState,
-    shard: str | None,
+    partition: str | None,
     ctx: FetchContext,
     on_page: Callable[[PageReport], None],
 ) -> SyncOutcome:
-    """Build the connectors for this run, run the sync, and close them whatever happens."""
+    """Build the connectors for this run, run the sync, and close them whatever happens.
+
+    A partition's shard is looked up now, among the shards the source lists (the definitions'
+    load lists nothing)."""
     async with AsyncExitStack() as stack:
         source: Source = sync.source.resolve(resources).build_source(sync.source.config)
         stack.push_async_callback(source.close)
+        shard = None
+        if partition is not None:
+            shards = await source.enumerate_shards()
+            shard = shard_of(partition, shards)
+            if shard is None:
+                raise ConfigError(
+                    f"partition {partition!r} names no shard the source lists now "
+                    f"({len(shards)} shard(s): was it removed?)",
+                    where=f"sync {sync.name}",
+                )
         sink: Sink = sync.sink.resolve(resources).build_sink(sync.sink.config)
         stack.push_async_callback(sink.close)
         dead_letter: Sink | None = None
@@ -238,7 +298,8 @@ async def _execute(
             context=ctx,
             on_page=on_page,
         )
-        return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri())
+        rows = await sink.row_count()
+        return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri(), rows)
 
 
 def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str | None) -> SyncState:
@@ -260,23 +321,44 @@ def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: s
             metadata = materialization.metadata
             token = metadata.get(COMMIT_TOKEN_KEY)
             token_text = token.value if isinstance(token, dg.TextMetadataValue) else None
+            rows = metadata.get("dagster/partition_row_count")
             return SyncState(
                 bookmark=_bookmark_from(metadata[BOOKMARK_KEY]),
                 commit_token=None if not token_text else CommitToken.parse(token_text),
+                partition_rows=rows.value if isinstance(rows, dg.IntMetadataValue) else None,
             )
         if not page.has_more:
-            return SyncState()
+            return SyncState(partition_rows=None if partition is None else 0)
         cursor = page.cursor
 
 
-def sync_metadata(outcome: SyncOutcome) -> dict[str, Any]:
-    """The metadata of one materialization (see the module docstring); no config, no secrets."""
+def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> dict[str, Any]:
+    """The metadata of one materialization (see the module docstring); no config, no secrets.
+
+    Dagster's table metadata (:class:`dagster.TableMetadataSet`): ``dagster/row_count`` the
+    destination table's rows after the run (when the sink can count them), ``dagster/table_name``
+    fully qualified, ``dagster/storage_kind`` the sink's URI scheme, ``dagster/column_schema``; for
+    a partition of an appending sync, ``dagster/partition_row_count`` the rows this partition has
+    appended over all its runs (``previous`` is the state of its last run).
+    """
     result = outcome.result
     token = result.commit_token
+    partition_rows = None
+    if (
+        previous is not None
+        and result.plan.policy is WritePolicy.APPEND
+        and previous.partition_rows is not None
+    ):
+        partition_rows = previous.partition_rows + result.rows_written
+    table = TableMetadataSet(
+        column_schema=_table_schema(result.schema),
+        row_count=outcome.table_rows,
+        partition_row_count=partition_rows,
+        table_name=table_name(outcome.sink_uri),
+        storage_kind=storage_kind(outcome.sink_uri),
+    )
     return {
-        "dagster/row_count": dg.MetadataValue.int(result.rows_written),
-        "dagster/table_name": dg.MetadataValue.text(table_name(outcome.sink_uri)),
-        "dagster/column_schema": dg.MetadataValue.table_schema(_table_schema(result.schema)),
+        **{key: table[key] for key in list(table.keys())},  # keys(): the fields that are set
         BOOKMARK_KEY: _bookmark_value(result.bookmark),
         COMMIT_TOKEN_KEY: dg.MetadataValue.null() if token is None else dg.MetadataValue.text(str(token)),
         "faucet/delivery": dg.MetadataValue.text(result.plan.delivery.value),
@@ -294,11 +376,29 @@ def sync_metadata(outcome: SyncOutcome) -> dict[str, Any]:
 
 
 def table_name(uri: str) -> str:
-    """A table name for ``dagster/table_name`` from a sink's dataset URI: its fragment when it has
-    one (``sqlite:///w.db#orders`` -> ``orders``), else its last path segment
-    (``postgresql://host/db/public.orders`` -> ``public.orders``)."""
+    """The fully qualified table name (``database.schema.table`` as far as the URI names them) for
+    ``dagster/table_name``, from a sink's dataset URI: ``sqlite:///w.db#orders`` -> ``w.orders``,
+    ``postgresql://host/shop#public.orders`` and ``postgresql://host/shop/public.orders`` ->
+    ``shop.public.orders``."""
     base, _, fragment = uri.partition("#")
-    return fragment or base.rstrip("/").rsplit("/", 1)[-1] or uri
+    segments = [segment for segment in base.split("://", 1)[-1].split("/")[1:] if segment]
+    if fragment:
+        table = fragment
+        database = segments[-1] if segments else ""
+    else:
+        table = segments[-1] if segments else uri
+        database = segments[-2] if len(segments) > 1 else ""
+    database = database.split("?", 1)[0]
+    for suffix in (".db", ".sqlite", ".sqlite3"):
+        database = database.removesuffix(suffix)
+    return f"{database}.{table}" if database else table
+
+
+def storage_kind(uri: str) -> str | None:
+    """The storage system of a dataset URI, its scheme without a driver (``postgresql+psycopg`` ->
+    ``postgresql``)."""
+    scheme, separator, _ = uri.partition("://")
+    return scheme.split("+", 1)[0] or None if separator else None
 
 
 def _table_schema(schema: pa.Schema | None) -> dg.TableSchema:
@@ -357,20 +457,30 @@ def faucet_assets(
     sync. A sync whose source is shardable makes the asset partitioned, and must then be the only
     sync of this asset. Connections given by resource key become required resources of the asset.
 
-    Partitions are enumerated now, when the definitions load (the source lists its shards; no
-    other I/O); new shards appear when the definitions reload.
+    Every config is parsed and every pair planned now, without I/O (see
+    :mod:`faucet_dagster.preflight`): a mistake fails the definitions' load. A partitioned asset's
+    partitions are dynamic (``faucet_<sync>_shards``): nothing is listed now; the sensor of
+    :func:`faucet_dagster.partitions.faucet_partitions_sensor` (or
+    :func:`faucet_dagster.partitions.refresh_partitions`) adds a partition per new shard.
     """
     translator = translator or FaucetTranslator()
-    partition_keys, shards = _partitions(syncs)
+    declared_at = declaring_line()
+    check_pairs([sync.pair_check() for sync in syncs], where=name or "faucet_assets")
+    DECLARED.syncs.update((sync.name, sync) for sync in syncs)
+    partitioned = _shardable(syncs)
+    partitions_def = (
+        None if partitioned is None else dg.DynamicPartitionsDefinition(name=partitions_def_name(partitioned))
+    )
     specs = [
-        translator.get_asset_spec(FaucetSyncData(sync, partition_keys if len(syncs) == 1 else None))
+        with_code_reference(
+            translator.get_asset_spec(FaucetSyncData(sync, partitioned is not None)), declared_at
+        )
         for sync in syncs
     ]
     keys = [spec.key for spec in specs]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"two syncs map to the same asset key: {keys}", where="faucet_assets")
-    partitions_def = None if partition_keys is None else dg.StaticPartitionsDefinition(list(partition_keys))
-    bound = FaucetSyncs(dict(zip(keys, syncs, strict=True)), shards)
+    bound = FaucetSyncs(dict(zip(keys, syncs, strict=True)))
     resource_keys = {
         endpoint.resource_key
         for sync in syncs
@@ -415,6 +525,33 @@ def faucet_sync_assets(
     return assets
 
 
+def declaring_line() -> tuple[str, int] | None:
+    """The file and line of the first caller outside faucet-dagster and Dagster: where a sync was
+    declared in Python (``None`` when Dagster's own loader is the caller, as for a component)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in ("dagster", "dagster_shared", "dagster_dg_cli"):
+            return None
+        if module.split(".")[0] != "faucet_dagster":
+            return os.path.abspath(frame.f_code.co_filename), frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def with_code_reference(spec: dg.AssetSpec, line: tuple[str, int] | None) -> dg.AssetSpec:
+    """``spec`` referencing the line that declared it (``dagster/code_references``), unless it holds
+    references already (a component's ``defs.yaml`` line, a translator's own)."""
+    if line is None or "dagster/code_references" in spec.metadata:
+        return spec
+    with warnings.catch_warnings():
+        # Dagster marks code references beta; its own components attach them the same way.
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        reference = dg.LocalFileCodeReference(file_path=line[0], line_number=line[1])
+        value = dg.CodeReferencesMetadataValue(code_references=[reference])
+    return spec.merge_attributes(metadata={"dagster/code_references": value})
+
+
 def replace_partitions(
     spec: dg.AssetSpec, partitions_def: dg.PartitionsDefinition[str] | None
 ) -> dg.AssetSpec:
@@ -426,52 +563,23 @@ def _op_name(name: str) -> str:
     return f"faucet_{cleaned}"
 
 
-def _partitions(syncs: Sequence[FaucetSync]) -> tuple[tuple[str, ...] | None, dict[str, str]]:
-    """Partition keys and the shard each names, for a sync whose shardable source is known now."""
-    shardable = [
-        (sync, source) for sync, source in _sources_known_now(syncs) if source.capabilities().shardable
-    ]
+def _shardable(syncs: Sequence[FaucetSync]) -> FaucetSync | None:
+    """The sync whose source is known now and shardable (its capabilities, read without I/O)."""
+    shardable = [sync for sync in syncs if sync.shardable()]
     if not shardable:
-        return None, {}
-    sync, source = shardable[0]
+        return None
     if len(syncs) != 1:
         raise ConfigError(
             f"a sync with a shardable source becomes a partitioned asset and must be alone in its "
-            f"multi_asset: {sync.name}",
+            f"multi_asset: {shardable[0].name}",
             where="faucet_assets",
         )
-    shards = run_sync(_shards(source))
-    by_key = dict(zip(_partition_keys(shards), shards, strict=True))
-    return tuple(by_key), by_key
+    return shardable[0]
 
 
-def _sources_known_now(syncs: Sequence[FaucetSync]) -> Iterator[tuple[FaucetSync, Source]]:
-    """The sources whose connection the sync holds (built without I/O), with their syncs."""
-    for sync in syncs:
-        if not isinstance(sync.source.connection, str):
-            yield sync, sync.source.connection.build_source(sync.source.config)
-
-
-async def _shards(source: Source) -> Sequence[str]:
-    try:
-        return await source.enumerate_shards()
-    finally:
-        await source.close()
-
-
-def _partition_keys(shards: Sequence[str]) -> list[str]:
-    """Each shard relative to the shards' common directory (a file name, for files in one folder).
-
-    Shards that do not share a directory, or whose relative names collide, keep their full names.
-    """
-    if len(shards) == 1:
-        return [os.path.basename(shards[0]) or shards[0]]
-    try:
-        common = os.path.commonpath(shards) if shards else ""
-    except ValueError:  # absolute and relative paths mixed: no common directory
-        common = ""
-    keys = [os.path.relpath(shard, common) if common else shard for shard in shards]
-    return keys if len(set(keys)) == len(keys) else list(shards)
+def partitions_def_name(sync: FaucetSync) -> str:
+    """The name of the dynamic partitions of ``sync``'s asset: ``faucet_<sync>_shards``."""
+    return f"{_op_name(sync.name)}_shards"
 
 
 __all__ = [

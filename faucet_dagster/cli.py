@@ -6,6 +6,7 @@ or described by their capabilities directly, from flags or a YAML file. Exit cod
 """
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -76,11 +77,52 @@ def _parser() -> argparse.ArgumentParser:
     plan_parser.set_defaults(handler=_plan_command)
     add_streams_parser(commands)
     add_cdc_parser(commands)
+    _add_check_parser(commands)
+    _add_partitions_parser(commands)
     # Imported here: the battery imports this module's `faucet plan` to check refusals.
     from faucet_dagster.conformance.cli import add_conformance_parser
 
     add_conformance_parser(commands)
     return parser
+
+
+def _add_check_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "check",
+        help="connect to every connection of a code location and plan every pair",
+        description="Import a code location, connect to every connection of its faucet syncs and "
+        "streams (secrets from the environment), check what each names exists, plan each pair, and "
+        "print a table. Exit codes: 0 every check passed, 1 one failed, 2 bad input.",
+    )
+    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    parser.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds each connector's check may take")
+    parser.set_defaults(handler=_dagster_command("faucet_dagster.check_cli", "check_command"))
+
+
+def _add_partitions_parser(commands: Any) -> None:
+    parser = commands.add_parser("partitions", help="the dynamic partitions of sharded syncs")
+    actions = parser.add_subparsers(dest="action", required=True)
+    refresh = actions.add_parser(
+        "refresh",
+        help="add a partition for each new shard of every sharded sync of a code location",
+        description="Evaluate every faucet partitions sensor of the code location once, against the "
+        "instance of $DAGSTER_HOME, and add the partitions they request.",
+    )
+    refresh.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    refresh.add_argument("-a", "--attribute", default="defs", help="its Definitions (default: defs)")
+    refresh.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
+    refresh.set_defaults(handler=_dagster_command("faucet_dagster.partitions", "refresh_command"))
+
+
+def _dagster_command(module: str, name: str) -> Any:
+    """A handler imported when it runs: these commands load Dagster, which `faucet plan` does not."""
+
+    def handler(args: argparse.Namespace) -> int:
+        code: int = getattr(importlib.import_module(module), name)(args)
+        return code
+
+    return handler
 
 
 def _plan_command(args: argparse.Namespace) -> int:

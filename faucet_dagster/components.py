@@ -18,7 +18,7 @@
           evolve_schema: false
           dead_letter: {connection: warehouse, config: {table: orders_rejected}}
           schedule: "0 * * * *"         # optional cron schedule
-          asset: {key: raw/orders, group: raw, owners: [team:data], tags: {tier: bronze}}
+          asset: {key: raw/orders, group_name: raw, owners: [team:data], tags: {tier: bronze}}
 
 An endpoint (``source``, ``sink``, ``dead_letter``) names a ``connection`` of this component, or an
 installed ``connector`` directly; its ``config`` is merged over the connection's. Secrets are written
@@ -39,13 +39,25 @@ continuous ``streams``, sit beside ``syncs`` and share the same ``connections``:
 """
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import dagster as dg
+from dagster.components.resolved.core_models import resolve_asset_spec_update_kwargs_to_mapping
+from pydantic import Field, PrivateAttr
 
-from faucet_dagster.assets import FaucetSync, FaucetSyncData, FaucetTranslator, faucet_sync_assets
-from faucet_dagster.pipeline import ResourceSchema
-from faucet_dagster.protocol import ConfigError, Delivery, ReadLimits, WritePolicy
+from faucet_dagster.assets import (
+    FaucetSync,
+    FaucetSyncData,
+    FaucetTranslator,
+    faucet_sync_assets,
+    with_code_reference,
+)
+from faucet_dagster.declared import DECLARED
+from faucet_dagster.partitions import faucet_partitions_sensor
+from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
+from faucet_dagster.preflight import PairCheck, check_pairs
+from faucet_dagster.protocol import ConfigError, Delivery, Mode, ReadLimits, WritePolicy
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.bounded import DEFAULT_BATCH_SIZE
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS
@@ -55,79 +67,122 @@ from faucet_dagster.sensors import FaucetStream, build_stream_defs
 DeliveryName = Literal["effectively_once", "at_least_once"]
 
 
+def _field(description: str, **kwargs: Any) -> dg.Resolver:
+    """A plain field with its description (shown by editors and ``dg`` docs)."""
+    resolver: dg.Resolver = dg.Resolver.default(description=description, **kwargs)
+    return resolver
+
+
 class ConnectionModel(dg.Model, dg.Resolvable):
     """A named connector config shared by endpoints."""
 
-    connector: str
-    config: dict[str, Any] = {}
+    connector: Annotated[str, _field("An installed faucet connector: files, sql, postgres, kafka, nats.")]
+    config: Annotated[
+        dict[str, Any],
+        _field("The connector's config shared by its endpoints; secrets as {env: NAME}, read at run time."),
+    ] = {}
 
 
 class EndpointModel(dg.Model, dg.Resolvable):
     """One side of a sync: a ``connection`` of this component or an installed ``connector``."""
 
-    connection: str | None = None
-    connector: str | None = None
-    config: dict[str, Any] = {}
+    connection: Annotated[str | None, _field("A connection of this component, by name.")] = None
+    connector: Annotated[str | None, _field("An installed connector, when no connection is named.")] = None
+    config: Annotated[
+        dict[str, Any], _field("This endpoint's own config, merged key by key over the connection's.")
+    ] = {}
 
 
-class AssetAttributesModel(dg.Model, dg.Resolvable):
-    """Overrides of the asset a sync becomes (``key`` is slash-separated: ``raw/orders``)."""
+class FaucetAssetAttributes(dg.AssetAttributesModel):  # type: ignore[misc,valid-type]
+    """Dagster's asset attributes (as in ``AssetSpec``), applied over the asset a sync or stream
+    becomes: ``key``, ``key_prefix``, ``group_name``, ``description``, ``metadata``, ``tags``,
+    ``kinds``, ``owners``, ``deps``, ``code_version``, ``automation_condition``,
+    ``freshness_policy``, ``skippable``. ``tags`` and ``metadata`` are merged, the others replace
+    faucet's defaults. ``group`` is the older spelling of ``group_name``."""
 
-    key: str | None = None
-    group: str | None = None
-    description: str | None = None
-    owners: list[str] = []
-    tags: dict[str, str] = {}
-    deps: list[str] | None = None
+    key: str | None = Field(None, description="The asset key, slash-separated: `raw/orders`.")
+    group: str | None = Field(None, description="The older spelling of group_name.")
+    partitions_def: None = Field(
+        None, description="Not settable: a sync's partitions are its source's shards."
+    )
 
-    def apply(self, spec: dg.AssetSpec) -> dg.AssetSpec:
-        """``spec`` with these attributes applied over it (a sync's or a stream's asset)."""
-        changes: dict[str, Any] = {}
-        if self.key is not None:
-            changes["key"] = dg.AssetKey.from_user_string(self.key)
-        if self.group is not None:
-            changes["group_name"] = self.group
-        if self.description is not None:
-            changes["description"] = self.description
-        if self.owners:
-            changes["owners"] = self.owners
-        if self.deps is not None:
-            changes["deps"] = [dg.AssetKey.from_user_string(dep) for dep in self.deps]
-        spec = spec.replace_attributes(**changes)
-        return spec.merge_attributes(tags=self.tags) if self.tags else spec
+
+def _resolve_asset(context: dg.ResolutionContext, model: Any) -> Mapping[str, Any]:
+    resolved = dict(resolve_asset_spec_update_kwargs_to_mapping(context, model))
+    if getattr(model, "group", None) is not None:
+        resolved.setdefault("group_name", model.group)
+    return resolved
+
+
+AssetAttributes = Annotated[
+    Mapping[str, Any],
+    dg.Resolver(
+        _resolve_asset,
+        model_field_type=FaucetAssetAttributes,
+        description="Dagster asset attributes applied over the default spec (see FaucetAssetAttributes).",
+    ),
+]
+
+
+def apply_asset_attributes(spec: dg.AssetSpec, attributes: Mapping[str, Any]) -> dg.AssetSpec:
+    """``spec`` with resolved asset ``attributes`` applied as Dagster's components apply a
+    ``translation``: ``tags`` and ``metadata`` merged, ``key_prefix`` prefixing the key, the rest
+    replaced. ``partitions_def`` stays faucet's (a sync's partitions are its source's shards)."""
+    changes = {name: value for name, value in attributes.items() if name != "partitions_def"}
+    if "code_version" in changes:
+        changes["code_version"] = str(changes["code_version"])
+    prefix = changes.pop("key_prefix", None)
+    if prefix is not None:
+        changes["key"] = dg.AssetKey.from_coercible(changes.get("key", spec.key)).with_prefix(prefix)
+    merged = {name: changes.pop(name) for name in ("tags", "metadata") if name in changes}
+    spec = spec.replace_attributes(**changes)
+    return spec.merge_attributes(**merged) if merged else spec
 
 
 class SyncModel(dg.Model, dg.Resolvable):
     """A bounded sync: one asset, materialized by reading ``source`` and writing ``sink``."""
 
-    name: str
-    source: EndpointModel
-    sink: EndpointModel
-    delivery: DeliveryName | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    evolve_schema: bool = False
-    dead_letter: EndpointModel | None = None
-    description: str | None = None
-    schedule: str | None = None
-    asset: AssetAttributesModel = AssetAttributesModel()
+    name: Annotated[str, _field("The sync's name: its asset key unless `asset.key` says otherwise.")]
+    source: Annotated[EndpointModel, _field("What the sync reads.")]
+    sink: Annotated[EndpointModel, _field("What the sync writes; its config's `mode` is the write policy.")]
+    delivery: Annotated[
+        DeliveryName | None,
+        _field("The guarantee to insist on: the definitions fail to load when the plan cannot reach it."),
+    ] = None
+    batch_size: Annotated[int, _field("Rows a page (0: one page).")] = DEFAULT_BATCH_SIZE
+    evolve_schema: Annotated[
+        bool, _field("Add new source columns to the destination instead of failing the run.")
+    ] = False
+    dead_letter: Annotated[
+        EndpointModel | None, _field("Where rows that cannot be converted or written go (it must append).")
+    ] = None
+    description: Annotated[str | None, _field("The asset's description.")] = None
+    schedule: Annotated[str | None, _field("A cron schedule materializing the sync (every partition).")] = (
+        None
+    )
+    asset: AssetAttributes = {}
 
 
 class StreamSchemaModel(dg.Model, dg.Resolvable):
     """A resource's declared schema: ``columns`` maps names to Arrow types (``int64 not null``);
     without ``columns`` the schema is inferred. ``on_bad_row``: ``halt`` or ``dead_letter``."""
 
-    columns: dict[str, str] | None = None
-    key: list[str] = []
-    on_bad_row: Literal["halt", "dead_letter"] = "halt"
+    columns: Annotated[
+        dict[str, str] | None, _field("Column name to Arrow type (`int64 not null`); none: inferred.")
+    ] = None
+    key: Annotated[list[str], _field("The resource's key columns (default: the stream's key).")] = []
+    on_bad_row: Annotated[
+        Literal["halt", "dead_letter"], _field("A row that does not fit: halt the stream or dead-letter it.")
+    ] = "halt"
 
 
 class StreamEpochModel(dg.Model, dg.Resolvable):
     """Targets for where an epoch ends: the first safe boundary after any of them is reached."""
 
-    records: int | None = DEFAULT_EPOCH_LIMITS.records
-    bytes: int | None = DEFAULT_EPOCH_LIMITS.bytes
-    idle_seconds: float | None = DEFAULT_EPOCH_LIMITS.idle
-    age_seconds: float | None = DEFAULT_EPOCH_LIMITS.age
+    records: Annotated[int | None, _field("Records an epoch.")] = DEFAULT_EPOCH_LIMITS.records
+    bytes: Annotated[int | None, _field("Bytes an epoch.")] = DEFAULT_EPOCH_LIMITS.bytes
+    idle_seconds: Annotated[float | None, _field("Seconds without a record.")] = DEFAULT_EPOCH_LIMITS.idle
+    age_seconds: Annotated[float | None, _field("Seconds since the epoch began.")] = DEFAULT_EPOCH_LIMITS.age
 
 
 class StreamModel(dg.Model, dg.Resolvable):
@@ -139,23 +194,31 @@ class StreamModel(dg.Model, dg.Resolvable):
     ``"{{ env.EVENTS_URL is not none }}"`` declares a stream only where its servers are configured.
     """
 
-    name: str
-    enabled: bool = True
-    source: EndpointModel
-    sink: EndpointModel
-    resources: list[str]
-    policy: Literal["append", "upsert", "versioned_upsert", "apply_changes", "delete"] = "append"
-    key: list[str] = []
-    delivery: DeliveryName | None = None
-    schemas: dict[str, StreamSchemaModel] = {}
-    epoch: StreamEpochModel = StreamEpochModel()
-    lease_seconds: float = 120.0
-    state_url: str | None = None
-    minimum_interval_seconds: int = 30
-    budget_seconds: float | None = None
-    running: bool = False
-    description: str | None = None
-    asset: AssetAttributesModel = AssetAttributesModel()
+    name: Annotated[str, _field("The stream's name: its sink asset's key unless `asset.key` says otherwise.")]
+    enabled: Annotated[bool, _field("false leaves the stream out of the definitions.")] = True
+    source: Annotated[EndpointModel, _field("What the stream reads.")]
+    sink: Annotated[EndpointModel, _field("What the stream writes.")]
+    resources: Annotated[list[str], _field("What the source reads: NATS streams, Kafka topics, tables.")]
+    policy: Annotated[
+        Literal["append", "upsert", "versioned_upsert", "apply_changes", "delete"],
+        _field("How the sink applies records."),
+    ] = "append"
+    key: Annotated[list[str], _field("Key columns (upsert, apply_changes, delete).")] = []
+    delivery: Annotated[
+        DeliveryName | None,
+        _field("The guarantee to insist on: the definitions fail to load when the plan cannot reach it."),
+    ] = None
+    schemas: Annotated[dict[str, StreamSchemaModel], _field("Declared schemas, by resource.")] = {}
+    epoch: Annotated[StreamEpochModel, _field("Where an epoch ends.")] = StreamEpochModel()
+    lease_seconds: Annotated[float, _field("How long the stream's lease lives without renewal.")] = 120.0
+    state_url: Annotated[
+        str | None, _field("The state store (default: $FAUCET_STATE_URL, else SQLite under $DAGSTER_HOME).")
+    ] = None
+    minimum_interval_seconds: Annotated[int, _field("Seconds between two sensor ticks.")] = 30
+    budget_seconds: Annotated[float | None, _field("Seconds a tick may run epochs for.")] = None
+    running: Annotated[bool, _field("Start the sensor without a click in the UI.")] = False
+    description: Annotated[str | None, _field("The sink asset's description.")] = None
+    asset: AssetAttributes = {}
 
 
 class FaucetComponentScaffolder(dg.Scaffolder[Any]):
@@ -189,12 +252,28 @@ class FaucetComponentScaffolder(dg.Scaffolder[Any]):
 
 @dg.scaffold_with(FaucetComponentScaffolder)
 class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
-    """Faucet syncs and streams declared in YAML: each sync becomes a partition-aware asset, each stream
-    a sink asset with its certificate check and sensor (see the module doc)."""
+    """Faucet syncs and streams in YAML: an asset per sync; a sink asset, check and sensor per stream."""
 
-    connections: dict[str, ConnectionModel] = {}
-    syncs: list[SyncModel] = []
-    streams: list[StreamModel] = []
+    connections: Annotated[
+        dict[str, ConnectionModel], _field("Connector configs shared by endpoints, by name.")
+    ] = {}
+    syncs: Annotated[list[SyncModel], _field("Bounded syncs: an asset each.")] = []
+    streams: Annotated[
+        list[StreamModel],
+        _field("Continuous streams: a sink asset, its certificate check and a sensor each."),
+    ] = []
+
+    _lines: dict[str, dict[int, tuple[str, int]]] = PrivateAttr(default_factory=dict)
+    """The ``defs.yaml`` line of each sync and stream, by kind and index, when loaded from YAML."""
+
+    @classmethod
+    def load(cls, attributes: Any, context: dg.ComponentLoadContext) -> "FaucetComponent":
+        """Dagster's loading, keeping where each sync and stream is declared (the loading context
+        holds the YAML's source positions; ``build_defs``' does not)."""
+        component = super().load(attributes, context)
+        assert isinstance(component, FaucetComponent)
+        component._lines = _declaration_lines(context)
+        return component
 
     @classmethod
     def get_spec(cls) -> dg.ComponentTypeSpec:
@@ -208,22 +287,58 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        return dg.Definitions.merge(self.build_sync_defs(), self.build_stream_defs())
+        """Every sync's and stream's definitions, after every config was parsed and every pair planned
+        (no I/O): one mistake anywhere fails the load, naming this file, the declaration and each
+        problem."""
+        where = _declared_in(context)
+        self.check(where)
+        return dg.Definitions.merge(
+            self.build_sync_defs(self._lines.get("syncs")), self.build_stream_defs(self._lines.get("streams"))
+        )
 
-    def build_stream_defs(self) -> dg.Definitions:
-        """The sink asset, certificate check and sensor of each enabled one of ``streams``."""
-        connections = {
+    def check(self, where: str = "FaucetComponent") -> None:
+        """Parse every connector config and plan every pair of this component, without I/O; raise one
+        ConfigError listing every problem (``where``: the component's file)."""
+        connections = self._connections()
+        problems: list[str] = []
+        checks: list[PairCheck] = []
+        for sync in self.syncs:
+            try:
+                checks.append(self._sync(sync, connections).pair_check())
+            except ConfigError as exc:
+                problems.append(f"sync {sync.name}: {exc.message}")
+        for model in (model for model in self.streams if model.enabled):
+            try:
+                checks.append(_stream_check(_stream(model, connections)))
+            except ConfigError as exc:
+                problems.append(f"stream {model.name}: {exc.message}")
+        check_pairs(checks, where=where, problems=problems)
+
+    def _connections(self) -> dict[str, FaucetConnection]:
+        return {
             name: FaucetConnection(connector=model.connector, config=dict(model.config))
             for name, model in self.connections.items()
         }
+
+    def build_stream_defs(self, lines: Mapping[int, tuple[str, int]] | None = None) -> dg.Definitions:
+        """The sink asset, certificate check and sensor of each enabled one of ``streams``; ``lines``
+        are the YAML lines that declared them, by index (their code references)."""
+        connections = self._connections()
         defs = []
-        for model in (model for model in self.streams if model.enabled):
+        for index, model in enumerate(self.streams):
+            if not model.enabled:
+                continue
             stream = _stream(model, connections)
+            DECLARED.streams[stream.name] = stream
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
+            spec = with_code_reference(
+                apply_asset_attributes(stream.asset_spec(), model.asset),
+                (lines or {}).get(index),
+            )
             defs.append(
                 build_stream_defs(
                     [stream],
-                    asset_specs={stream.name: model.asset.apply(stream.asset_spec())},
+                    asset_specs={stream.name: spec},
                     minimum_interval_seconds=model.minimum_interval_seconds,
                     budget_seconds=model.budget_seconds,
                     default_status=status,
@@ -231,23 +346,28 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             )
         return dg.Definitions.merge(*defs) if defs else dg.Definitions()
 
-    def build_sync_defs(self) -> dg.Definitions:
-        """The assets (and schedules) of ``syncs``."""
-        connections = {
-            name: FaucetConnection(connector=model.connector, config=dict(model.config))
-            for name, model in self.connections.items()
-        }
-        translator = _AttributesTranslator({sync.name: sync.asset for sync in self.syncs})
+    def build_sync_defs(self, lines: Mapping[int, tuple[str, int]] | None = None) -> dg.Definitions:
+        """The assets of ``syncs``, their schedules, and a partitions sensor for each partitioned one;
+        ``lines`` are the YAML lines that declared them, by index (their code references)."""
+        connections = self._connections()
+        translator = _AttributesTranslator(
+            {sync.name: sync.asset for sync in self.syncs},
+            {sync.name: (lines or {}).get(index) for index, sync in enumerate(self.syncs)},
+        )
         schedules = []
+        sensors = []
         assets = []
         for model in self.syncs:
-            [asset] = faucet_sync_assets([self._sync(model, connections)], translator=translator)
+            sync = self._sync(model, connections)
+            [asset] = faucet_sync_assets([sync], translator=translator)
             assets.append(asset)
+            if asset.partitions_def is not None:
+                sensors.append(faucet_partitions_sensor(sync))
             if model.schedule is not None:
                 schedules.append(
                     faucet_schedule(asset, model.schedule, name=f"{asset.node_def.name}_schedule")
                 )
-        return dg.Definitions(assets=assets, schedules=schedules)
+        return dg.Definitions(assets=assets, schedules=schedules, sensors=sensors)
 
     def _sync(self, model: SyncModel, connections: Mapping[str, FaucetConnection]) -> FaucetSync:
         where = f"sync {model.name}"
@@ -263,6 +383,46 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             else _endpoint(model.dead_letter, connections, f"{where} dead_letter"),
             description=model.description,
         )
+
+
+def _declared_in(context: dg.ComponentLoadContext) -> str:
+    """The component's file, relative to the project root when it is inside it."""
+    path = Path(context.path)
+    if path.is_dir():
+        path = path / "defs.yaml"
+    try:
+        return str(path.relative_to(context.project_root))
+    except ValueError:
+        return str(path)
+
+
+def _declaration_lines(context: dg.ComponentLoadContext) -> dict[str, dict[int, tuple[str, int]]]:
+    """The ``defs.yaml`` file and line of each sync and stream, by kind and index (none when the
+    component was not loaded from YAML)."""
+    tree = context.resolution_context.source_position_tree
+    attributes = None if tree is None else tree.children.get("attributes")
+    found: dict[str, dict[int, tuple[str, int]]] = {}
+    for kind in ("syncs", "streams"):
+        declared = None if attributes is None else attributes.children.get(kind)
+        for index, child in declared.children.items() if declared is not None else []:
+            if isinstance(index, int):
+                found.setdefault(kind, {})[index] = (child.position.filename, child.position.start.line)
+    return found
+
+
+def _stream_check(stream: FaucetStream) -> PairCheck:
+    return PairCheck(
+        where=f"stream {stream.name}",
+        mode=Mode.CONTINUOUS,
+        source=stream.source,
+        sink=stream.sink,
+        delivery=stream.delivery,
+        policy=stream.policy,
+        key=stream.key,
+        routes_bad_rows=any(
+            schema.on_bad_row is BadRowPolicy.DEAD_LETTER for schema in stream.schemas.values()
+        ),
+    )
 
 
 def _endpoint(
@@ -312,13 +472,18 @@ def _stream(model: StreamModel, connections: Mapping[str, FaucetConnection]) -> 
 class _AttributesTranslator(FaucetTranslator):
     """The default translation, with each sync's ``asset`` attributes from the YAML applied over it."""
 
-    def __init__(self, attributes: Mapping[str, AssetAttributesModel]) -> None:
+    def __init__(
+        self,
+        attributes: Mapping[str, Mapping[str, Any]],
+        lines: Mapping[str, tuple[str, int] | None],
+    ) -> None:
         self.attributes = dict(attributes)
+        self.lines = dict(lines)
 
     def get_asset_spec(self, data: FaucetSyncData) -> dg.AssetSpec:
-        spec = super().get_asset_spec(data)
+        spec = with_code_reference(super().get_asset_spec(data), self.lines.get(data.sync.name))
         attributes = self.attributes.get(data.sync.name)
-        return spec if attributes is None else attributes.apply(spec)
+        return spec if not attributes else apply_asset_attributes(spec, attributes)
 
 
-__all__ = ["FaucetComponent", "FaucetComponentScaffolder"]
+__all__ = ["FaucetAssetAttributes", "FaucetComponent", "FaucetComponentScaffolder", "apply_asset_attributes"]

@@ -45,7 +45,7 @@ class FaucetConnection(dg.ConfigurableResource["FaucetConnection"]):
 
     def resolved_config(self, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The merged config with every environment reference replaced by its value."""
-        merged = _merge(self.config, overrides or {})
+        merged = merge_config(self.config, overrides or {})
         resolved: dict[str, Any] = _resolve_env(merged, f"{self.connector} config")
         return resolved
 
@@ -104,18 +104,19 @@ class FaucetEndpoint:
         return found
 
 
-def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def merge_config(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` over ``base`` key by key, nested mappings merged (an env reference is a value)."""
     merged = dict(base)
     for key, value in overrides.items():
         current = merged.get(key)
-        if isinstance(current, Mapping) and isinstance(value, Mapping) and not _env_name(value):
-            merged[key] = _merge(current, value)
+        if isinstance(current, Mapping) and isinstance(value, Mapping) and not env_name(value):
+            merged[key] = merge_config(current, value)
         else:
             merged[key] = value
     return merged
 
 
-def _env_name(value: object) -> str | None:
+def env_name(value: object) -> str | None:
     """The variable an ``EnvVar`` or an ``{"env": NAME}`` mapping refers to, else ``None``."""
     if isinstance(value, dg.EnvVar):
         return value.env_var_name
@@ -125,7 +126,7 @@ def _env_name(value: object) -> str | None:
 
 
 def _resolve_env(value: Any, where: str) -> Any:
-    name = _env_name(value)
+    name = env_name(value)
     if name is not None:
         resolved = os.environ.get(name)
         if resolved is None:

@@ -5,6 +5,7 @@ tokens go through Dagster's run storage in a temporary DAGSTER_HOME. The one fau
 crash at an exact point: after the sync committed at the sink, before Dagster records the event.
 """
 
+import inspect
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +28,7 @@ from faucet_dagster.assets import (
     last_sync_state,
 )
 from faucet_dagster.components import FaucetComponent
+from faucet_dagster.partitions import faucet_partitions_sensor, refresh_partitions
 from faucet_dagster.protocol import CommitToken, ConfigError, JsonValue
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.schedules import faucet_schedule
@@ -97,7 +99,9 @@ def test_two_runs_resume_from_the_bookmark_in_run_storage(
     assert value(first, "faucet/delivery") == "effectively_once"
     assert value(first, "faucet/commit_token") == str(CommitToken(1200))
     assert value(first, "faucet/plan")["mechanisms"] == ["atomic_watermark"]
-    assert value(first, "dagster/table_name") == "orders"
+    database = postgres_url.rsplit("/", 1)[-1].split("?", 1)[0]
+    assert value(first, "dagster/table_name") == f"{database}.orders"
+    assert value(first, "dagster/storage_kind") == "postgresql"
     columns = [column.name for column in value(first, "dagster/column_schema").columns]
     assert columns[:3] == ["id", "name", "amount"]
     assert value(first, "faucet/rows_per_second") > 0
@@ -105,6 +109,7 @@ def test_two_runs_resume_from_the_bookmark_in_run_storage(
     write_csv(data / "2024-02.csv", 1201, 300)
     second = materialization(dg.materialize(assets, instance=instance), "orders")
     assert value(second, "faucet/rows_read") == value(second, "faucet/rows_written") == 300
+    assert value(second, "dagster/row_count") == 1500  # the table's rows, not this run's
     assert value(second, "faucet/commit_token") == str(CommitToken(1500))
     assert postgres_ids(postgres_url, "orders") == list(range(1, 1501))
 
@@ -172,19 +177,34 @@ def test_a_partitioned_file_source_materializes_per_partition(
     warehouse = FaucetConnection(connector="sql", config={"url": f"sqlite:///{db}"})
     sync = FaucetSync("orders", source=files(data, shard_by_file=True), sink=warehouse.using(table="orders"))
     [asset] = faucet_sync_assets([sync])
-    assert asset.partitions_def is not None
-    assert asset.partitions_def.get_partition_keys() == ["2024-01.csv", "2024-02.csv"]
+    # Nothing is listed while the definitions load: the partitions sensor adds one a shard.
+    assert isinstance(asset.partitions_def, dg.DynamicPartitionsDefinition)
+    defs = dg.Definitions(
+        assets=[asset],
+        schedules=[faucet_schedule(asset, "0 * * * *")],
+        sensors=[faucet_partitions_sensor(sync)],
+    )
+    assert refresh_partitions(instance, defs) == {"faucet_orders_shards": ["2024-01.csv", "2024-02.csv"]}
+    assert refresh_partitions(instance, defs) == {}
 
     january = materialization(
         dg.materialize([asset], instance=instance, partition_key="2024-01.csv"), "orders"
     )
     assert value(january, "faucet/rows_written") == 100
+    assert value(january, "dagster/partition_row_count") == 100
+    assert value(january, "dagster/row_count") == 100
     february = materialization(
         dg.materialize([asset], instance=instance, partition_key="2024-02.csv"), "orders"
     )
     assert value(february, "faucet/rows_written") == 60
+    # The table's rows (both shards), not this run's; the partition's own rows.
+    assert value(february, "dagster/row_count") == 160
+    assert value(february, "dagster/partition_row_count") == 60
+    assert value(february, "dagster/table_name") == "warehouse.orders"
+    assert value(february, "dagster/storage_kind") == "sqlite"
     again = materialization(dg.materialize([asset], instance=instance, partition_key="2024-01.csv"), "orders")
     assert value(again, "faucet/rows_read") == 0
+    assert value(again, "dagster/partition_row_count") == 100
 
     key = dg.AssetKey("orders")
     january_state = last_sync_state(instance, key, "2024-01.csv")
@@ -197,7 +217,6 @@ def test_a_partitioned_file_source_materializes_per_partition(
     engine.dispose()
     assert ids == list(range(1, 161))
 
-    defs = dg.Definitions(assets=[asset], schedules=[faucet_schedule(asset, "0 * * * *")])
     schedule = defs.resolve_schedule_def("faucet_orders_schedule")
     tick = datetime(2024, 3, 1, 12, tzinfo=UTC)
     with dg.build_schedule_context(
@@ -273,7 +292,7 @@ def test_the_decorator_runs_only_the_selected_syncs_with_the_translator_spec(
     spec = specs[dg.AssetKey(["raw", "orders"])]
     assert spec.group_name == "raw" and spec.owners == ["team:data"]
     assert spec.kinds == {"faucet", "files", "sql"}
-    assert [dep.asset_key for dep in spec.deps] == [dg.AssetKey(["files", "orders"])]
+    assert list(spec.deps) == []  # no invented upstream asset
 
     result = dg.materialize([shop], instance=instance, selection=[dg.AssetKey(["raw", "orders"])])
     assert [e.asset_key for e in result.get_asset_materialization_events()] == [
@@ -299,7 +318,7 @@ syncs:
     sink: {{connection: warehouse, config: {{table: orders}}}}
     dead_letter: {{connection: warehouse, config: {{table: orders_rejected}}}}
     schedule: "*/5 * * * *"
-    asset: {{key: raw/orders, group: raw, tags: {{tier: bronze}}}}
+    asset: {{key: raw/orders, group_name: raw, tags: {{tier: bronze}}}}
 """
     )
     defs = component.build_sync_defs()
@@ -327,3 +346,16 @@ def test_the_package_exposes_the_dagster_names_lazily() -> None:
     assert faucet_dagster.FaucetComponent is FaucetComponent
     assert faucet_dagster.faucet_sync_assets is faucet_sync_assets
     assert faucet_dagster.faucet_schedule is faucet_schedule
+
+
+def test_a_sync_asset_references_the_python_line_that_declared_it(tmp_path: Path) -> None:
+    sync = FaucetSync(
+        "orders",
+        source=files(tmp_path),
+        sink=FaucetConnection(connector="sql", config={"url": f"sqlite:///{tmp_path}/w.db"}).using(table="o"),
+    )
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    [asset] = faucet_sync_assets([sync])
+    [spec] = asset.specs
+    references = spec.metadata["dagster/code_references"].code_references
+    assert [(ref.file_path, ref.line_number) for ref in references] == [(__file__, line)]

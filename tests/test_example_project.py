@@ -57,11 +57,17 @@ def test_the_component_loads_from_defs_yaml_through_dg(project: Path) -> None:
     assert listed.returncode == 0, listed.stdout + listed.stderr
     defs = json.loads(listed.stdout)
     assets = {asset["asset_key"]: asset for asset in defs["assets"]}
+    yaml_lines = (project / "example_project" / "defs" / "shop" / "defs.yaml").read_text().splitlines()
     for name in ("customers", "orders"):
         assert set(assets[name]["kinds"]) == {"faucet", "files", "sql"}
         assert assets[name]["group_name"] == "shop"
-        assert assets[name]["source"].endswith("defs/shop/defs.yaml:3")
+        assert not assets[name].get("deps")  # no invented upstream asset
+        # The code reference is the line that declares the sync.
+        line = yaml_lines.index(f"    - name: {name}") + 1
+        assert assets[name]["source"].endswith(f"defs/shop/defs.yaml:{line}")
     assert [schedule["name"] for schedule in defs["schedules"]] == ["faucet_orders_schedule"]
+    assert [sensor["name"] for sensor in defs["sensors"]] == ["faucet_orders_shards_sensor"]
+    assert "warning" not in listed.stderr.lower(), listed.stderr
 
 
 def test_the_scaffolder_writes_a_component_that_loads(project: Path) -> None:
@@ -98,3 +104,27 @@ def test_the_same_assets_pointed_at_postgresql(project: Path, postgres_url: str)
             for table, key in (("customers", "customer_id"), ("orders", "order_id"))
         ]
     assert counts == [(50_000, 50_000), (240_000, 240_000)]
+
+
+def test_code_servers_starting_together_generate_the_samples_once(tmp_path: Path) -> None:
+    # `dg dev` starts the webserver's and the daemon's code servers at once: each generates the
+    # samples it finds missing (smaller ones here), and none may fail on another's partial file.
+    script = (
+        "import sys; from pathlib import Path; import example_project.sample_data as s; "
+        "s.CUSTOMERS = 2000; s.ORDERS_PER_MONTH = 2000; s.ensure_sample_data(Path(sys.argv[1]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE)}
+    starts = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outcomes = [(process.wait(timeout=300), process.communicate()[1]) for process in starts]
+    assert [code for code, _ in outcomes] == [0, 0, 0, 0], outcomes
+    orders = tmp_path / ".faucet_data" / "samples" / "orders"
+    assert sorted(path.name for path in orders.iterdir()) == [f"2024-{m:02d}.csv" for m in range(1, 13)]

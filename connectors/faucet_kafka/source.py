@@ -328,6 +328,11 @@ class KafkaStreamSource(StreamSource):
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         return (KafkaOffsetCodec(),)
 
+    async def check(self) -> None:
+        """Connect, authenticate and find every configured topic (``faucet check``), as the bounded
+        source checks: a missing topic raises ConfigError naming it."""
+        await KafkaSource(self.config).check()
+
     async def open(
         self,
         resources: Sequence[str],

@@ -231,6 +231,17 @@ class PostgresSink(Sink):
 
         return await self._in_transaction("reading the table's columns", read)
 
+    async def row_count(self) -> int | None:
+        async def count(conn: Connection) -> int | None:
+            schema = await self._resolved_schema(conn)
+            if await table_columns(conn, schema, self.config.table) is None:
+                return None
+            query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, self.config.table))
+            row = await (await conn.execute(query)).fetchone()
+            return None if row is None else int(row[0])
+
+        return await self._in_transaction("counting the table's rows", count)
+
     async def evolve_schema(self, changes: Sequence[AddColumn]) -> None:
         if not self.config.schema_evolution:
             raise SchemaError(

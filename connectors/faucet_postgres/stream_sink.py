@@ -156,6 +156,11 @@ class PostgresStreamingSink(StreamingSink):
         settings = self.config.timeout_settings()
         return await self._connect(self.config, autocommit=autocommit, settings=settings)
 
+    async def check(self) -> None:
+        """Connect and authenticate (``faucet check``); the tables are created when a stream opens."""
+        conn = await self.connection(autocommit=True)
+        await conn.close()
+
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config)
 

@@ -25,7 +25,7 @@ class SqlConnection(ConnectorConfig):
     @classmethod
     def _url_without_password(cls, url: str) -> str:
         from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
         try:
             parsed = make_url(url)
@@ -34,6 +34,13 @@ class SqlConnection(ConnectorConfig):
             raise ValueError("not a SQLAlchemy URL (dialect[+driver]://user@host/database)") from None
         if parsed.password is not None:
             raise ValueError("the URL holds a password; put credentials in auth (user_password)")
+        try:
+            # Loads the dialect's module, no I/O: a misspelt dialect fails here, not at a run.
+            parsed.get_dialect()
+        except NoSuchModuleError:
+            raise ValueError(
+                f"no SQLAlchemy dialect {parsed.drivername!r} is installed (sqlite, postgresql+psycopg, ...)"
+            ) from None
         return url
 
     @model_validator(mode="after")

@@ -170,6 +170,9 @@ class SqlSink(Sink):
     async def current_schema(self) -> pa.Schema | None:
         return await self._run(self._current_schema)
 
+    async def row_count(self) -> int | None:
+        return await self._run(self._row_count)
+
     async def evolve_schema(self, changes: Sequence[AddColumn]) -> None:
         if not self.config.schema_evolution:
             raise SchemaError(
@@ -385,6 +388,13 @@ class SqlSink(Sink):
         if table is None:
             return None
         return pa.schema([pa.field(column.name, arrow_type(column.type)) for column in table.columns])
+
+    def _row_count(self) -> int | None:
+        with self.db.engine.connect() as conn:
+            table = self._reflect(conn, self.config.table)
+            if table is None:
+                return None
+            return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
 
     def _swap(self) -> None:
         """REPLACE: put the staging table in the target's place in one transaction."""

@@ -27,8 +27,11 @@ def main() -> int:
     import dagster as dg
 
     from example_project.definitions import defs
+    from faucet_dagster.partitions import refresh_partitions
 
     instance = dg.DagsterInstance.get()
+    # What the partitions sensors do under the daemon: a partition for each new sample file.
+    refresh_partitions(instance, defs)
     total = 0
     failed = False
     print(f"{'asset':<12} {'partition':<14} {'read':>8} {'written':>8} {'skipped':>8}  delivery")
@@ -36,7 +39,11 @@ def main() -> int:
         if not isinstance(assets_def, dg.AssetsDefinition):
             continue
         partitions = assets_def.partitions_def
-        keys = partitions.get_partition_keys() if partitions is not None else [None]
+        keys = (
+            partitions.get_partition_keys(dynamic_partitions_store=instance)
+            if partitions is not None
+            else [None]
+        )
         for partition in keys:
             result = dg.materialize(
                 [assets_def],

@@ -1,7 +1,8 @@
 """The example's Dagster code location: the components under ``defs/``, with their sample data.
 
-``dagster dev`` (or ``dg dev``) loads this module. The sample files are generated first when missing,
-because the orders sync lists its files (one partition each) when the definitions load.
+``dagster dev`` (or ``dg dev``) loads this module. The sample files are generated first when missing
+(once, whole, however many code servers start together), so the first run finds them; the orders
+sync's partitions, one a file, are added by its partitions sensor (or ``python -m example_project``).
 """
 
 from pathlib import Path

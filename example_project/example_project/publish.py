@@ -26,6 +26,7 @@ import nats
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from example_project import KAFKA_BOOTSTRAP_ENV, NATS_URL_ENV
@@ -53,6 +54,21 @@ def order_events(count: int) -> list[dict[str, object]]:
     ]
 
 
+async def ensure_nats_stream(js: JetStreamContext) -> None:
+    """Create the JetStream stream ``ORDER_EVENTS`` unless it exists (the stream's source reads it)."""
+    try:
+        await js.stream_info(NATS_STREAM)
+    except NotFoundError:
+        await js.add_stream(name=NATS_STREAM, subjects=["order_events.>"])
+
+
+def ensure_kafka_topic(bootstrap: str) -> None:
+    """Create the topic ``order_events`` unless it exists (the stream's source reads it)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    if KAFKA_TOPIC not in admin.list_topics(timeout=10).topics:
+        admin.create_topics([NewTopic(KAFKA_TOPIC, KAFKA_PARTITIONS, 1)])[KAFKA_TOPIC].result(30)
+
+
 async def publish_nats(url: str, events: Sequence[dict[str, object]]) -> int:
     """Publish ``events`` to ``ORDER_EVENTS`` (created if missing); every one acknowledged on return."""
 
@@ -62,10 +78,7 @@ async def publish_nats(url: str, events: Sequence[dict[str, object]]) -> int:
     client = await nats.connect([url], connect_timeout=5, max_reconnect_attempts=3, error_cb=quiet)
     try:
         js = client.jetstream()
-        try:
-            await js.stream_info(NATS_STREAM)
-        except NotFoundError:
-            await js.add_stream(name=NATS_STREAM, subjects=["order_events.>"])
+        await ensure_nats_stream(js)
         for start in range(0, len(events), PUBLISH_WINDOW):
             window = events[start : start + PUBLISH_WINDOW]
             await asyncio.gather(*(js.publish(NATS_SUBJECT, json.dumps(e).encode()) for e in window))
@@ -76,9 +89,7 @@ async def publish_nats(url: str, events: Sequence[dict[str, object]]) -> int:
 
 def publish_kafka(bootstrap: str, events: Sequence[dict[str, object]]) -> int:
     """Produce ``events`` to ``order_events`` (created if missing), keyed by order; all acknowledged."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    if KAFKA_TOPIC not in admin.list_topics(timeout=10).topics:
-        admin.create_topics([NewTopic(KAFKA_TOPIC, KAFKA_PARTITIONS, 1)])[KAFKA_TOPIC].result(30)
+    ensure_kafka_topic(bootstrap)
     failed: list[KafkaError] = []
 
     def on_delivery(error: KafkaError | None, _message: Message) -> None:

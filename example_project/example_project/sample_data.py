@@ -6,7 +6,10 @@ so the repository carries no data files and every checkout gets the same rows. 5
 files by size and modification time; rewriting one would make the next sync read it again).
 """
 
+import contextlib
+import os
 import random
+import uuid
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -45,10 +48,18 @@ def ensure_sample_data(project_root: Path) -> Path:
 
 
 def _write_atomically(target: Path, table: pa.Table, write: Callable[[pa.Table, str], None]) -> None:
-    # Write then rename, so an interrupted first run never leaves a half-written sample file.
-    partial = target.with_name(target.name + ".partial")
-    write(table, str(partial))
-    partial.replace(target)
+    """Write ``target`` once, whole, even when several processes start at once (``dg dev`` starts
+    the webserver's and the daemon's code servers together): each writes a file of its own, then
+    links it into place only if no other process did first, so nobody renames another's file away
+    and a finished sample file is never replaced (its size and time are the files source's
+    bookmark)."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        write(table, str(partial))
+        with contextlib.suppress(FileExistsError):  # another process wrote the same rows first
+            os.link(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _customers() -> pa.Table:

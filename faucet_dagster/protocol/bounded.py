@@ -263,6 +263,11 @@ class Sink(Connector):
         """The destination's schema, or ``None`` when the destination does not exist yet."""
         return None
 
+    async def row_count(self) -> int | None:
+        """The destination's rows now (Dagster's ``dagster/row_count``), after ``finish``; ``None``
+        when this sink cannot count them or the destination does not exist. Optional."""
+        return None
+
     def supports_schema_evolution(self) -> bool:
         """True only if ``evolve_schema`` applies idempotent additive DDL."""
         return self.capabilities().schema_evolution

@@ -329,6 +329,10 @@ class StreamSource(ABC):
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         """The codecs of this source's positions (also registered under ``faucet.position_codecs``)."""
 
+    async def check(self) -> None:
+        """Optional preflight (``faucet check``): connect, authenticate and verify that what the
+        config names exists; raise a FaucetError naming why not. The default checks nothing."""
+
     @abstractmethod
     async def open(
         self,
@@ -441,6 +445,10 @@ class StreamingSink(ABC):
     @abstractmethod
     def capabilities(self) -> SinkCapabilities:
         """What this configured sink can apply and promise. Pure: no I/O."""
+
+    async def check(self) -> None:
+        """Optional preflight (``faucet check``): connect, authenticate and verify access; raise a
+        FaucetError naming why not. The default checks nothing."""
 
     @abstractmethod
     async def open(

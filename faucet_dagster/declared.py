@@ -1,0 +1,36 @@
+"""What this process declared: every faucet sync and stream its definitions built, for ``faucet check``.
+
+``faucet_assets`` and the component record each declaration here as they build it; ``faucet check``
+imports a code location, then checks what was recorded. Nothing reads this while definitions load or
+runs execute.
+"""
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from faucet_dagster.assets import FaucetSync
+    from faucet_dagster.sensors import FaucetStream
+
+
+@dataclass
+class Declared:
+    """The syncs and streams declared so far, in declaration order, by name."""
+
+    syncs: dict[str, "FaucetSync"] = field(default_factory=dict)
+    streams: dict[str, "FaucetStream"] = field(default_factory=dict)
+
+
+DECLARED = Declared()
+"""This process's declarations (a later one of the same name replaces an earlier one)."""
+
+
+def import_code_location(module: str, directory: Path) -> ModuleType:
+    """Import a code location's module from ``directory`` (Dagster's ``-m`` and ``-d``), which
+    records its faucet declarations here."""
+    sys.path.insert(0, str(directory.resolve()))
+    return importlib.import_module(module)
