@@ -49,13 +49,35 @@ from faucet_dagster.protocol import (
     Operation,
     SchemaError,
 )
-from faucet_postgres.common import PgColumn, copy_batch
+from faucet_postgres.common import PgColumn, add_columns, arrow_type, copy_batch, pg_type, table_name
+from faucet_postgres.common import create_table as create_plain_table
 
 KEY_METADATA = b"faucet.key"
 """The field metadata marking a key column of change rows (value ``b"true"``)."""
 
-OPERATIONS = (Operation.INSERT.value, Operation.UPDATE.value, Operation.DELETE.value)
+OPERATIONS = (
+    Operation.INSERT.value,
+    Operation.UPDATE.value,
+    Operation.DELETE.value,
+    Operation.TRUNCATE.value,
+)
 """The operations a change row may carry."""
+
+APPLIED_OPERATIONS = frozenset(Operation(value) for value in OPERATIONS)
+"""What APPLY_CHANGES applies (the sinks' accepted operations for it)."""
+
+MISSING_METADATA = b"faucet.missing"
+"""Field metadata: the value (output-function text) that rows older than the column hold at the source
+(PostgreSQL's ``attmissingval`` of a column added with a constant default). A table evolved for the
+column gets it in its existing rows."""
+
+UNLOGGED_DEFAULT_METADATA = b"faucet.unlogged_default"
+"""Field metadata ``b"true"``: the column has a default but no missing value, so rows older than the
+column may hold values the change stream never carried (a volatile default rewrote the table)."""
+
+CREATED_COMMENT = "faucet: created from change rows"
+"""The comment of a table APPLY_CHANGES created: its column types are the change rows' Arrow types,
+so a type that differs later is a type change at the source."""
 
 _POSITION = "__faucet_position"
 _ORDINAL = "__faucet_ordinal"
@@ -108,6 +130,88 @@ def change_layout(schema: pa.Schema, key: Sequence[str], where: str) -> ChangeLa
     return ChangeLayout(columns, chosen)
 
 
+async def create_table(
+    conn: "psycopg.AsyncConnection[Any]", schema: str, table: str, data: pa.Schema, key: Sequence[str]
+) -> dict[str, PgColumn]:
+    """Create a missing table for change rows of ``data`` (``key`` as primary key), marked with
+    :data:`CREATED_COMMENT`."""
+    columns = await create_plain_table(conn, schema, table, data, key)
+    await conn.execute(
+        sql.SQL("COMMENT ON TABLE {} IS {}").format(table_name(schema, table), sql.Literal(CREATED_COMMENT))
+    )
+    return columns
+
+
+async def created_from_changes(conn: "psycopg.AsyncConnection[Any]", schema: str, table: str) -> bool:
+    """True when :func:`create_table` made ``schema.table``."""
+    cursor = await conn.execute(
+        "SELECT obj_description(to_regclass(format('%%I.%%I', %s::text, %s::text)), 'pg_class')",
+        (schema, table),
+    )
+    row = await cursor.fetchone()
+    return row is not None and row[0] == CREATED_COMMENT
+
+
+async def evolve(
+    conn: "psycopg.AsyncConnection[Any]", schema: str, table: str, fields: Sequence[pa.Field], where: str
+) -> dict[str, PgColumn]:
+    """Add the columns of ``fields`` so the table equals the source: a column the source added with a
+    constant default gets that value in the existing rows (``ADD COLUMN ... DEFAULT`` then ``DROP
+    DEFAULT``: PostgreSQL stores it once, as the source did, without rewriting the table).
+
+    Raises :class:`SchemaError` for a column whose older rows hold values the stream never carried
+    (:data:`UNLOGGED_DEFAULT_METADATA`), naming the way out: add the column to the table yourself,
+    with the source's values, and the stream resumes.
+    """
+    unlogged = [
+        item.name for item in fields if (item.metadata or {}).get(UNLOGGED_DEFAULT_METADATA) == b"true"
+    ]
+    if unlogged:
+        names = ", ".join(unlogged)
+        raise SchemaError(
+            f"column(s) {names} were added at the source with a default that is not a constant (or the "
+            "table was rewritten since): the values its existing rows got are not in the change stream. "
+            f"Add {names} to {schema}.{table} yourself with the source's values (for example ALTER TABLE "
+            "... ADD COLUMN, then UPDATE from a copy of the source's key and column), and the stream "
+            "resumes",
+            where=where,
+        )
+    plain = []
+    for item in fields:
+        missing = (item.metadata or {}).get(MISSING_METADATA)
+        if missing is None:
+            plain.append(item)
+            continue
+        target, column = table_name(schema, table), sql.Identifier(item.name)
+        await conn.execute(
+            sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {} DEFAULT {}").format(
+                target, column, pg_type(item.type), sql.Literal(missing.decode())
+            )
+        )
+        await conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(target, column))
+    return await add_columns(conn, schema, table, plain)
+
+
+def check_types(columns: Mapping[str, PgColumn], data: pa.Schema, from_changes: bool, where: str) -> None:
+    """Refuse change rows whose column type differs from a table :func:`create_table` made (its types
+    are the change rows' own): the source changed the column's type, rewriting its rows outside the
+    change stream. A table made by someone else is not checked (its types are its owner's choice)."""
+    if not from_changes:
+        return
+    for item in data:
+        column = columns.get(item.name)
+        if column is None or arrow_type(column) == item.type:
+            continue
+        raise SchemaError(
+            f"column {item.name} changed type at the source (its change rows are now {item.type}, the "
+            f"replica's column {column.type_sql} is {arrow_type(column)}): the rows the ALTER rewrote "
+            "at the source are not in the change stream. Alter the replica's column the same way "
+            f"(ALTER TABLE ... ALTER COLUMN {item.name} TYPE ... USING the source's conversion), and the "
+            "stream resumes",
+            where=where,
+        )
+
+
 def data_schema(schema: pa.Schema) -> pa.Schema:
     """``schema`` without the operation and unchanged columns: the destination table's columns."""
     return pa.schema([item for item in schema if item.name not in (OPERATION_COLUMN, UNCHANGED_COLUMN)])
@@ -119,6 +223,7 @@ class StagedRows:
 
     batch: pa.RecordBatch
     unchanged: frozenset[str]
+    truncated: bool = False
 
 
 def staged_rows(
@@ -136,7 +241,10 @@ def staged_rows(
         raise DataError(
             f"a change row has operation {bad!r}; expected one of {', '.join(OPERATIONS)}", where=where
         )
-    nulls = [column for column in layout.key if records.column(column).null_count]
+    truncates = pc.equal(ops, Operation.TRUNCATE.value)
+    truncated = bool(pc.any(truncates).as_py())
+    keyed = records.filter(pc.invert(truncates)) if truncated else records  # a truncate row has no key
+    nulls = [column for column in layout.key if keyed.column(column).null_count]
     if nulls:
         raise DataError(f"a change row has a null in key column(s) {', '.join(nulls)}", where=where)
     unchanged, names = _unchanged_json(records, where)
@@ -148,7 +256,7 @@ def staged_rows(
         [*arrays, ops.cast(pa.string()), unchanged, positions, ordinals],
         names=[*layout.columns, OPERATION_COLUMN, UNCHANGED_COLUMN, _POSITION, _ORDINAL],
     )
-    return StagedRows(batch, frozenset(names))
+    return StagedRows(batch, frozenset(names), truncated)
 
 
 def _unchanged_json(records: pa.RecordBatch, where: str) -> tuple[pa.Array, set[str]]:
@@ -171,7 +279,8 @@ def _unchanged_json(records: pa.RecordBatch, where: str) -> tuple[pa.Array, set[
 class ChangeStage:
     """A temporary table holding one destination table's staged changes in the current transaction.
 
-    ``rows`` counts every row staged; ``held`` the ones not yet COPYed (at most :data:`COPY_ROWS`).
+    ``rows`` counts every row staged; ``held`` the batches not yet COPYed, ``held_rows`` their rows
+    (fewer than :data:`COPY_ROWS`); ``truncated`` is true once a truncate row was staged.
     """
 
     identifier: sql.Identifier
@@ -180,6 +289,8 @@ class ChangeStage:
     unchanged: set[str] = field(default_factory=set)
     rows: int = 0
     held: list[pa.RecordBatch] = field(default_factory=list)
+    held_rows: int = 0
+    truncated: bool = False
 
 
 async def create_stage(
@@ -218,15 +329,19 @@ async def stage(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage, rows:
     if target.held and not target.held[0].schema.equals(rows.batch.schema):
         await _copy_held(conn, target)
     target.held.append(rows.batch)
+    # A running count: summing the held batches on every call made a backlog of small transactions
+    # (one batch each) quadratic.
+    target.held_rows += rows.batch.num_rows
     target.rows += rows.batch.num_rows
     target.unchanged |= rows.unchanged
-    if sum(batch.num_rows for batch in target.held) >= COPY_ROWS:
+    target.truncated |= rows.truncated
+    if target.held_rows >= COPY_ROWS:
         await _copy_held(conn, target)
     return int(rows.batch.num_rows)
 
 
 async def _copy_held(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage) -> None:
-    held, target.held = target.held, []
+    held, target.held, target.held_rows = target.held, [], 0
     if held:
         await copy_batch(conn, target.identifier, pa.concat_batches(held), target.columns)
 
@@ -238,6 +353,7 @@ class ChangeCounts:
     ``unexpected_inserts``: keys whose first change was an insert but which were present (a replay
     or an overlap); ``unexpected_changes``: keys whose first change was an update or a delete but
     which were absent (a gap, or a replica not seeded). Both are 0 for a consistent replica.
+    ``truncated``: rows a truncate removed (not counted in ``deleted``).
     """
 
     inserted: int
@@ -245,12 +361,14 @@ class ChangeCounts:
     deleted: int
     unexpected_inserts: int
     unexpected_changes: int
+    truncated: int = 0
 
     def details(self) -> dict[str, str]:
         return {
             "rows_inserted": str(self.inserted),
             "rows_updated": str(self.updated),
             "rows_deleted": str(self.deleted),
+            "rows_truncated": str(self.truncated),
             "unexpected_inserts": str(self.unexpected_inserts),
             "unexpected_changes": str(self.unexpected_changes),
         }
@@ -262,6 +380,7 @@ class ChangeCounts:
             self.deleted + other.deleted,
             self.unexpected_inserts + other.unexpected_inserts,
             self.unexpected_changes + other.unexpected_changes,
+            self.truncated + other.truncated,
         )
 
 
@@ -280,6 +399,9 @@ async def apply_stage(
     if staged.rows == 0:
         return NO_CHANGES
     await _copy_held(conn, staged)
+    truncated = await _truncate(conn, target, staged) if staged.truncated else 0
+    if staged.unchanged:
+        await _carry_key_changes(conn, target, staged)
     last: sql.Composable = _last_changes(staged)
     filled: sql.Identifier | None = None
     if staged.unchanged:
@@ -301,7 +423,46 @@ async def apply_stage(
             "with a snapshot, or set REPLICA IDENTITY FULL on the source table)",
             where=where,
         )
-    return ChangeCounts(inserted, updated, deleted, unexpected_inserts, unexpected_changes)
+    return ChangeCounts(inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated)
+
+
+async def _truncate(conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage) -> int:
+    """Apply the stage's last truncate: every destination row deleted (in the epoch's transaction),
+    and every staged change up to it dropped (the truncate removed what they made). Returns how many
+    rows were deleted."""
+    position, ordinal = sql.Identifier(_POSITION), sql.Identifier(_ORDINAL)
+    await conn.execute(
+        sql.SQL(
+            "DELETE FROM {stage} WHERE ({position}, {ordinal}) <= (SELECT {position}, {ordinal} FROM "
+            "{stage} WHERE {op} = {truncate} ORDER BY {position} DESC, {ordinal} DESC LIMIT 1)"
+        ).format(
+            stage=staged.identifier,
+            position=position,
+            ordinal=ordinal,
+            op=sql.Identifier(OPERATION_COLUMN),
+            truncate=sql.Literal(Operation.TRUNCATE.value),
+        )
+    )
+    cursor = await conn.execute(sql.SQL("DELETE FROM {}").format(target))
+    return max(cursor.rowcount, 0)
+
+
+async def _carry_key_changes(
+    conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage
+) -> None:
+    """Fill the columns a key change's insert left out with the old key's values.
+
+    Such an insert follows the delete of the old key (same position, previous ordinal). The old row's
+    value of a column is the latest earlier staged change of the old key that carried it, else the
+    destination's row. One statement per column and pass; a pass resolves every insert whose source
+    is resolved (a chain of key changes in one epoch takes one pass per link). What stays unresolved
+    (the old key is nowhere) is refused by :func:`apply_stage`.
+    """
+    for column in sorted(staged.unchanged):
+        while True:
+            cursor = await conn.execute(_carry(target, staged, column))
+            if cursor.rowcount <= 0:
+                break
 
 
 def _names(columns: Sequence[str], alias: str | None = None) -> sql.Composable:
@@ -364,6 +525,54 @@ def _fill(filled: sql.Identifier, staged: ChangeStage, column: str) -> sql.Compo
         delete=sql.Literal(Operation.DELETE.value),
         order=_newest_first(layout),
         match=_match(layout, "l", "f"),
+    )
+
+
+def _carry(target: sql.Composable, staged: ChangeStage, column: str) -> sql.Composed:
+    """One pass of :func:`_carry_key_changes` for ``column``."""
+    layout = staged.layout
+    name = sql.Literal(column)
+    old = [(sql.Identifier(key), sql.Identifier(f"__old_{key}")) for key in layout.key]
+    old_key = sql.SQL(", ").join(sql.SQL("d.{} AS {}").format(key, alias) for key, alias in old)
+
+    def matching(table: str) -> sql.Composable:
+        return sql.SQL(" AND ").join(
+            sql.SQL("{}.{} = m.{}").format(sql.Identifier(table), key, alias) for key, alias in old
+        )
+
+    same_old, in_target = matching("e"), matching("t")
+    first_key = sql.Identifier(layout.key[0])
+    return sql.SQL(
+        "WITH moved AS (SELECT m.{position}, m.{ordinal}, {old_key} FROM {stage} AS m JOIN {stage} AS d "
+        "ON d.{position} = m.{position} AND d.{ordinal} = m.{ordinal} - 1 AND d.{op} = {delete} "
+        "WHERE m.{op} = {insert} AND coalesce(m.{unchanged} ? {name}, false)), "
+        "found AS (SELECT m.{position}, m.{ordinal}, src.{column} AS value, src.pending, "
+        "src.{position} IS NOT NULL AS staged, t.{first_key} IS NOT NULL AS kept, t.{column} AS kept_value "
+        "FROM moved AS m LEFT JOIN LATERAL (SELECT e.{position}, e.{column}, "
+        "coalesce(e.{unchanged} ? {name}, false) AS pending FROM {stage} AS e WHERE {same_old} "
+        "AND e.{op} <> {delete} AND (e.{position}, e.{ordinal}) < (m.{position}, m.{ordinal}) "
+        "AND NOT (e.{op} <> {insert} AND coalesce(e.{unchanged} ? {name}, false)) "
+        "ORDER BY e.{position} DESC, e.{ordinal} DESC LIMIT 1) AS src ON true "
+        "LEFT JOIN {target} AS t ON {in_target}) "
+        "UPDATE {stage} AS s SET {column} = CASE WHEN f.staged THEN f.value ELSE f.kept_value END, "
+        "{unchanged} = s.{unchanged} - {name} FROM found AS f "
+        "WHERE s.{position} = f.{position} AND s.{ordinal} = f.{ordinal} "
+        "AND ((f.staged AND NOT f.pending) OR (NOT f.staged AND f.kept))"
+    ).format(
+        position=sql.Identifier(_POSITION),
+        ordinal=sql.Identifier(_ORDINAL),
+        old_key=old_key,
+        stage=staged.identifier,
+        op=sql.Identifier(OPERATION_COLUMN),
+        delete=sql.Literal(Operation.DELETE.value),
+        insert=sql.Literal(Operation.INSERT.value),
+        unchanged=sql.Identifier(UNCHANGED_COLUMN),
+        name=name,
+        column=sql.Identifier(column),
+        same_old=same_old,
+        first_key=first_key,
+        target=target,
+        in_target=in_target,
     )
 
 
@@ -431,17 +640,25 @@ def _apply(target: sql.Composable, staged: ChangeStage, last: sql.Composable) ->
 
 
 __all__ = [
+    "APPLIED_OPERATIONS",
+    "CREATED_COMMENT",
     "KEY_METADATA",
+    "MISSING_METADATA",
     "NO_CHANGES",
     "OPERATIONS",
+    "UNLOGGED_DEFAULT_METADATA",
     "ChangeCounts",
     "ChangeLayout",
     "ChangeStage",
     "StagedRows",
     "apply_stage",
     "change_layout",
+    "check_types",
     "create_stage",
+    "create_table",
+    "created_from_changes",
     "data_schema",
+    "evolve",
     "stage",
     "staged_rows",
 ]

@@ -52,7 +52,6 @@ from faucet_dagster.protocol import (
     ConfigError,
     DataError,
     Durability,
-    Operation,
     PartialResult,
     SchemaError,
     Sink,
@@ -123,7 +122,7 @@ class PostgresSink(Sink):
             bounded_policies=frozenset({self.mode}),
             accepted_operations={
                 **DEFAULT_POLICY_OPERATIONS,
-                WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+                WritePolicy.APPLY_CHANGES: changes.APPLIED_OPERATIONS,
             },
             # apply_changes takes the key from the change rows (faucet.key) when none is configured.
             requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),

@@ -75,7 +75,6 @@ from faucet_dagster.protocol import (
     IntegerPositionCodec,
     IntegrityError,
     LifecycleError,
-    Operation,
     OrderingDomain,
     OwnershipLost,
     Position,
@@ -128,7 +127,7 @@ def _capabilities(config: PostgresStreamingSinkConfig) -> SinkCapabilities:
         continuous_policies=POLICIES,
         accepted_operations={
             **DEFAULT_POLICY_OPERATIONS,
-            WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+            WritePolicy.APPLY_CHANGES: changes.APPLIED_OPERATIONS,
         },
         # APPLY_CHANGES takes each table's key from the change rows (faucet.key) when none is given.
         requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),
@@ -197,6 +196,8 @@ class _Target:
     table: str
     columns: dict[str, PgColumn]
     stage: sql.Identifier | None = None
+    from_changes: bool = False
+    """APPLY_CHANGES created the table (its column types follow the change rows' Arrow types)."""
 
     @property
     def identifier(self) -> sql.Identifier:
@@ -220,11 +221,13 @@ class _Tally:
 
 @dataclass
 class _Changes:
-    """APPLY_CHANGES: one destination table's staged changes in the active epoch."""
+    """APPLY_CHANGES: one destination table's staged changes in the active epoch (``counts`` includes
+    the stages applied before a schema change within the epoch)."""
 
     target: _Target
     stage: changes.ChangeStage
     domain: tuple[str, str, str]
+    schema: pa.Schema
     counts: changes.ChangeCounts = changes.NO_CHANGES
 
 
@@ -769,22 +772,21 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         where = f"{self._where} table {table}"
         layout = changes.change_layout(records.schema, self._key, where)
         pending = state.changes.get(table)
-        if pending is None:
-            target = await self._target(conn, table, changes.data_schema(records.schema), layout.key)
-            stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
-            pending = state.changes[table] = _Changes(target, stage, domain.lineage)
-        elif pending.domain != domain.lineage:
+        if pending is not None and pending.domain != domain.lineage:
             raise IntegrityError(
                 f"changes from {'/'.join(domain.lineage)} and {'/'.join(pending.domain)} go to one table: "
                 "two ordering domains have no common order to apply them in",
                 where=where,
             )
-        elif pending.stage.layout != layout:
-            raise SchemaError(
-                f"changes with columns {layout.columns} keyed by {layout.key} came after changes with "
-                f"columns {pending.stage.layout.columns} keyed by {pending.stage.layout.key} in one epoch",
-                where=where,
-            )
+        if pending is None or pending.stage.layout != layout or pending.schema != records.schema:
+            counts = changes.NO_CHANGES
+            if pending is not None:
+                # The source table's columns changed (DDL) within the epoch: the changes before it are
+                # applied now, in commit order, so the new columns' backfill reaches exactly their rows.
+                counts = await self._apply_pending(conn, state, table, pending)
+            target = await self._change_target(conn, table, records.schema, layout, where)
+            stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
+            pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
         rows = changes.staged_rows(
             records, layout, _integer_positions(domain, identities, where), _ordinals(identities), where
         )
@@ -793,18 +795,56 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
     async def _apply_changes(self, conn: Connection, state: _Epoch) -> None:
         """APPLY_CHANGES: apply every table's staged changes (first step of the commit)."""
         for table, pending in state.changes.items():
-            where = f"{self._where} table {table}"
-            try:
-                pending.counts = await changes.apply_stage(
-                    conn, pending.target.identifier, pending.stage, where
+            pending.counts = await self._apply_pending(conn, state, table, pending)
+
+    async def _apply_pending(
+        self, conn: Connection, state: _Epoch, table: str, pending: _Changes
+    ) -> changes.ChangeCounts:
+        """Apply one table's stage; the counts so far plus this stage's."""
+        where = f"{self._where} table {table}"
+        try:
+            return pending.counts + await changes.apply_stage(
+                conn, pending.target.identifier, pending.stage, where
+            )
+        except BaseException as exc:
+            state.failed = True
+            if isinstance(exc, psycopg.Error):
+                raise await self._failure(exc, where=where, doing="applying the epoch's changes") from exc
+            if isinstance(exc, pa.ArrowException):
+                raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
+            raise
+
+    async def _change_target(
+        self, conn: Connection, table: str, schema: pa.Schema, layout: changes.ChangeLayout, where: str
+    ) -> _Target:
+        """APPLY_CHANGES: the table for change rows of ``schema``, created or evolved
+        (:func:`changes.evolve`) and checked against the source's column types."""
+        data = changes.data_schema(schema)
+        known = self._targets.get(table)
+        if known is not None and set(data.names) <= set(known.columns):
+            changes.check_types(known.columns, data, known.from_changes, where)
+            return known
+        columns = await table_columns(conn, self._schema, table)
+        from_changes = False
+        if columns is None:
+            if not self._config.create_tables:
+                raise ConfigError(f"table {self._schema}.{table} does not exist", where=self._where)
+            columns = await changes.create_table(conn, self._schema, table, data, layout.key)
+            from_changes = True
+        else:
+            from_changes = await changes.created_from_changes(conn, self._schema, table)
+        missing = [item for item in data if item.name not in columns]
+        if missing:
+            if not self._config.schema_evolution:
+                raise SchemaError(
+                    f"table {self._schema}.{table} has no column(s) "
+                    f"{', '.join(item.name for item in missing)} (schema_evolution is off)",
+                    where=self._where,
                 )
-            except BaseException as exc:
-                state.failed = True
-                if isinstance(exc, psycopg.Error):
-                    raise await self._failure(exc, where=where, doing="applying the epoch's changes") from exc
-                if isinstance(exc, pa.ArrowException):
-                    raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
-                raise
+            columns = await changes.evolve(conn, self._schema, table, missing, where)
+        changes.check_types(columns, data, from_changes, where)
+        target = self._targets[table] = _Target(self._schema, table, columns, from_changes=from_changes)
+        return target
 
     def _next_watermarks(self, state: _Epoch, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""
