@@ -86,7 +86,7 @@ class PostgresCdcSession(SlotSession):
                 return Coverage()
             await self._attached()
             start = self._position
-            writer = TransactionWriter(self.domain, sink, self.config.batch_rows)
+            writer = TransactionWriter(self.domain, sink, self.config.batch_rows, self._delivered)
             try:
                 await self._read_into(writer, _Progress(limits), cancel)
             except Interrupted:
@@ -170,30 +170,28 @@ class PostgresCdcSession(SlotSession):
                             if table.selected and writer.add(table, message.new.values, INSERT, None):
                                 await writer.flush()
                         elif type(message) is commit:
-                            writer.commit(message.commit_lsn)
+                            await writer.commit(message.commit_lsn)
                             if progress.limit_reached(writer.rows):
                                 stopped = True
-                                await self._deliver(writer)
+                                await writer.close_group()
                                 break
                             if writer.grouped >= GROUP_TRANSACTIONS:
-                                await self._deliver(writer)
+                                await writer.close_group()
                         else:
                             await self._apply(message, writer)
                 await cursor.close()
             if not stopped:
-                await self._deliver(writer)
+                await writer.close_group()
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading changes", where=self._where) from exc
         if stopped:
             await self._detach()
         return seen, stopped
 
-    async def _deliver(self, writer: TransactionWriter) -> None:
-        """Close the writer's group of complete transactions: its end is the delivered position."""
-        position = await writer.close_group()
-        if position is not None:
-            self._position = position
-            self._last_boundary_at = time.monotonic()
+    def _delivered(self, position: int) -> None:
+        """A boundary reached the sink: the position a new copy of the slot resumes after."""
+        self._position = position
+        self._last_boundary_at = time.monotonic()
 
     async def _flushed_through(self, conn: Connection) -> int:
         """A WAL position every record before which is flushed: where a decoding call may stop.
@@ -266,8 +264,7 @@ class PostgresCdcSession(SlotSession):
         known = self._tables.get(relation.oid)
         if known is not None and known.relation == relation:
             return known
-        if known is not None:
-            await writer.flush_table(known)
+        # Rows buffered under an older relation stay with its Table, and are written before newer ones.
         selected = self._selected is None or relation.oid in self._selected
         if (
             self._selected is not None

@@ -319,6 +319,7 @@ def test_the_planner_accepts_apply_changes_only_from_the_change_source() -> None
         Operation.INSERT,
         Operation.UPDATE,
         Operation.DELETE,
+        Operation.TRUNCATE,
     }
     cdc = postgres.stream_source(
         {"url": "postgresql://app@db.invalid/shop", "slot": "shop", "publication": "shop_pub"}
