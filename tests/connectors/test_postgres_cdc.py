@@ -54,7 +54,6 @@ from faucet_dagster.protocol import (
     StreamRecordSink,
     TransactionBegin,
     TransactionEnd,
-    UnsupportedOperation,
     WorkerIdentity,
     get_connector,
 )
@@ -721,6 +720,39 @@ def test_cancellation_inside_a_large_transaction_covers_only_finished_ones(
     run(scenario)
 
 
+def test_a_read_ends_at_a_transaction_end_inside_one_decoding_call(
+    postgres_url: str, unique_name: Any
+) -> None:
+    """A limit reached inside one server call (here 3,000 one-row transactions in one call) ends the
+    read at the next transaction end; the next read resumes there, with no gap and no overlap."""
+    slot = unique_name("s")
+    config = cdc_config(postgres_url, slot, tables=("public.t",), changes_per_call=100_000)
+
+    async def scenario() -> tuple[Recorder, list[Coverage]]:
+        await sql(postgres_url, "CREATE TABLE t (id int PRIMARY KEY)")
+        await setup_replication(config)
+        async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+            await conn.execute(
+                "DO $$ BEGIN FOR g IN 1..3000 LOOP INSERT INTO t VALUES (g); COMMIT; END LOOP; END $$"
+            )
+        session = await open_session(config)
+        recorder = Recorder()
+        # A byte limit, which no server call's message count reflects: only the decoding loop sees it.
+        coverages = await drain(session, recorder, ReadLimits(bytes=30_000, idle=0.4))
+        await session.close()
+        return recorder, coverages
+
+    recorder, coverages = run(scenario)
+    ids = [row.values["id"] for tx in recorder.transactions for row in tx.rows]
+    assert ids == list(range(1, 3001)), "every row once, in commit order"
+    assert len(coverages) >= 4, f"{len(coverages)} reads: the limit did not end a read inside the call"
+    ends = [coverage.domains[0].end for coverage in coverages]
+    assert ends[-1] == recorder.transactions[-1].position
+    # Each read ended at a transaction end at or just past its limit (the groups' ends).
+    positions = {tx.position for tx in recorder.transactions}
+    assert all(end in positions for end in ends)
+
+
 def test_a_slow_sink_outlasts_the_servers_idle_and_statement_timeouts(
     postgres_url: str, unique_name: Any
 ) -> None:
@@ -1090,7 +1122,12 @@ def test_registered_as_the_postgres_stream_source_with_honest_capabilities() -> 
     assert isinstance(source, PostgresCdcSource)
     capabilities = source.capabilities()
     assert capabilities.emits is Emits.CHANGES and capabilities.ordering is Ordering.STRICT_GLOBAL
-    assert capabilities.operations == {Operation.INSERT, Operation.UPDATE, Operation.DELETE, Operation.TRUNCATE}
+    assert capabilities.operations == {
+        Operation.INSERT,
+        Operation.UPDATE,
+        Operation.DELETE,
+        Operation.TRUNCATE,
+    }
     assert capabilities.replay is Replay.REPLAYABLE_AT_LEAST_ONCE and capabilities.continuous
     assert capabilities.transaction_boundaries and capabilities.event_identity and capabilities.deterministic
     assert [codec.name for codec in source.codecs()] == ["postgres.lsn"]
