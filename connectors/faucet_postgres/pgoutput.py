@@ -28,7 +28,8 @@ import pyarrow.compute as pc
 
 from faucet_dagster.protocol import OPERATION_COLUMN, UNCHANGED_COLUMN, DataError, IntegrityError
 from faucet_postgres import common
-from faucet_postgres.changes import KEY_METADATA, MISSING_METADATA, UNLOGGED_DEFAULT_METADATA
+from faucet_postgres.change_schema import MISSING_METADATA, UNLOGGED_DEFAULT_METADATA
+from faucet_postgres.changes import KEY_METADATA
 from faucet_postgres.common import INFINITE, INFINITE_DATES, PgColumn
 
 _U32 = Struct(">I")
@@ -360,7 +361,7 @@ def relation_schema(
     (``faucet.pg_type``) and marks the columns that identify a row (``faucet.key``): the columns at
     ``keys``, by default the replica identity columns. ``older_rows`` tells, per column with a
     default, what rows older than the column hold: the missing value's text (``faucet.missing``), or
-    ``None`` when that is not known (``faucet.unlogged_default``; see :mod:`faucet_postgres.changes`).
+    ``None`` when that is not known (``faucet.unlogged_default``; see :mod:`faucet_postgres.change_schema`).
     The schema metadata names the table and its replica identity setting.
     """
     older = older_rows or {}

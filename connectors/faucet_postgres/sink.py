@@ -60,7 +60,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     bisect_rejections,
 )
-from faucet_postgres import changes
+from faucet_postgres import change_schema, changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -341,7 +341,11 @@ class PostgresSink(Sink):
                     "(schema evolution is off)",
                     where=self.dataset_uri(),
                 )
-            columns = await add_columns(conn, pg_schema, name, new)
+            if self.mode is WritePolicy.APPLY_CHANGES:
+                # A column added at the source: its older rows' value too (see change_schema.evolve).
+                columns = await change_schema.evolve(conn, pg_schema, name, new, self.dataset_uri())
+            else:
+                columns = await add_columns(conn, pg_schema, name, new)
         missing_key = [column for column in self.config.key if column not in schema.names]
         if self.mode in (WritePolicy.UPSERT, WritePolicy.DELETE) and missing_key:
             raise SchemaError(

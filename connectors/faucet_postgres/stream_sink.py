@@ -90,7 +90,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     default_codec_registry,
 )
-from faucet_postgres import changes
+from faucet_postgres import change_schema, changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -678,16 +678,32 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         )
         return records.filter(keep), identities, len(positions) - kept
 
-    async def _target(self, conn: Connection, table: str, schema: pa.Schema, key: Sequence[str]) -> _Target:
+    async def _target(
+        self,
+        conn: Connection,
+        table: str,
+        schema: pa.Schema,
+        key: Sequence[str],
+        *,
+        change_rows: bool = False,
+    ) -> _Target:
         """The table for a batch of ``schema``: created when missing (``key`` as its primary key),
-        checked for missing columns."""
+        checked for missing columns (added with ``schema_evolution``). For ``change_rows``
+        (APPLY_CHANGES, ``schema`` without the operation columns) it is created, evolved and checked
+        through :mod:`faucet_postgres.change_schema`."""
         target = self._targets.get(table)
         if target is None or not set(schema.names) <= set(target.columns):
+            where = f"{self._where} table {table}"
             columns = await table_columns(conn, self._schema, table)
+            from_changes = False
             if columns is None:
                 if not self._config.create_tables:
                     raise ConfigError(f"table {self._schema}.{table} does not exist", where=self._where)
-                columns = await create_table(conn, self._schema, table, schema, key)
+                make = change_schema.create_table if change_rows else create_table
+                columns = await make(conn, self._schema, table, schema, key)
+                from_changes = change_rows
+            elif change_rows:
+                from_changes = await change_schema.created_from_changes(conn, self._schema, table)
             missing = [item for item in schema if item.name not in columns]
             if missing:
                 if not self._config.schema_evolution:
@@ -696,9 +712,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                         f"{', '.join(item.name for item in missing)} (schema_evolution is off)",
                         where=self._where,
                     )
-                columns = await add_columns(conn, self._schema, table, missing)
-            target = _Target(self._schema, table, columns)
+                if change_rows:
+                    columns = await change_schema.evolve(conn, self._schema, table, missing, where)
+                else:
+                    columns = await add_columns(conn, self._schema, table, missing)
+            target = _Target(self._schema, table, columns, from_changes=from_changes)
             self._targets[table] = target
+        if change_rows:
+            change_schema.check_types(
+                target.columns, schema, target.from_changes, f"{self._where} table {table}"
+            )
         return target
 
     async def _merge(self, conn: Connection, target: _Target, records: pa.RecordBatch) -> int:
@@ -784,7 +807,8 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 # The source table's columns changed (DDL) within the epoch: the changes before it are
                 # applied now, in commit order, so the new columns' backfill reaches exactly their rows.
                 counts = await self._apply_pending(conn, state, table, pending)
-            target = await self._change_target(conn, table, records.schema, layout, where)
+            data = changes.data_schema(records.schema)
+            target = await self._target(conn, table, data, layout.key, change_rows=True)
             stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
             pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
         rows = changes.staged_rows(
@@ -813,38 +837,6 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             if isinstance(exc, pa.ArrowException):
                 raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
             raise
-
-    async def _change_target(
-        self, conn: Connection, table: str, schema: pa.Schema, layout: changes.ChangeLayout, where: str
-    ) -> _Target:
-        """APPLY_CHANGES: the table for change rows of ``schema``, created or evolved
-        (:func:`changes.evolve`) and checked against the source's column types."""
-        data = changes.data_schema(schema)
-        known = self._targets.get(table)
-        if known is not None and set(data.names) <= set(known.columns):
-            changes.check_types(known.columns, data, known.from_changes, where)
-            return known
-        columns = await table_columns(conn, self._schema, table)
-        from_changes = False
-        if columns is None:
-            if not self._config.create_tables:
-                raise ConfigError(f"table {self._schema}.{table} does not exist", where=self._where)
-            columns = await changes.create_table(conn, self._schema, table, data, layout.key)
-            from_changes = True
-        else:
-            from_changes = await changes.created_from_changes(conn, self._schema, table)
-        missing = [item for item in data if item.name not in columns]
-        if missing:
-            if not self._config.schema_evolution:
-                raise SchemaError(
-                    f"table {self._schema}.{table} has no column(s) "
-                    f"{', '.join(item.name for item in missing)} (schema_evolution is off)",
-                    where=self._where,
-                )
-            columns = await changes.evolve(conn, self._schema, table, missing, where)
-        changes.check_types(columns, data, from_changes, where)
-        target = self._targets[table] = _Target(self._schema, table, columns, from_changes=from_changes)
-        return target
 
     def _next_watermarks(self, state: _Epoch, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""
