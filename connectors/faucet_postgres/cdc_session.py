@@ -260,11 +260,12 @@ class PostgresCdcSession(SlotSession):
         return table
 
     async def _remember(self, relation: pg.Relation, writer: TransactionWriter) -> Table:
-        """Keep ``relation``'s description; rows buffered under an older one are written first."""
+        """Keep ``relation``'s description (a new :class:`Table` when it changed). Rows ``writer``
+        buffered under the older one stay with the older Table and are written before the newer
+        ones (the writer keeps them in arrival order), each batch with the schema it was read under."""
         known = self._tables.get(relation.oid)
         if known is not None and known.relation == relation:
             return known
-        # Rows buffered under an older relation stay with its Table, and are written before newer ones.
         selected = self._selected is None or relation.oid in self._selected
         if (
             self._selected is not None
