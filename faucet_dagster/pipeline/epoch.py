@@ -347,7 +347,7 @@ class EpochPipeline(StreamRecordSink):
             isinstance(rows, pa.RecordBatch)
             and builder.chunks
             and isinstance(builder.chunks[-1], pa.RecordBatch)
-            and not rows.schema.equals(builder.chunks[-1].schema)
+            and not rows.schema.equals(builder.chunks[-1].schema, check_metadata=True)
         ):
             await self._flush(builder)  # a schema change at the source: one batch per schema
         builder.add(rows, identities)
