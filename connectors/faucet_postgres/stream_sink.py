@@ -229,6 +229,8 @@ class _Changes:
     domain: tuple[str, str, str]
     schema: pa.Schema
     counts: changes.ChangeCounts = changes.NO_CHANGES
+    last_position: int = 0
+    """The highest position staged."""
 
 
 @dataclass
@@ -801,19 +803,27 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 "two ordering domains have no common order to apply them in",
                 where=where,
             )
+        positions = _integer_positions(domain, identities, where)
         if pending is None or pending.stage.layout != layout or pending.schema != records.schema:
             counts = changes.NO_CHANGES
             if pending is not None:
                 # The source table's columns changed (DDL) within the epoch: the changes before it are
-                # applied now, in commit order, so the new columns' backfill reaches exactly their rows.
+                # applied now, so the new columns' backfill reaches exactly their rows. That needs
+                # them to precede every row of the new schema (one resource per table does).
+                first = pc.min(positions).as_py()
+                if first is not None and first < pending.last_position:
+                    raise IntegrityError(
+                        f"changes of another schema of table {table} came before changes already staged "
+                        "(two resources write this table?): they cannot be applied in commit order",
+                        where=where,
+                    )
                 counts = await self._apply_pending(conn, state, table, pending)
             data = changes.data_schema(records.schema)
             target = await self._target(conn, table, data, layout.key, change_rows=True)
             stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
             pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
-        rows = changes.staged_rows(
-            records, layout, _integer_positions(domain, identities, where), _ordinals(identities), where
-        )
+        rows = changes.staged_rows(records, layout, positions, _ordinals(identities), where)
+        pending.last_position = max(pending.last_position, pc.max(positions).as_py() or 0)
         return pending.target, await changes.stage(conn, pending.stage, rows)
 
     async def _apply_changes(self, conn: Connection, state: _Epoch) -> None:
