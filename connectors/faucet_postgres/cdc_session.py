@@ -75,6 +75,12 @@ class PostgresCdcSession(SlotSession):
     Reads and acknowledgements are serialized; ``close`` waits for the one in progress.
     """
 
+    _copy_ahead = False
+    """The copy was consumed past the last delivered boundary (a read ended inside a server call):
+    the next read copies the slot again. The acknowledgement in between keeps the connection (it
+    advances the slot itself), so the new copy starts where it was acknowledged, with nothing to
+    decode twice."""
+
     # -- reading ------------------------------------------------------------------------------------
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
@@ -84,6 +90,9 @@ class PostgresCdcSession(SlotSession):
             if not self._owned:
                 await _pause(_quiet_budget(limits), cancel)
                 return Coverage()
+            if self._copy_ahead:
+                self._copy_ahead = False
+                await self._detach()
             await self._attached()
             start = self._position
             writer = TransactionWriter(self.domain, sink, self.config.batch_rows, self._delivered)
@@ -184,8 +193,7 @@ class PostgresCdcSession(SlotSession):
                 await writer.close_group()
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading changes", where=self._where) from exc
-        if stopped:
-            await self._detach()
+        self._copy_ahead = stopped
         return seen, stopped
 
     def _delivered(self, position: int) -> None:
