@@ -38,9 +38,10 @@ Reading without consuming
     connection); after an interrupted or failed read the session makes a new copy and moves it to the
     last boundary it delivered. A read ends at the first transaction end after one of its limits
     (records, bytes, age), even inside a call: the rest of the call is dropped with the copy, which
-    the next read replaces (after the acknowledgement, so nothing is decoded twice). Each call decodes up to the WAL insert position read just before it,
-    with the WAL flushed that far (see ``_flushed_through``): decoding to a flush position that lies
-    inside a record would wait for a transaction left open elsewhere in the cluster.
+    the next read replaces (after the acknowledgement, so nothing is decoded twice). Each call
+    decodes up to the WAL insert position read just before it, with the WAL flushed that far (see
+    ``_flushed_through``): decoding to a flush position that lies inside a record would wait for a
+    transaction left open elsewhere in the cluster.
 
 Acknowledgement
     ``acknowledge`` awaits ``authority()`` and then ``pg_replication_slot_advance(slot, X + 1)``:
