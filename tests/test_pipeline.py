@@ -268,6 +268,49 @@ def test_positions_only_move_forward_from_the_certified_start() -> None:
     run(scenario)
 
 
+def test_inside_a_transaction_resources_may_interleave_but_never_go_before_it() -> None:
+    """A group of source transactions: each resource's rows in order, the resources in any order."""
+
+    async def scenario() -> None:
+        epoch, session = begin(Pipeline({"items": SCHEMA, "other": SCHEMA}))
+        await epoch.write(DOMAIN, rows(1, 2), ids(1, 2))
+        await epoch.control(ProgressBoundary(DOMAIN, "2"))
+        await epoch.control(TransactionBegin(DOMAIN, "group"))
+        await epoch.write(DOMAIN, rows(3, 3) + rows(5, 5), Identities(["3", "5"]), resource="items")
+        await epoch.write(DOMAIN, rows(4, 4), ids(4, 4), resource="other")
+        with pytest.raises(IntegrityError, match="went back"):
+            await epoch.write(DOMAIN, rows(1, 1), ids(1, 1), resource="other")
+        with pytest.raises(IntegrityError, match="before the last row"):
+            await epoch.control(TransactionEnd(DOMAIN, "group", "4"))
+        await epoch.control(TransactionEnd(DOMAIN, "group", "5"))
+        sealed = await epoch.seal(coverage(5))
+        assert sealed.row_counts == {"items": 4, "other": 1}
+        assert len(applied_rows(session)) == 5
+
+    run(scenario)
+
+
+def test_an_inferred_arrow_schema_follows_the_source_one_batch_per_schema() -> None:
+    """A column added at the source: the inferred schema follows it, and rows read under each schema
+    reach the sink in batches of their own, in order (the sink decides what the change means)."""
+
+    async def scenario() -> None:
+        pipeline = Pipeline()
+        epoch, session = begin(pipeline)
+        old = pa.RecordBatch.from_pydict({"id": pa.array([1, 2], pa.int64())})
+        new = pa.RecordBatch.from_pydict(
+            {"id": pa.array([3], pa.int64()), "priority": pa.array([7], pa.int32())}
+        )
+        await epoch.control(TransactionBegin(DOMAIN, "t"))
+        await epoch.write(DOMAIN, old, ids(1, 2))
+        await epoch.write(DOMAIN, new, ids(3, 3))
+        await epoch.control(TransactionEnd(DOMAIN, "t", "3"))
+        assert [batch.records.schema.names for batch in session.pending] == [["id"], ["id", "priority"]]
+        assert pipeline.converter("items").schema == pa.schema([("id", pa.int64()), ("priority", pa.int32())])
+
+    run(scenario)
+
+
 def test_a_domain_of_another_incarnation_than_the_certified_start_is_refused() -> None:
     async def scenario() -> None:
         epoch, _ = begin(Pipeline({"items": SCHEMA}), starts=(Position(domain("inc-0"), "10"),))

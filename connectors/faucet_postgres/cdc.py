@@ -1,17 +1,19 @@
 """PostgreSQL change data capture: a StreamSource reading a logical replication slot through pgoutput.
 
 What it emits
-    CHANGES in strict commit order. Each source transaction becomes ``TransactionBegin``, its rows
-    (resource ``schema.table``), ``TransactionEnd`` at its commit LSN; a transaction without rows of
-    the selected tables (a heartbeat, say) becomes a ``ProgressBoundary`` at its commit LSN. A row
+    CHANGES in strict commit order. Source transactions become ``TransactionBegin``, their rows
+    (resource ``schema.table``), ``TransactionEnd`` at a commit LSN; complete transactions read
+    together are delivered as one group (one pair of controls ending at the group's last commit), so a
+    backlog of small transactions costs little per transaction. A group without rows of the selected
+    tables (heartbeats, say) becomes a ``ProgressBoundary`` at its last commit LSN. A row
     holds the table's columns (typed, see :mod:`faucet_postgres.pgoutput`), the operation in
-    ``__faucet_op`` (``insert``, ``update``, ``delete``) and, in ``__faucet_unchanged``, the TOASTed
-    columns an update did not send (null and "keep the destination's value"). An insert or update
-    carries the whole new row; a delete carries the replica identity key (the whole old row under
-    ``REPLICA IDENTITY FULL``), its other columns null. An update that changes the key becomes a
+    ``__faucet_op`` (``insert``, ``update``, ``delete``, ``truncate``) and, in ``__faucet_unchanged``,
+    the TOASTed columns an update did not send (null and "keep the destination's value"). An insert or
+    update carries the whole new row; a delete carries the replica identity key (the whole old row
+    under ``REPLICA IDENTITY FULL``), its other columns null. An update that changes the key becomes a
     delete of the old key followed by an insert of the new row, so applying changes in order by key
-    is always right. A TRUNCATE of a selected table raises :class:`UnsupportedOperation`: it has no
-    row form, and dropping it silently would leave the replica wrong.
+    is always right; TOASTed columns it left out are named on the insert (keep the old row's values).
+    A TRUNCATE becomes one ``truncate`` row (every data column null) per selected table.
 
 Positions and identity
     One ordering domain per slot: ``OrderingDomain("postgres", slot, "", incarnation,
@@ -34,9 +36,12 @@ Reading without consuming
     transaction of any size is written to the pipeline in ``batch_rows`` pieces and certified only at
     its end. The copy goes away with the connection (PostgreSQL also drops it on any error of that
     connection); after an interrupted or failed read the session makes a new copy and moves it to the
-    last boundary it delivered. Each call decodes up to the WAL insert position read just before it,
-    with the WAL flushed that far (see ``_flushed_through``): decoding to a flush position that lies
-    inside a record would wait for a transaction left open elsewhere in the cluster.
+    last boundary it delivered. A read ends at the first transaction end after one of its limits
+    (records, bytes, age), even inside a call: the rest of the call is dropped with the copy, which
+    the next read replaces (after the acknowledgement, so nothing is decoded twice). Each call
+    decodes up to the WAL insert position read just before it, with the WAL flushed that far (see
+    ``_flushed_through``): decoding to a flush position that lies inside a record would wait for a
+    transaction left open elsewhere in the cluster.
 
 Acknowledgement
     ``acknowledge`` awaits ``authority()`` and then ``pg_replication_slot_advance(slot, X + 1)``:
@@ -106,7 +111,7 @@ class PostgresCdcSource(StreamSource):
         """CHANGES in strict commit order with transaction boundaries; bounded with ``stop_at_open``."""
         return SourceCapabilities(
             emits=Emits.CHANGES,
-            operations=frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+            operations=frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE, Operation.TRUNCATE}),
             ordering=Ordering.STRICT_GLOBAL,
             replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
             bounded=self.config.stop_at_open,

@@ -44,9 +44,11 @@ class PostgresCdcConfig(PostgresConnection):
     poll_interval: float = Field(default=0.5, gt=0)
     """The longest pause between two reads of the slot that found nothing."""
     changes_per_call: int = Field(default=100_000, ge=1)
-    """The target number of pgoutput messages decoded per server call (a transaction is never cut)."""
+    """The target number of pgoutput messages decoded per server call (a transaction is never cut). A
+    read still ends at the first transaction end after its limits, inside a call."""
     batch_rows: int = Field(default=10_000, ge=1)
-    """Rows of an open transaction buffered per table before they are written to the pipeline."""
+    """Rows buffered (of the complete transactions of a group and the open one) before they are written
+    to the pipeline."""
 
     @field_validator("slot")
     @classmethod

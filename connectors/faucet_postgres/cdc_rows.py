@@ -1,12 +1,12 @@
-"""Change rows: what a decoded change becomes, buffered per table and written one transaction at a time."""
+"""Change rows: what a decoded change becomes, buffered per table and written in runs of whole source
+transactions."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from faucet_dagster.protocol import (
-    DataError,
     Identities,
     IntegrityError,
     Operation,
@@ -20,6 +20,9 @@ from faucet_postgres import pgoutput as pg
 from faucet_postgres.cdc_server import CODEC
 
 INSERT, UPDATE, DELETE = Operation.INSERT.value, Operation.UPDATE.value, Operation.DELETE.value
+TRUNCATE = Operation.TRUNCATE.value
+GROUP_TRANSACTIONS = 1_000
+"""Complete source transactions written under one pair of transaction controls, at most."""
 
 
 class Table:
@@ -27,14 +30,20 @@ class Table:
 
     __slots__ = ("key_indexes", "relation", "resource", "schema", "selected", "where", "width")
 
-    def __init__(self, relation: pg.Relation, selected: bool, key_indexes: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        relation: pg.Relation,
+        selected: bool,
+        key_indexes: tuple[int, ...],
+        older_rows: Mapping[str, str | None] | None = None,
+    ) -> None:
         self.relation = relation
         self.selected = selected
         self.resource = relation.qualified_name
         self.key_indexes = key_indexes
         """The columns whose change makes an update a delete and an insert (see :func:`change_rows`);
         the change rows mark them ``faucet.key`` (under REPLICA IDENTITY FULL: the primary key)."""
-        self.schema = pg.relation_schema(relation, key_indexes)
+        self.schema = pg.relation_schema(relation, key_indexes, older_rows)
         self.where = f"table {self.resource}"
         self.width = len(relation.columns)
 
@@ -52,8 +61,9 @@ class Table:
 
 @dataclass
 class Rows:
-    """Rows of one table buffered within a transaction, with their ordinals."""
+    """Rows of one table buffered, with their positions (commit LSNs) and ordinals."""
 
+    positions: list[str] = field(default_factory=list)
     values: list[Sequence[str | None]] = field(default_factory=list)
     operations: list[str] = field(default_factory=list)
     unchanged: list[list[str] | None] = field(default_factory=list)
@@ -61,20 +71,38 @@ class Rows:
 
 
 class TransactionWriter:
-    """One source transaction at a time: its rows buffered per table, written in pieces, then its end.
+    """Source transactions, one after another, buffered per table and written in pieces.
 
-    ``TransactionBegin`` goes to the sink before the transaction's first rows; a transaction without
-    rows of the selected tables ends as a ``ProgressBoundary``. Rows of one table keep their order;
-    ordinals number all rows of the transaction in source order.
+    Complete transactions are delivered in groups: a group's rows go to the sink between one
+    ``TransactionBegin`` and one ``TransactionEnd`` at the group's last commit (each row keeps its own
+    transaction's commit LSN and ordinal), so a backlog of small transactions costs one pair of
+    controls and one batch per table per group, not per transaction. :meth:`commit` closes a
+    transaction into the group; :meth:`close_group` delivers the group (without rows of the selected
+    tables: a ``ProgressBoundary``). A transaction too large for the buffer is written in pieces under
+    its own controls, after the group before it was delivered, so every complete transaction read has
+    a boundary even while a large one is still being read. Rows of one table keep their order;
+    ordinals number the rows of a transaction in source order.
     """
 
-    def __init__(self, domain: OrderingDomain, sink: StreamRecordSink, batch_rows: int) -> None:
+    def __init__(
+        self,
+        domain: OrderingDomain,
+        sink: StreamRecordSink,
+        batch_rows: int,
+        on_boundary: Callable[[int], None] = lambda position: None,
+    ) -> None:
         self._domain = domain
         self._sink = sink
         self._batch_rows = batch_rows
-        self._pending: dict[Table, Rows] = {}
+        self._on_boundary = on_boundary
+        """Called with the position of every boundary delivered, once the sink accepted it."""
+        self._group: dict[Table, Rows] = {}
+        self._current: dict[Table, Rows] = {}
         self._buffered = 0
         self._transaction_id = ""
+        self._group_id = ""
+        self._grouped = 0
+        self._group_end = -1
         self._position = -1
         self._canonical = ""
         self._ordinal = 0
@@ -84,7 +112,13 @@ class TransactionWriter:
 
     @property
     def position(self) -> int:
+        """The commit LSN of the open (or else the last committed) transaction."""
         return self._position
+
+    @property
+    def grouped(self) -> int:
+        """Complete transactions in the group, not yet delivered."""
+        return self._grouped
 
     def begin(self, transaction_id: str, position: int) -> None:
         if self.is_open:
@@ -92,6 +126,8 @@ class TransactionWriter:
                 f"transaction {transaction_id} began inside transaction {self._transaction_id}",
                 where=str(self._domain),
             )
+        if not self._grouped:
+            self._group_id = transaction_id
         self._transaction_id = transaction_id
         self._position = position
         self._canonical = CODEC.canonicalize(position)
@@ -111,9 +147,10 @@ class TransactionWriter:
             raise IntegrityError(
                 f"a row of {len(values)} values came for {table.width} columns", where=table.where
             )
-        rows = self._pending.get(table)
+        rows = self._current.get(table)
         if rows is None:
-            rows = self._pending[table] = Rows()
+            rows = self._current[table] = Rows()
+        rows.positions.append(self._canonical)
         rows.values.append(values)
         rows.operations.append(operation)
         rows.unchanged.append(unchanged)
@@ -124,30 +161,76 @@ class TransactionWriter:
         return self._buffered >= self._batch_rows
 
     async def flush(self) -> None:
-        """Write every buffered row to the sink (after ``TransactionBegin``, the first time)."""
-        for table in list(self._pending):
-            await self.flush_table(table)
-
-    async def flush_table(self, table: Table) -> None:
-        rows = self._pending.pop(table, None)
-        if rows is None:
-            return
-        self._buffered -= len(rows.operations)
+        """Write the open transaction's buffered rows (the buffer is full): the group before it is
+        delivered first, then the transaction continues under its own ``TransactionBegin``."""
+        if self._grouped:
+            await self.close_group()
         if not self._begun:
             await self._sink.control(TransactionBegin(self._domain, self._transaction_id))
             self._begun = True
-        identities = Identities([self._canonical] * len(rows.ordinals), rows.ordinals)
-        await self._sink.write(self._domain, table.batch(rows), identities, resource=table.resource)
+        await self._write(self._current)
+
+    async def commit(self, position: int) -> int | None:
+        """Close the open transaction (its commit at ``position``). A transaction written in pieces
+        is delivered now (its position returned); any other joins the group (None returned)."""
+        if not self.is_open or position != self._position:
+            raise IntegrityError(
+                f"a commit at {CODEC.canonicalize(position)} closes no open transaction",
+                where=str(self._domain),
+            )
+        self.is_open = False
+        if self._begun:
+            await self._write(self._current)
+            await self._sink.control(TransactionEnd(self._domain, self._transaction_id, self._canonical))
+            self._begun = False
+            self._on_boundary(position)
+            return position
+        for table, rows in self._current.items():
+            into = self._group.get(table)
+            if into is None:
+                self._group[table] = rows
+            else:
+                into.positions.extend(rows.positions)
+                into.values.extend(rows.values)
+                into.operations.extend(rows.operations)
+                into.unchanged.extend(rows.unchanged)
+                into.ordinals.extend(rows.ordinals)
+        self._current = {}
+        self._grouped += 1
+        self._group_end = position
+        return None
+
+    async def close_group(self) -> int | None:
+        """Deliver the group: its rows and its boundary at its last commit; return that position
+        (None: no complete transaction is waiting)."""
+        if not self._grouped:
+            return None
+        end = CODEC.canonicalize(self._group_end)
+        if self._group:
+            await self._sink.control(TransactionBegin(self._domain, self._group_id))
+            await self._write(self._group)
+            await self._sink.control(TransactionEnd(self._domain, self._group_id, end))
+        else:
+            await self._sink.control(ProgressBoundary(self._domain, end))
+        self._grouped = 0
+        self._on_boundary(self._group_end)
+        return self._group_end
 
     async def end(self) -> int:
-        """Write the rest and the transaction's boundary; return its position."""
-        await self.flush()
-        if self._begun:
-            await self._sink.control(TransactionEnd(self._domain, self._transaction_id, self._canonical))
-        else:
-            await self._sink.control(ProgressBoundary(self._domain, self._canonical))
-        self.is_open = False
-        return self._position
+        """Close the open transaction and deliver it (with the group before it); return its position."""
+        position = self._position
+        if await self.commit(position) is None:
+            await self.close_group()
+        return position
+
+    async def _write(self, buffers: dict[Table, Rows]) -> None:
+        # In insertion order: rows under an older Relation of a table before those under the newer.
+        tables = list(buffers.items())
+        buffers.clear()
+        for table, rows in tables:
+            self._buffered -= len(rows.operations)
+            identities = Identities(rows.positions, rows.ordinals)
+            await self._sink.write(self._domain, table.batch(rows), identities, resource=table.resource)
 
 
 def change_rows(
@@ -167,13 +250,9 @@ def change_rows(
     if old is not None and any(
         old.values[index] != values[index] and index not in missing for index in table.key_indexes
     ):
-        if missing:
-            names = ", ".join(table.relation.columns[index].name for index in missing)
-            raise DataError(
-                f"an update changed the key and left the TOASTed column(s) {names} out; set REPLICA "
-                "IDENTITY FULL on the table so their values are replicated",
-                where=table.where,
-            )
-        return [(old.values, DELETE, None), (values, INSERT, None)]
+        # A key change: the old key's delete, then the new row. Columns the update left out (TOASTed,
+        # unchanged) are named on the insert, and the sink carries the old row's values over.
+        names = [table.relation.columns[index].name for index in missing] if missing else None
+        return [(old.values, DELETE, None), (values, INSERT, names)]
     unchanged = [table.relation.columns[index].name for index in missing] if missing else None
     return [(values, UPDATE, unchanged)]

@@ -15,11 +15,17 @@ from faucet_dagster.protocol import (
     ReadLimits,
     SchemaError,
     StreamRecordSink,
-    UnsupportedOperation,
 )
 from faucet_postgres import pgoutput as pg
 from faucet_postgres.cdc_config import HEARTBEAT_PREFIX
-from faucet_postgres.cdc_rows import INSERT, Table, TransactionWriter, change_rows
+from faucet_postgres.cdc_rows import (
+    GROUP_TRANSACTIONS,
+    INSERT,
+    TRUNCATE,
+    Table,
+    TransactionWriter,
+    change_rows,
+)
 from faucet_postgres.cdc_server import CODEC, Connection, Interrupted, interruptible
 from faucet_postgres.cdc_slot import Published, SlotSession
 from faucet_postgres.cdc_snapshot import read_snapshot
@@ -69,6 +75,12 @@ class PostgresCdcSession(SlotSession):
     Reads and acknowledgements are serialized; ``close`` waits for the one in progress.
     """
 
+    _copy_ahead = False
+    """The copy was consumed past the last delivered boundary (a read ended inside a server call):
+    the next read copies the slot again. The acknowledgement in between keeps the connection (it
+    advances the slot itself), so the new copy starts where it was acknowledged, with nothing to
+    decode twice."""
+
     # -- reading ------------------------------------------------------------------------------------
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
@@ -78,9 +90,12 @@ class PostgresCdcSession(SlotSession):
             if not self._owned:
                 await _pause(_quiet_budget(limits), cancel)
                 return Coverage()
+            if self._copy_ahead:
+                self._copy_ahead = False
+                await self._detach()
             await self._attached()
             start = self._position
-            writer = TransactionWriter(self.domain, sink, self.config.batch_rows)
+            writer = TransactionWriter(self.domain, sink, self.config.batch_rows, self._delivered)
             try:
                 await self._read_into(writer, _Progress(limits), cancel)
             except Interrupted:
@@ -110,7 +125,10 @@ class PostgresCdcSession(SlotSession):
             if self._position != first and progress.limit_reached(writer.rows):
                 return
             rows = writer.rows
-            if await self._read_changes(writer, progress, cancel):
+            seen, stopped = await self._read_changes(writer, progress, cancel)
+            if stopped:
+                return
+            if seen:
                 if writer.rows > rows:  # a heartbeat is progress, not something new to wait for
                     progress.last_new = time.monotonic()
                 backoff = _MIN_POLL
@@ -124,15 +142,20 @@ class PostgresCdcSession(SlotSession):
             await _pause(progress.time_left(backoff), cancel)
             backoff = min(backoff * 2, self.config.poll_interval)
 
-    async def _read_changes(self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken) -> int:
+    async def _read_changes(
+        self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken
+    ) -> tuple[int, bool]:
         """One server call: decode up to ``changes_per_call`` messages (whole transactions) into
-        ``writer``. Returns how many messages came."""
+        ``writer``, delivered in groups of complete transactions. Returns how many messages came, and
+        True when the read's limits were reached at a transaction end inside the call: the read then
+        stops there, and the copy (which the call consumed to its end) is dropped, so the next read
+        copies the slot again from the last delivered boundary."""
         conn = self._connection()
         limits = progress.limits
         upto = self.config.changes_per_call
         if limits.records is not None:
             upto = max(1, min(upto, limits.records - writer.rows))
-        seen = 0
+        seen, stopped = 0, False
         try:
             readable = await self._flushed_through(conn)
             end = CODEC.canonicalize(readable if self._end is None else min(readable, self._end))
@@ -143,8 +166,10 @@ class PostgresCdcSession(SlotSession):
                     "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
                     (self._temp_slot, end, upto, self._publication_option),
                 )
-                tables, decode, insert = self._tables, pg.decode, pg.Insert
-                while rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel):
+                tables, decode, insert, commit = self._tables, pg.decode, pg.Insert, pg.Commit
+                while not stopped and (
+                    rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel)
+                ):
                     seen += len(rows)
                     for (data,) in rows:
                         progress.bytes += len(data)
@@ -153,12 +178,28 @@ class PostgresCdcSession(SlotSession):
                         if type(message) is insert and (table := tables.get(message.relation_oid)):
                             if table.selected and writer.add(table, message.new.values, INSERT, None):
                                 await writer.flush()
+                        elif type(message) is commit:
+                            await writer.commit(message.commit_lsn)
+                            if progress.limit_reached(writer.rows):
+                                stopped = True
+                                await writer.close_group()
+                                break
+                            if writer.grouped >= GROUP_TRANSACTIONS:
+                                await writer.close_group()
                         else:
                             await self._apply(message, writer)
                 await cursor.close()
+            if not stopped:
+                await writer.close_group()
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading changes", where=self._where) from exc
-        return seen
+        self._copy_ahead = stopped
+        return seen, stopped
+
+    def _delivered(self, position: int) -> None:
+        """A boundary reached the sink: the position a new copy of the slot resumes after."""
+        self._position = position
+        self._last_boundary_at = time.monotonic()
 
     async def _flushed_through(self, conn: Connection) -> int:
         """A WAL position every record before which is flushed: where a decoding call may stop.
@@ -200,32 +241,22 @@ class PostgresCdcSession(SlotSession):
                     if writer.add(table, values, operation, unchanged):
                         await writer.flush()
         elif isinstance(message, pg.Begin):
-            if self._position is not None and message.final_lsn <= self._position:
+            last = writer.position if writer.grouped else self._position
+            if last is not None and last >= 0 and message.final_lsn <= last:
                 raise IntegrityError(
                     f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
-                    f"position {CODEC.canonicalize(self._position)} was delivered",
+                    f"position {CODEC.canonicalize(last)} was read",
                     where=self._where,
                 )
             writer.begin(f"{message.xid}/{CODEC.canonicalize(message.final_lsn)}", message.final_lsn)
-        elif isinstance(message, pg.Commit):
-            if not writer.is_open or message.commit_lsn != writer.position:
-                raise IntegrityError(
-                    f"a commit at {CODEC.canonicalize(message.commit_lsn)} closes no open transaction",
-                    where=self._where,
-                )
-            self._position = await writer.end()
-            self._last_boundary_at = time.monotonic()
         elif isinstance(message, pg.Relation):
             await self._remember(message, writer)
         elif isinstance(message, pg.Truncate):
-            names = [self._table(oid).resource for oid in message.relation_oids if self._table(oid).selected]
-            if names:
-                raise UnsupportedOperation(
-                    f"TRUNCATE of {', '.join(names)} in the transaction committed at "
-                    f"{CODEC.canonicalize(writer.position)} has no row form; the replica must be "
-                    "rebuilt (a new slot with a snapshot)",
-                    where=self._where,
-                )
+            # A truncate row per table: the sink deletes every row the table held before it.
+            for oid in message.relation_oids:
+                table = self._table(oid)
+                if table.selected and writer.add(table, (None,) * table.width, TRUNCATE, None):
+                    await writer.flush()
         # Type, Origin and logical messages (heartbeats) carry no rows.
 
     def _table(self, oid: int) -> Table:
@@ -237,12 +268,12 @@ class PostgresCdcSession(SlotSession):
         return table
 
     async def _remember(self, relation: pg.Relation, writer: TransactionWriter) -> Table:
-        """Keep ``relation``'s description; rows buffered under an older one are written first."""
+        """Keep ``relation``'s description (a new :class:`Table` when it changed). Rows ``writer``
+        buffered under the older one stay with the older Table and are written before the newer
+        ones (the writer keeps them in arrival order), each batch with the schema it was read under."""
         known = self._tables.get(relation.oid)
         if known is not None and known.relation == relation:
             return known
-        if known is not None:
-            await writer.flush_table(known)
         selected = self._selected is None or relation.oid in self._selected
         if (
             self._selected is not None
@@ -259,8 +290,33 @@ class PostgresCdcSession(SlotSession):
             # FULL flags every column; the primary key (read from the catalog now) tells a key change
             # from an update of other columns. Without one, any change counts.
             keys = await self._primary_key(relation) or keys
-        table = self._tables[relation.oid] = Table(relation, selected, keys)
+        older = await self._older_rows(relation) if selected else {}
+        table = self._tables[relation.oid] = Table(relation, selected, keys, older)
         return table
+
+    async def _older_rows(self, relation: pg.Relation) -> dict[str, str | None]:
+        """Per column with a default: what rows older than the column hold at the source.
+
+        A column added with a constant default keeps it once, in ``pg_attribute.attmissingval``
+        (PostgreSQL 11 and later), for every row that predates it: its text, so a replica adding the
+        column gives those rows the same value. A default without a missing value (a volatile one
+        rewrote the table, or a rewrite since) gives ``None``: those rows' values are unknown here.
+        Read from the catalog as it is now; a missing value never changes while the column lives.
+        """
+        try:
+            cursor = await self._connection().execute(
+                "SELECT attname::text, CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END, "
+                "atthasmissing FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped "
+                "AND (atthasmissing OR atthasdef)",
+                (relation.oid,),
+            )
+            rows = await cursor.fetchall()
+        except psycopg.Error as exc:
+            raise pg_error(
+                exc, doing="reading column defaults", where=f"table {relation.qualified_name}"
+            ) from exc
+        names = {column.name for column in relation.columns}
+        return {name: value if has_missing else None for name, value, has_missing in rows if name in names}
 
     async def _primary_key(self, relation: pg.Relation) -> tuple[int, ...]:
         try:

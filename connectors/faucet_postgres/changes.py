@@ -54,8 +54,16 @@ from faucet_postgres.common import PgColumn, copy_batch
 KEY_METADATA = b"faucet.key"
 """The field metadata marking a key column of change rows (value ``b"true"``)."""
 
-OPERATIONS = (Operation.INSERT.value, Operation.UPDATE.value, Operation.DELETE.value)
+OPERATIONS = (
+    Operation.INSERT.value,
+    Operation.UPDATE.value,
+    Operation.DELETE.value,
+    Operation.TRUNCATE.value,
+)
 """The operations a change row may carry."""
+
+APPLIED_OPERATIONS = frozenset(Operation(value) for value in OPERATIONS)
+"""What APPLY_CHANGES applies (the sinks' accepted operations for it)."""
 
 _POSITION = "__faucet_position"
 _ORDINAL = "__faucet_ordinal"
@@ -119,6 +127,7 @@ class StagedRows:
 
     batch: pa.RecordBatch
     unchanged: frozenset[str]
+    truncated: bool = False
 
 
 def staged_rows(
@@ -136,7 +145,10 @@ def staged_rows(
         raise DataError(
             f"a change row has operation {bad!r}; expected one of {', '.join(OPERATIONS)}", where=where
         )
-    nulls = [column for column in layout.key if records.column(column).null_count]
+    truncates = pc.equal(ops, Operation.TRUNCATE.value)
+    truncated = bool(pc.any(truncates).as_py())
+    keyed = records.filter(pc.invert(truncates)) if truncated else records  # a truncate row has no key
+    nulls = [column for column in layout.key if keyed.column(column).null_count]
     if nulls:
         raise DataError(f"a change row has a null in key column(s) {', '.join(nulls)}", where=where)
     unchanged, names = _unchanged_json(records, where)
@@ -148,7 +160,7 @@ def staged_rows(
         [*arrays, ops.cast(pa.string()), unchanged, positions, ordinals],
         names=[*layout.columns, OPERATION_COLUMN, UNCHANGED_COLUMN, _POSITION, _ORDINAL],
     )
-    return StagedRows(batch, frozenset(names))
+    return StagedRows(batch, frozenset(names), truncated)
 
 
 def _unchanged_json(records: pa.RecordBatch, where: str) -> tuple[pa.Array, set[str]]:
@@ -171,7 +183,8 @@ def _unchanged_json(records: pa.RecordBatch, where: str) -> tuple[pa.Array, set[
 class ChangeStage:
     """A temporary table holding one destination table's staged changes in the current transaction.
 
-    ``rows`` counts every row staged; ``held`` the ones not yet COPYed (at most :data:`COPY_ROWS`).
+    ``rows`` counts every row staged; ``held`` the batches not yet COPYed, ``held_rows`` their rows
+    (fewer than :data:`COPY_ROWS`); ``truncated`` is true once a truncate row was staged.
     """
 
     identifier: sql.Identifier
@@ -180,6 +193,8 @@ class ChangeStage:
     unchanged: set[str] = field(default_factory=set)
     rows: int = 0
     held: list[pa.RecordBatch] = field(default_factory=list)
+    held_rows: int = 0
+    truncated: bool = False
 
 
 async def create_stage(
@@ -218,15 +233,19 @@ async def stage(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage, rows:
     if target.held and not target.held[0].schema.equals(rows.batch.schema):
         await _copy_held(conn, target)
     target.held.append(rows.batch)
+    # A running count: summing the held batches on every call made a backlog of small transactions
+    # (one batch each) quadratic.
+    target.held_rows += rows.batch.num_rows
     target.rows += rows.batch.num_rows
     target.unchanged |= rows.unchanged
-    if sum(batch.num_rows for batch in target.held) >= COPY_ROWS:
+    target.truncated |= rows.truncated
+    if target.held_rows >= COPY_ROWS:
         await _copy_held(conn, target)
     return int(rows.batch.num_rows)
 
 
 async def _copy_held(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage) -> None:
-    held, target.held = target.held, []
+    held, target.held, target.held_rows = target.held, [], 0
     if held:
         await copy_batch(conn, target.identifier, pa.concat_batches(held), target.columns)
 
@@ -238,6 +257,7 @@ class ChangeCounts:
     ``unexpected_inserts``: keys whose first change was an insert but which were present (a replay
     or an overlap); ``unexpected_changes``: keys whose first change was an update or a delete but
     which were absent (a gap, or a replica not seeded). Both are 0 for a consistent replica.
+    ``truncated``: rows a truncate removed (not counted in ``deleted``).
     """
 
     inserted: int
@@ -245,12 +265,14 @@ class ChangeCounts:
     deleted: int
     unexpected_inserts: int
     unexpected_changes: int
+    truncated: int = 0
 
     def details(self) -> dict[str, str]:
         return {
             "rows_inserted": str(self.inserted),
             "rows_updated": str(self.updated),
             "rows_deleted": str(self.deleted),
+            "rows_truncated": str(self.truncated),
             "unexpected_inserts": str(self.unexpected_inserts),
             "unexpected_changes": str(self.unexpected_changes),
         }
@@ -262,6 +284,7 @@ class ChangeCounts:
             self.deleted + other.deleted,
             self.unexpected_inserts + other.unexpected_inserts,
             self.unexpected_changes + other.unexpected_changes,
+            self.truncated + other.truncated,
         )
 
 
@@ -280,6 +303,9 @@ async def apply_stage(
     if staged.rows == 0:
         return NO_CHANGES
     await _copy_held(conn, staged)
+    truncated = await _truncate(conn, target, staged) if staged.truncated else 0
+    if staged.unchanged:
+        await _carry_key_changes(conn, target, staged)
     last: sql.Composable = _last_changes(staged)
     filled: sql.Identifier | None = None
     if staged.unchanged:
@@ -301,7 +327,46 @@ async def apply_stage(
             "with a snapshot, or set REPLICA IDENTITY FULL on the source table)",
             where=where,
         )
-    return ChangeCounts(inserted, updated, deleted, unexpected_inserts, unexpected_changes)
+    return ChangeCounts(inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated)
+
+
+async def _truncate(conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage) -> int:
+    """Apply the stage's last truncate: every destination row deleted (in the epoch's transaction),
+    and every staged change up to it dropped (the truncate removed what they made). Returns how many
+    rows were deleted."""
+    position, ordinal = sql.Identifier(_POSITION), sql.Identifier(_ORDINAL)
+    await conn.execute(
+        sql.SQL(
+            "DELETE FROM {stage} WHERE ({position}, {ordinal}) <= (SELECT {position}, {ordinal} FROM "
+            "{stage} WHERE {op} = {truncate} ORDER BY {position} DESC, {ordinal} DESC LIMIT 1)"
+        ).format(
+            stage=staged.identifier,
+            position=position,
+            ordinal=ordinal,
+            op=sql.Identifier(OPERATION_COLUMN),
+            truncate=sql.Literal(Operation.TRUNCATE.value),
+        )
+    )
+    cursor = await conn.execute(sql.SQL("DELETE FROM {}").format(target))
+    return max(cursor.rowcount, 0)
+
+
+async def _carry_key_changes(
+    conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage
+) -> None:
+    """Fill the columns a key change's insert left out with the old key's values.
+
+    Such an insert follows the delete of the old key (same position, previous ordinal). The old row's
+    value of a column is the latest earlier staged change of the old key that carried it, else the
+    destination's row. One statement per column and pass; a pass resolves every insert whose source
+    is resolved (a chain of key changes in one epoch takes one pass per link). What stays unresolved
+    (the old key is nowhere) is refused by :func:`apply_stage`.
+    """
+    for column in sorted(staged.unchanged):
+        while True:
+            cursor = await conn.execute(_carry(target, staged, column))
+            if cursor.rowcount <= 0:
+                break
 
 
 def _names(columns: Sequence[str], alias: str | None = None) -> sql.Composable:
@@ -364,6 +429,54 @@ def _fill(filled: sql.Identifier, staged: ChangeStage, column: str) -> sql.Compo
         delete=sql.Literal(Operation.DELETE.value),
         order=_newest_first(layout),
         match=_match(layout, "l", "f"),
+    )
+
+
+def _carry(target: sql.Composable, staged: ChangeStage, column: str) -> sql.Composed:
+    """One pass of :func:`_carry_key_changes` for ``column``."""
+    layout = staged.layout
+    name = sql.Literal(column)
+    old = [(sql.Identifier(key), sql.Identifier(f"__old_{key}")) for key in layout.key]
+    old_key = sql.SQL(", ").join(sql.SQL("d.{} AS {}").format(key, alias) for key, alias in old)
+
+    def matching(table: str) -> sql.Composable:
+        return sql.SQL(" AND ").join(
+            sql.SQL("{}.{} = m.{}").format(sql.Identifier(table), key, alias) for key, alias in old
+        )
+
+    same_old, in_target = matching("e"), matching("t")
+    first_key = sql.Identifier(layout.key[0])
+    return sql.SQL(
+        "WITH moved AS (SELECT m.{position}, m.{ordinal}, {old_key} FROM {stage} AS m JOIN {stage} AS d "
+        "ON d.{position} = m.{position} AND d.{ordinal} = m.{ordinal} - 1 AND d.{op} = {delete} "
+        "WHERE m.{op} = {insert} AND coalesce(m.{unchanged} ? {name}, false)), "
+        "found AS (SELECT m.{position}, m.{ordinal}, src.{column} AS value, src.pending, "
+        "src.{position} IS NOT NULL AS staged, t.{first_key} IS NOT NULL AS kept, t.{column} AS kept_value "
+        "FROM moved AS m LEFT JOIN LATERAL (SELECT e.{position}, e.{column}, "
+        "coalesce(e.{unchanged} ? {name}, false) AS pending FROM {stage} AS e WHERE {same_old} "
+        "AND e.{op} <> {delete} AND (e.{position}, e.{ordinal}) < (m.{position}, m.{ordinal}) "
+        "AND NOT (e.{op} <> {insert} AND coalesce(e.{unchanged} ? {name}, false)) "
+        "ORDER BY e.{position} DESC, e.{ordinal} DESC LIMIT 1) AS src ON true "
+        "LEFT JOIN {target} AS t ON {in_target}) "
+        "UPDATE {stage} AS s SET {column} = CASE WHEN f.staged THEN f.value ELSE f.kept_value END, "
+        "{unchanged} = s.{unchanged} - {name} FROM found AS f "
+        "WHERE s.{position} = f.{position} AND s.{ordinal} = f.{ordinal} "
+        "AND ((f.staged AND NOT f.pending) OR (NOT f.staged AND f.kept))"
+    ).format(
+        position=sql.Identifier(_POSITION),
+        ordinal=sql.Identifier(_ORDINAL),
+        old_key=old_key,
+        stage=staged.identifier,
+        op=sql.Identifier(OPERATION_COLUMN),
+        delete=sql.Literal(Operation.DELETE.value),
+        insert=sql.Literal(Operation.INSERT.value),
+        unchanged=sql.Identifier(UNCHANGED_COLUMN),
+        name=name,
+        column=sql.Identifier(column),
+        same_old=same_old,
+        first_key=first_key,
+        target=target,
+        in_target=in_target,
     )
 
 
@@ -431,6 +544,7 @@ def _apply(target: sql.Composable, staged: ChangeStage, last: sql.Composable) ->
 
 
 __all__ = [
+    "APPLIED_OPERATIONS",
     "KEY_METADATA",
     "NO_CHANGES",
     "OPERATIONS",

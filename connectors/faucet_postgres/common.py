@@ -346,6 +346,11 @@ _BINARY_TRAILER = b"\xff\xff"
 _NO_SEPARATOR = pa.scalar(b"", pa.large_binary())
 _POSTGRES_EPOCH_US = 946_684_800_000_000
 _POSTGRES_EPOCH_DAYS = 10_957
+INFINITE = (-(2**63), 2**63 - 1)
+"""``-infinity`` and ``infinity`` of a timestamp column in Arrow: the smallest and largest int64 (in
+the column's unit), as PostgreSQL stores them; written back as infinities."""
+INFINITE_DATES = (-(2**31), 2**31 - 1)
+"""``-infinity`` and ``infinity`` of a date column in Arrow (date32): the smallest and largest int32."""
 
 
 @dataclass(frozen=True)
@@ -452,11 +457,25 @@ def _binary_field(values: pa.Array, column: PgColumn) -> pa.Array:
     if target in ("timestamp", "timestamptz") and pa.types.is_timestamp(source):
         # Arrow keeps UTC instants; a naive timestamp is taken as UTC, as the session's TimeZone does.
         micros = values.cast(pa.timestamp("us", tz=source.tz), safe=False).cast(pa.int64())
-        return _fixed(values, pc.subtract(micros, pa.scalar(_POSTGRES_EPOCH_US, pa.int64())), "q", 8)
+        shifted = pc.subtract(micros, pa.scalar(_POSTGRES_EPOCH_US, pa.int64()))
+        return _fixed(values, _infinities_kept(micros, shifted, INFINITE, pa.int64()), "q", 8)
     if target == "date" and pa.types.is_date(source):
         days = values.cast(pa.date32()).cast(pa.int32())
-        return _fixed(values, pc.subtract(days, pa.scalar(_POSTGRES_EPOCH_DAYS, pa.int32())), "i", 4)
+        shifted = pc.subtract(days, pa.scalar(_POSTGRES_EPOCH_DAYS, pa.int32()))
+        return _fixed(values, _infinities_kept(days, shifted, INFINITE_DATES, pa.int32()), "i", 4)
     raise _NoBinary
+
+
+def _infinities_kept(
+    values: pa.Array, shifted: pa.Array, extremes: tuple[int, int], kind: pa.DataType
+) -> pa.Array:
+    """``shifted``, except where ``values`` is an infinity (an extreme), which stays as it is: the
+    binary form of PostgreSQL's infinities is the same extreme."""
+    low, high = (pa.scalar(value, kind) for value in extremes)
+    infinite = pc.or_(pc.equal(values, low), pc.equal(values, high))
+    if not pc.any(infinite).as_py():
+        return shifted
+    return pc.if_else(infinite, values, shifted)
 
 
 _NUMBER_TYPES: Mapping[str, tuple[pa.DataType, str]] = {
@@ -541,8 +560,18 @@ def _csv_ready(values: pa.Array) -> pa.Array:
     if pa.types.is_duration(kind):
         micros = values.cast(pa.duration("us"), safe=False).cast(pa.int64()).cast(pa.string())
         return pc.binary_join_element_wise(micros, " microseconds", "")
-    if pa.types.is_timestamp(kind) and kind.unit == "ns":
-        return values.cast(pa.timestamp("us", tz=kind.tz), safe=False)
+    if pa.types.is_timestamp(kind) or pa.types.is_date32(kind):
+        storage, extremes = (
+            (pa.int32(), INFINITE_DATES) if pa.types.is_date32(kind) else (pa.int64(), INFINITE)
+        )
+        raw = values.cast(storage)
+        later, earlier = (pc.equal(raw, pa.scalar(value, storage)) for value in reversed(extremes))
+        if pc.any(later).as_py() or pc.any(earlier).as_py():
+            finite = pc.if_else(pc.or_(later, earlier), pa.scalar(None, kind), values)
+            text = _csv_ready(finite).cast(pa.string())
+            return pc.if_else(later, "infinity", pc.if_else(earlier, "-infinity", text))
+        if pa.types.is_timestamp(kind) and kind.unit == "ns":
+            return values.cast(pa.timestamp("us", tz=kind.tz), safe=False)
     if pa.types.is_float16(kind):
         return values.cast(pa.float32())
     if pa.types.is_string_view(kind):

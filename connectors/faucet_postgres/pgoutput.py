@@ -18,7 +18,7 @@ skip source input without proof, so decoding stops instead.
 """
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from struct import Struct
 from typing import NamedTuple
@@ -28,7 +28,9 @@ import pyarrow.compute as pc
 
 from faucet_dagster.protocol import OPERATION_COLUMN, UNCHANGED_COLUMN, DataError, IntegrityError
 from faucet_postgres import common
-from faucet_postgres.common import PgColumn
+from faucet_postgres.change_schema import MISSING_METADATA, UNLOGGED_DEFAULT_METADATA
+from faucet_postgres.changes import KEY_METADATA
+from faucet_postgres.common import INFINITE, INFINITE_DATES, PgColumn
 
 _U32 = Struct(">I")
 _U64 = Struct(">Q")
@@ -350,14 +352,19 @@ def arrow_type(column: Column) -> pa.DataType:
     return common.arrow_type(PgColumn(column.name, type_name(column), "", column.type_modifier, False))
 
 
-def relation_schema(relation: Relation, keys: Sequence[int] | None = None) -> pa.Schema:
+def relation_schema(
+    relation: Relation, keys: Sequence[int] | None = None, older_rows: Mapping[str, str | None] | None = None
+) -> pa.Schema:
     """The Arrow schema of a table's change rows: its columns, then the operation and unchanged columns.
 
     Every field is nullable (a delete carries only the key). Field metadata names the PostgreSQL type
     (``faucet.pg_type``) and marks the columns that identify a row (``faucet.key``): the columns at
-    ``keys``, by default the replica identity columns. The schema metadata names the table and its
-    replica identity setting.
+    ``keys``, by default the replica identity columns. ``older_rows`` tells, per column with a
+    default, what rows older than the column hold: the missing value's text (``faucet.missing``), or
+    ``None`` when that is not known (``faucet.unlogged_default``; see :mod:`faucet_postgres.change_schema`).
+    The schema metadata names the table and its replica identity setting.
     """
+    older = older_rows or {}
     identifying = (
         {index for index, column in enumerate(relation.columns) if column.key} if keys is None else set(keys)
     )
@@ -365,10 +372,7 @@ def relation_schema(relation: Relation, keys: Sequence[int] | None = None) -> pa
         pa.field(
             column.name,
             arrow_type(column),
-            metadata={
-                "faucet.pg_type": type_name(column),
-                "faucet.key": "true" if index in identifying else "false",
-            },
+            metadata=_field_metadata(column, index in identifying, older),
         )
         for index, column in enumerate(relation.columns)
     ]
@@ -383,15 +387,31 @@ def relation_schema(relation: Relation, keys: Sequence[int] | None = None) -> pa
     )
 
 
+def _field_metadata(column: Column, key: bool, older: Mapping[str, str | None]) -> dict[bytes, bytes]:
+    metadata = {b"faucet.pg_type": type_name(column).encode(), KEY_METADATA: b"true" if key else b"false"}
+    if column.name in older:
+        missing = older[column.name]
+        if missing is None:
+            metadata[UNLOGGED_DEFAULT_METADATA] = b"true"
+        else:
+            metadata[MISSING_METADATA] = missing.encode()
+    return metadata
+
+
 def column_array(values: Sequence[str | None], column: Column, where: str) -> pa.Array:
     """Parse a column of output-function texts (``None`` for null) into an Arrow array of its type.
 
-    Raises :class:`DataError` naming the column and ``where`` (the table) when a value has no Arrow
-    form (``infinity`` timestamps, BC dates, ``NaN`` in a ``numeric(p, s)``).
+    ``infinity`` and ``-infinity`` of a timestamp, timestamptz or date become the largest and the
+    smallest value of the Arrow type (int64, int32 for dates), which the sinks write back as
+    PostgreSQL's infinities (:mod:`faucet_postgres.common`). Raises :class:`DataError` naming the
+    column and ``where`` (the table) when a value has no Arrow form (BC dates, ``NaN`` in a
+    ``numeric(p, s)``).
     """
     target = arrow_type(column)
     try:
         text = pa.array(values, pa.string())
+        if pa.types.is_timestamp(target) or pa.types.is_date(target):
+            return _with_infinities(text, target)
         if pa.types.is_string(target):
             return text
         if pa.types.is_boolean(target):
@@ -407,3 +427,18 @@ def column_array(values: Sequence[str | None], column: Column, where: str) -> pa
             f"a value of column {column.name!r} ({type_name(column)}) has no {target} form: {exc}",
             where=where,
         ) from exc
+
+
+def _with_infinities(text: pa.Array, target: pa.DataType) -> pa.Array:
+    """Timestamps or dates parsed, ``infinity`` and ``-infinity`` as the type's extreme values."""
+    later, earlier = pc.equal(text, "infinity"), pc.equal(text, "-infinity")
+    if not (pc.any(later).as_py() or pc.any(earlier).as_py()):
+        return text.cast(target)
+    storage, (low, high) = (
+        (pa.int32(), INFINITE_DATES) if pa.types.is_date(target) else (pa.int64(), INFINITE)
+    )
+    finite = pc.if_else(pc.or_(later, earlier), pa.scalar(None, pa.string()), text).cast(target)
+    values = pc.if_else(
+        later, pa.scalar(high, storage), pc.if_else(earlier, pa.scalar(low, storage), finite.cast(storage))
+    )
+    return values.cast(target)

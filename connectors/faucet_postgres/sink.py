@@ -52,7 +52,6 @@ from faucet_dagster.protocol import (
     ConfigError,
     DataError,
     Durability,
-    Operation,
     PartialResult,
     SchemaError,
     Sink,
@@ -61,7 +60,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     bisect_rejections,
 )
-from faucet_postgres import changes
+from faucet_postgres import change_schema, changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -123,7 +122,7 @@ class PostgresSink(Sink):
             bounded_policies=frozenset({self.mode}),
             accepted_operations={
                 **DEFAULT_POLICY_OPERATIONS,
-                WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+                WritePolicy.APPLY_CHANGES: changes.APPLIED_OPERATIONS,
             },
             # apply_changes takes the key from the change rows (faucet.key) when none is configured.
             requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),
@@ -353,7 +352,11 @@ class PostgresSink(Sink):
                     "(schema evolution is off)",
                     where=self.dataset_uri(),
                 )
-            columns = await add_columns(conn, pg_schema, name, new)
+            if self.mode is WritePolicy.APPLY_CHANGES:
+                # A column added at the source: its older rows' value too (see change_schema.evolve).
+                columns = await change_schema.evolve(conn, pg_schema, name, new, self.dataset_uri())
+            else:
+                columns = await add_columns(conn, pg_schema, name, new)
         missing_key = [column for column in self.config.key if column not in schema.names]
         if self.mode in (WritePolicy.UPSERT, WritePolicy.DELETE) and missing_key:
             raise SchemaError(

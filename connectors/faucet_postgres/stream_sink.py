@@ -75,7 +75,6 @@ from faucet_dagster.protocol import (
     IntegerPositionCodec,
     IntegrityError,
     LifecycleError,
-    Operation,
     OrderingDomain,
     OwnershipLost,
     Position,
@@ -91,7 +90,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     default_codec_registry,
 )
-from faucet_postgres import changes
+from faucet_postgres import change_schema, changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -128,7 +127,7 @@ def _capabilities(config: PostgresStreamingSinkConfig) -> SinkCapabilities:
         continuous_policies=POLICIES,
         accepted_operations={
             **DEFAULT_POLICY_OPERATIONS,
-            WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT, Operation.UPDATE, Operation.DELETE}),
+            WritePolicy.APPLY_CHANGES: changes.APPLIED_OPERATIONS,
         },
         # APPLY_CHANGES takes each table's key from the change rows (faucet.key) when none is given.
         requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),
@@ -202,6 +201,8 @@ class _Target:
     table: str
     columns: dict[str, PgColumn]
     stage: sql.Identifier | None = None
+    from_changes: bool = False
+    """APPLY_CHANGES created the table (its column types follow the change rows' Arrow types)."""
 
     @property
     def identifier(self) -> sql.Identifier:
@@ -225,12 +226,16 @@ class _Tally:
 
 @dataclass
 class _Changes:
-    """APPLY_CHANGES: one destination table's staged changes in the active epoch."""
+    """APPLY_CHANGES: one destination table's staged changes in the active epoch (``counts`` includes
+    the stages applied before a schema change within the epoch)."""
 
     target: _Target
     stage: changes.ChangeStage
     domain: tuple[str, str, str]
+    schema: pa.Schema
     counts: changes.ChangeCounts = changes.NO_CHANGES
+    last_position: int = 0
+    """The highest position staged."""
 
 
 @dataclass
@@ -681,16 +686,32 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         )
         return records.filter(keep), identities, len(positions) - kept
 
-    async def _target(self, conn: Connection, table: str, schema: pa.Schema, key: Sequence[str]) -> _Target:
+    async def _target(
+        self,
+        conn: Connection,
+        table: str,
+        schema: pa.Schema,
+        key: Sequence[str],
+        *,
+        change_rows: bool = False,
+    ) -> _Target:
         """The table for a batch of ``schema``: created when missing (``key`` as its primary key),
-        checked for missing columns."""
+        checked for missing columns (added with ``schema_evolution``). For ``change_rows``
+        (APPLY_CHANGES, ``schema`` without the operation columns) it is created, evolved and checked
+        through :mod:`faucet_postgres.change_schema`."""
         target = self._targets.get(table)
         if target is None or not set(schema.names) <= set(target.columns):
+            where = f"{self._where} table {table}"
             columns = await table_columns(conn, self._schema, table)
+            from_changes = False
             if columns is None:
                 if not self._config.create_tables:
                     raise ConfigError(f"table {self._schema}.{table} does not exist", where=self._where)
-                columns = await create_table(conn, self._schema, table, schema, key)
+                make = change_schema.create_table if change_rows else create_table
+                columns = await make(conn, self._schema, table, schema, key)
+                from_changes = change_rows
+            elif change_rows:
+                from_changes = await change_schema.created_from_changes(conn, self._schema, table)
             missing = [item for item in schema if item.name not in columns]
             if missing:
                 if not self._config.schema_evolution:
@@ -699,9 +720,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                         f"{', '.join(item.name for item in missing)} (schema_evolution is off)",
                         where=self._where,
                     )
-                columns = await add_columns(conn, self._schema, table, missing)
-            target = _Target(self._schema, table, columns)
+                if change_rows:
+                    columns = await change_schema.evolve(conn, self._schema, table, missing, where)
+                else:
+                    columns = await add_columns(conn, self._schema, table, missing)
+            target = _Target(self._schema, table, columns, from_changes=from_changes)
             self._targets[table] = target
+        if change_rows:
+            change_schema.check_types(
+                target.columns, schema, target.from_changes, f"{self._where} table {table}"
+            )
         return target
 
     async def _merge(self, conn: Connection, target: _Target, records: pa.RecordBatch) -> int:
@@ -775,42 +803,56 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         where = f"{self._where} table {table}"
         layout = changes.change_layout(records.schema, self._key, where)
         pending = state.changes.get(table)
-        if pending is None:
-            target = await self._target(conn, table, changes.data_schema(records.schema), layout.key)
-            stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
-            pending = state.changes[table] = _Changes(target, stage, domain.lineage)
-        elif pending.domain != domain.lineage:
+        if pending is not None and pending.domain != domain.lineage:
             raise IntegrityError(
                 f"changes from {'/'.join(domain.lineage)} and {'/'.join(pending.domain)} go to one table: "
                 "two ordering domains have no common order to apply them in",
                 where=where,
             )
-        elif pending.stage.layout != layout:
-            raise SchemaError(
-                f"changes with columns {layout.columns} keyed by {layout.key} came after changes with "
-                f"columns {pending.stage.layout.columns} keyed by {pending.stage.layout.key} in one epoch",
-                where=where,
-            )
-        rows = changes.staged_rows(
-            records, layout, _integer_positions(domain, identities, where), _ordinals(identities), where
-        )
+        positions = _integer_positions(domain, identities, where)
+        if pending is None or pending.stage.layout != layout or pending.schema != records.schema:
+            counts = changes.NO_CHANGES
+            if pending is not None:
+                # The source table's columns changed (DDL) within the epoch: the changes before it are
+                # applied now, so the new columns' backfill reaches exactly their rows. That needs
+                # them to precede every row of the new schema (one resource per table does).
+                first = pc.min(positions).as_py()
+                if first is not None and first < pending.last_position:
+                    raise IntegrityError(
+                        f"changes of another schema of table {table} came before changes already staged "
+                        "(two resources write this table?): they cannot be applied in commit order",
+                        where=where,
+                    )
+                counts = await self._apply_pending(conn, state, table, pending)
+            data = changes.data_schema(records.schema)
+            target = await self._target(conn, table, data, layout.key, change_rows=True)
+            stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
+            pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
+        rows = changes.staged_rows(records, layout, positions, _ordinals(identities), where)
+        pending.last_position = max(pending.last_position, pc.max(positions).as_py() or 0)
         return pending.target, await changes.stage(conn, pending.stage, rows)
 
     async def _apply_changes(self, conn: Connection, state: _Epoch) -> None:
         """APPLY_CHANGES: apply every table's staged changes (first step of the commit)."""
         for table, pending in state.changes.items():
-            where = f"{self._where} table {table}"
-            try:
-                pending.counts = await changes.apply_stage(
-                    conn, pending.target.identifier, pending.stage, where
-                )
-            except BaseException as exc:
-                state.failed = True
-                if isinstance(exc, psycopg.Error):
-                    raise await self._failure(exc, where=where, doing="applying the epoch's changes") from exc
-                if isinstance(exc, pa.ArrowException):
-                    raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
-                raise
+            pending.counts = await self._apply_pending(conn, state, table, pending)
+
+    async def _apply_pending(
+        self, conn: Connection, state: _Epoch, table: str, pending: _Changes
+    ) -> changes.ChangeCounts:
+        """Apply one table's stage; the counts so far plus this stage's."""
+        where = f"{self._where} table {table}"
+        try:
+            return pending.counts + await changes.apply_stage(
+                conn, pending.target.identifier, pending.stage, where
+            )
+        except BaseException as exc:
+            state.failed = True
+            if isinstance(exc, psycopg.Error):
+                raise await self._failure(exc, where=where, doing="applying the epoch's changes") from exc
+            if isinstance(exc, pa.ArrowException):
+                raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
+            raise
 
     def _next_watermarks(self, state: _Epoch, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""

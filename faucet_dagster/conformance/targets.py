@@ -258,8 +258,11 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
         await _pg(postgres_url, "INSERT INTO items (id, name) VALUES (%s, %s)", rows=_pg_rows(rows))
 
     async def add_malformed() -> None:
-        # A TRUNCATE has no row form: the source must refuse it, never drop it.
-        await _pg(postgres_url, "TRUNCATE items")
+        # A BC date has no Arrow form: the source must refuse it (DataError), never drop it.
+        await _pg(postgres_url, "ALTER TABLE items ADD COLUMN IF NOT EXISTS born date")
+        await _pg(
+            postgres_url, "INSERT INTO items (id, name, born) VALUES (-1, 'malformed', '0044-03-15 BC')"
+        )
 
     async def acknowledged() -> str:
         found = await _pg(

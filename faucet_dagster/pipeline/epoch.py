@@ -161,6 +161,7 @@ class _Domain:
         "builders",
         "codec",
         "domain",
+        "floor",
         "last_row",
         "open_transaction",
         "start",
@@ -174,6 +175,7 @@ class _Domain:
         self.start_text = start
         self.start: Any = None if start is None else self.decode(start)
         self.last_row: Any = None
+        self.floor: Any = None
         self.boundary: Any = None
         self.open_transaction: str | None = None
         self.unbounded_rows = False
@@ -188,10 +190,14 @@ class _Domain:
             ) from exc
 
     def accept_rows(self, first: str, last: str) -> None:
+        """Check one write's positions. Writes go forward, except inside a transaction: there rows of
+        several resources may come in any order (a transaction is applied whole), never before what
+        preceded the transaction."""
         low, high = self.decode(first), self.decode(last)
         compare = self.codec.compare
-        if self.last_row is not None and compare(low, self.last_row) < 0:
-            raise IntegrityError(f"rows went back from {self.last_row} to {first}", where=str(self.domain))
+        floor = self.last_row if self.open_transaction is None else self.floor
+        if floor is not None and compare(low, floor) < 0:
+            raise IntegrityError(f"rows went back from {floor} to {first}", where=str(self.domain))
         if self.start is not None and compare(low, self.start) <= 0:
             raise IntegrityError(
                 f"row at {first} is at or before the certified position {self.start_text}",
@@ -199,7 +205,8 @@ class _Domain:
             )
         if compare(high, low) < 0:
             raise IntegrityError(f"rows went back from {first} to {last}", where=str(self.domain))
-        self.last_row = high
+        if self.last_row is None or compare(high, self.last_row) > 0:
+            self.last_row = high
         self.unbounded_rows = True
 
     def check_boundary(self, position: str) -> Any:
@@ -336,6 +343,13 @@ class EpochPipeline(StreamRecordSink):
             builder = _Builder(name, domain, self._pipeline.converter(name))
             self._builders[(name, domain)] = builder
             state.builders.append(builder)
+        if (
+            isinstance(rows, pa.RecordBatch)
+            and builder.chunks
+            and isinstance(builder.chunks[-1], pa.RecordBatch)
+            and not rows.schema.equals(builder.chunks[-1].schema, check_metadata=True)
+        ):
+            await self._flush(builder)  # a schema change at the source: one batch per schema
         builder.add(rows, identities)
         if builder.rows >= self._pipeline.options.batch_rows:
             await self._flush(builder)
@@ -353,6 +367,7 @@ class EpochPipeline(StreamRecordSink):
                 )
             await self._flush_domain(state)
             state.open_transaction = control.transaction_id
+            state.floor = state.last_row
             return
         if isinstance(control, TransactionEnd):
             if state.open_transaction != control.transaction_id:

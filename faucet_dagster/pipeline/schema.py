@@ -135,8 +135,15 @@ class RowConverter:
         return self._then_check_nulls(pa.RecordBatch.from_pylist(good, schema=schema), kept, bad)
 
     def convert_batch(self, batch: pa.RecordBatch) -> Converted:
-        """Conform an Arrow batch to the schema (the same field names, safely castable types)."""
-        if self.schema is None:
+        """Conform an Arrow batch to the schema (the same field names, safely castable types).
+
+        An inferred schema follows the source: a batch of another schema (a column added, dropped or
+        retyped at the source) becomes the schema from then on; what it means for the destination is
+        the sink's decision (schema evolution, or SchemaError).
+        """
+        if self.schema is None or (
+            self.spec.schema is None and not _nullable(batch.schema).equals(self.schema)
+        ):
             self.schema = _nullable(batch.schema)
         schema = self.schema
         if batch.schema.equals(schema):

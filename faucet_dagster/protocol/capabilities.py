@@ -33,6 +33,9 @@ class Operation(StrEnum):
     UPDATE = "update"
     DELETE = "delete"
     UPSERT = "upsert"
+    TRUNCATE = "truncate"
+    """Every row of a table removed at once (a change row with every data column null; see
+    :data:`faucet_dagster.protocol.records.OPERATION_COLUMN`)."""
 
 
 class Ordering(StrEnum):

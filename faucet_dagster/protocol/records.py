@@ -15,7 +15,14 @@ Records: TypeAlias = pa.RecordBatch | Sequence[Mapping[str, Any]]
 """What a source hands over: an Arrow record batch, or a list of JSON objects."""
 
 OPERATION_COLUMN = "__faucet_op"
-"""In CHANGES records, the column holding the operation (``insert``, ``update``, ``delete``)."""
+"""In CHANGES records, the column holding the operation (``insert``, ``update``, ``delete``,
+``truncate``).
+
+A ``truncate`` row removes every row its table held before it (in commit order); its data columns
+are null. An ``insert`` that names columns in :data:`UNCHANGED_COLUMN` is the new row of a key change
+whose old row is the ``delete`` just before it (same position, previous ordinal): the columns it
+names keep the old row's values.
+"""
 
 UNCHANGED_COLUMN = "__faucet_unchanged"
 """In CHANGES records, the columns an ``update`` did not carry (a list of column names, or null).
@@ -23,6 +30,7 @@ UNCHANGED_COLUMN = "__faucet_unchanged"
 A source that cannot send every value of an updated row (PostgreSQL leaves a TOASTed value that the
 update did not change out of the change) names those columns here; their values in the row are null
 and mean "keep the destination's value", never SQL null. Null or empty when the row is complete.
+On an ``insert`` (a key change, see :data:`OPERATION_COLUMN`) the value kept is the old key's.
 """
 
 

@@ -52,8 +52,8 @@ SCHEMA = pa.schema(
         pa.field(UNCHANGED_COLUMN, pa.list_(pa.string())),
     ]
 )
-Change = tuple[str, int, str | None, str | None, list[str] | None]
-"""(operation, id, title, body, unchanged columns)."""
+Change = tuple[str, int | None, str | None, str | None, list[str] | None]
+"""(operation, id, title, body, unchanged columns); a truncate has no id."""
 
 
 def lsn(n: int) -> str:
@@ -262,7 +262,7 @@ def test_keys_operations_and_orders_that_cannot_be_applied_are_refused(postgres_
         return {
             "no key": await refused(reshaped(good, unkeyed)),
             "bad op": await refused(changes(at, [(0x10, [("upsert", 1, "a", "x", None)])])),
-            "null key": await refused(changes(at, [(0x10, [("delete", None, None, None, None)])])),  # type: ignore[list-item]
+            "null key": await refused(changes(at, [(0x10, [("delete", None, None, None, None)])])),
             "configured key": await refused(reshaped(good, unkeyed), key=("id", "nope")),
             "two domains": await refused(
                 good, SinkBatch(at, "docs", sequences, good.records, Identities(["5"]))
@@ -309,6 +309,61 @@ def test_the_bounded_sink_applies_pages_of_changes_in_row_order_and_skips_replay
     assert docs(postgres_url) == [(1, "a2", "x"), (2, "c", "z"), (3, "d", None)]
 
 
+def test_truncates_and_key_changes_that_leave_values_out_apply_in_commit_order(postgres_url: str) -> None:
+    """A truncate removes what the table held before it (earlier staged changes included); the insert
+    of a key change that names unchanged columns takes the old key's values: from an earlier change in
+    the epoch, else the destination's row, following a chain of key changes; nowhere: refused."""
+
+    async def scenario() -> list[Any]:
+        session = await open_session(postgres_url)
+        try:
+            first = EpochId(STREAM, 1, 1)
+            await session.begin_epoch(first)
+            await session.apply(
+                first,
+                changes(first, [(0x10, [("insert", key, "t", f"body-{key}", None) for key in (1, 2, 3)])]),
+            )
+            await session.commit_epoch(first, covering(None, 0x10))
+            second = EpochId(STREAM, 2, 1)
+            await session.begin_epoch(second)
+            moved: Sequence[tuple[int, Sequence[Change]]] = [
+                # 1 -> 10 -> 11 in one epoch: the body comes from the destination's row 1.
+                (0x20, [("delete", 1, None, None, None), ("insert", 10, "moved", None, ["body"])]),
+                (0x30, [("delete", 10, None, None, None), ("insert", 11, "again", None, ["body"])]),
+                # 4 is inserted, updated leaving the body out, then moved: the body of its insert.
+                (0x40, [("insert", 4, "four", "body-4", None), ("update", 4, "four'", None, ["body"])]),
+                (0x50, [("delete", 4, None, None, None), ("insert", 40, "forty", None, ["body"])]),
+            ]
+            await session.apply(second, changes(second, moved))
+            [receipt] = await session.commit_epoch(second, covering(0x10, 0x50))
+            assert receipt.details["unexpected_inserts"] == receipt.details["unexpected_changes"] == "0"
+            third = EpochId(STREAM, 3, 1)
+            await session.begin_epoch(third)
+            truncated: Sequence[tuple[int, Sequence[Change]]] = [
+                (0x60, [("update", 2, "gone", "gone", None), ("insert", 5, "gone", "gone", None)]),
+                (0x70, [("truncate", None, None, None, None)]),
+                (0x80, [("insert", 2, "after", "b", None)]),
+            ]
+            await session.apply(third, changes(third, truncated))
+            [receipt] = await session.commit_epoch(third, covering(0x50, 0x80))
+            assert receipt.details["rows_truncated"] == "4"  # 2, 3, 11, 40
+            assert receipt.details["rows_inserted"] == "1"
+            # A key change whose old key is nowhere (not in the epoch, not in the destination).
+            fourth = EpochId(STREAM, 4, 1)
+            await session.begin_epoch(fourth)
+            lost = [(0x90, [("delete", 77, None, None, None), ("insert", 78, "x", None, ["body"])])]
+            await session.apply(fourth, changes(fourth, lost))
+            with pytest.raises(IntegrityError, match="known nowhere"):
+                await session.commit_epoch(fourth, covering(0x80, 0x90))
+            await session.abort_epoch(fourth)
+            return docs(postgres_url)
+        finally:
+            await session.close_session()
+
+    after_moves_and_truncate = run(scenario())
+    assert after_moves_and_truncate == [(2, "after", "b")]
+
+
 def test_the_planner_accepts_apply_changes_only_from_the_change_source() -> None:
     postgres = get_connector("postgres")
     sink = postgres.streaming_sink(
@@ -319,6 +374,7 @@ def test_the_planner_accepts_apply_changes_only_from_the_change_source() -> None
         Operation.INSERT,
         Operation.UPDATE,
         Operation.DELETE,
+        Operation.TRUNCATE,
     }
     cdc = postgres.stream_source(
         {"url": "postgresql://app@db.invalid/shop", "slot": "shop", "publication": "shop_pub"}

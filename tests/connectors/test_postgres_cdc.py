@@ -54,7 +54,6 @@ from faucet_dagster.protocol import (
     StreamRecordSink,
     TransactionBegin,
     TransactionEnd,
-    UnsupportedOperation,
     WorkerIdentity,
     get_connector,
 )
@@ -155,10 +154,17 @@ class Recorder(StreamRecordSink):
         else:
             if isinstance(control, TransactionEnd):
                 assert self.open is not None and self.open.transaction_id == control.transaction_id
-                assert all(position == control.position for _, position in self.open_rows)
-                rows = sorted((row for row, _ in self.open_rows), key=lambda row: row.ordinal)
-                assert [row.ordinal for row in rows] == list(range(len(rows)))
-                self.transactions.append(Transaction(control.transaction_id, control.position, rows))
+                # A group of complete source transactions: each row carries its own commit LSN.
+                end = lsn(control.position)
+                floor = lsn(self.last_boundary) if self.last_boundary is not None else -1
+                assert all(floor < lsn(position) <= end for _, position in self.open_rows)
+                positions = sorted({position for _, position in self.open_rows}, key=lsn)
+                for position in positions:
+                    rows = sorted(
+                        (row for row, at in self.open_rows if at == position), key=lambda row: row.ordinal
+                    )
+                    assert [row.ordinal for row in rows] == list(range(len(rows)))
+                    self.transactions.append(Transaction(control.transaction_id, position, rows))
                 self.open = None
             else:
                 assert isinstance(control, ProgressBoundary) and self.open is None
@@ -382,7 +388,7 @@ def test_update_images_under_each_replica_identity(postgres_url: str, unique_nam
     # Incompressible, so PostgreSQL stores it out of line (TOASTed) rather than compressed in the row.
     big = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(100_000))
 
-    async def scenario() -> tuple[Recorder, BaseException]:
+    async def scenario() -> tuple[Recorder, Recorder]:
         await sql(
             postgres_url,
             "CREATE TABLE docs (id int PRIMARY KEY, title text, body text)",
@@ -397,14 +403,14 @@ def test_update_images_under_each_replica_identity(postgres_url: str, unique_nam
         session = await open_session(config)
         recorder = Recorder()
         await drain(session, recorder)
-        # A key change that leaves a TOASTed value out cannot be applied: the read refuses it.
+        # A key change that leaves a TOASTed value out: the insert names it (the sink carries it over).
         await sql(postgres_url, "UPDATE docs SET id = 2 WHERE id = 1")
-        with pytest.raises(DataError) as refused:
-            await session.read(Recorder(), QUIET, CancelToken())
+        moved = Recorder()
+        await session.read(moved, QUIET, CancelToken())
         await session.close()
-        return recorder, refused.value
+        return recorder, moved
 
-    recorder, refused = run(scenario)
+    recorder, moved = run(scenario)
     rows = [row.values for tx in recorder.transactions for row in tx.rows]
     docs_update, fulls_update = rows[1], rows[3]
     # Default identity: the unchanged TOASTed body is not sent, and named as such.
@@ -417,7 +423,11 @@ def test_update_images_under_each_replica_identity(postgres_url: str, unique_nam
         ("delete", 1, True),
         ("insert", 2, True),
     ]
-    assert "REPLICA IDENTITY FULL" in str(refused) and "body" in str(refused)
+    [key_change] = moved.transactions
+    assert [
+        (row.values[OPERATION_COLUMN], row.values["id"], row.values["body"], row.values[UNCHANGED_COLUMN])
+        for row in key_change.rows
+    ] == [("delete", 1, None, None), ("insert", 2, None, ["body"])]
 
 
 def test_out_of_band_advance_drop_and_recreation_are_refused(postgres_url: str, unique_name: Any) -> None:
@@ -710,6 +720,39 @@ def test_cancellation_inside_a_large_transaction_covers_only_finished_ones(
     run(scenario)
 
 
+def test_a_read_ends_at_a_transaction_end_inside_one_decoding_call(
+    postgres_url: str, unique_name: Any
+) -> None:
+    """A limit reached inside one server call (here 3,000 one-row transactions in one call) ends the
+    read at the next transaction end; the next read resumes there, with no gap and no overlap."""
+    slot = unique_name("s")
+    config = cdc_config(postgres_url, slot, tables=("public.t",), changes_per_call=100_000)
+
+    async def scenario() -> tuple[Recorder, list[Coverage]]:
+        await sql(postgres_url, "CREATE TABLE t (id int PRIMARY KEY)")
+        await setup_replication(config)
+        async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+            await conn.execute(
+                "DO $$ BEGIN FOR g IN 1..3000 LOOP INSERT INTO t VALUES (g); COMMIT; END LOOP; END $$"
+            )
+        session = await open_session(config)
+        recorder = Recorder()
+        # A byte limit, which no server call's message count reflects: only the decoding loop sees it.
+        coverages = await drain(session, recorder, ReadLimits(bytes=30_000, idle=0.4))
+        await session.close()
+        return recorder, coverages
+
+    recorder, coverages = run(scenario)
+    ids = [row.values["id"] for tx in recorder.transactions for row in tx.rows]
+    assert ids == list(range(1, 3001)), "every row once, in commit order"
+    assert len(coverages) >= 4, f"{len(coverages)} reads: the limit did not end a read inside the call"
+    ends = [coverage.domains[0].end for coverage in coverages]
+    assert ends[-1] == recorder.transactions[-1].position
+    # Each read ended at a transaction end at or just past its limit (the groups' ends).
+    positions = {tx.position for tx in recorder.transactions}
+    assert all(end in positions for end in ends)
+
+
 def test_a_slow_sink_outlasts_the_servers_idle_and_statement_timeouts(
     postgres_url: str, unique_name: Any
 ) -> None:
@@ -973,11 +1016,13 @@ def test_a_bounded_session_stops_at_what_was_committed_when_it_opened(
     run(scenario)
 
 
-def test_resources_select_tables_and_a_truncate_is_refused(postgres_url: str, unique_name: Any) -> None:
+def test_resources_select_tables_and_a_truncate_becomes_a_truncate_row(
+    postgres_url: str, unique_name: Any
+) -> None:
     slot = unique_name("s")
     config = cdc_config(postgres_url, slot, tables=("public.a", "public.b"))
 
-    async def scenario() -> tuple[Recorder, BaseException, BaseException]:
+    async def scenario() -> tuple[Recorder, BaseException, Recorder]:
         await sql(postgres_url, "CREATE TABLE a (id int PRIMARY KEY)", "CREATE TABLE b (id int PRIMARY KEY)")
         await setup_replication(config)
         await sql(postgres_url, "INSERT INTO a VALUES (1)", "INSERT INTO b VALUES (1)")
@@ -987,17 +1032,23 @@ def test_resources_select_tables_and_a_truncate_is_refused(postgres_url: str, un
         session = await open_session(config, resources=["public.b"])
         recorder = Recorder()
         await drain(session, recorder)
-        await sql(postgres_url, "TRUNCATE b")
-        with pytest.raises(UnsupportedOperation) as truncated:
-            await session.read(Recorder(), QUIET, CancelToken())
+        await sql(postgres_url, "TRUNCATE a, b")
+        truncated = Recorder()
+        await session.read(truncated, QUIET, CancelToken())
         await session.close()
-        return recorder, unpublished.value, truncated.value
+        return recorder, unpublished.value, truncated
 
     recorder, unpublished, truncated = run(scenario)
-    # The transaction touching only table a is still a boundary, without rows.
+    # The transaction touching only table a is read too: the group ends at its commit, past b's row.
     assert [[row.resource for row in tx.rows] for tx in recorder.transactions] == [["public.b"]]
-    assert [type(boundary) for boundary in recorder.boundaries] == [TransactionEnd, ProgressBoundary]
-    assert "public.nope" in str(unpublished) and "TRUNCATE of public.b" in str(truncated)
+    assert len(recorder.boundaries) == 1 and isinstance(recorder.boundaries[0], TransactionEnd)
+    assert lsn(recorder.boundaries[0].position) > lsn(recorder.transactions[0].position)
+    assert "public.nope" in str(unpublished)
+    # A TRUNCATE is one truncate row per selected table, every data column null.
+    [truncate] = truncated.transactions
+    assert [(row.resource, row.values[OPERATION_COLUMN], row.values["id"]) for row in truncate.rows] == [
+        ("public.b", "truncate", None)
+    ]
 
 
 def test_a_worker_that_does_not_own_the_slot_reads_nothing(postgres_url: str, unique_name: Any) -> None:
@@ -1071,7 +1122,12 @@ def test_registered_as_the_postgres_stream_source_with_honest_capabilities() -> 
     assert isinstance(source, PostgresCdcSource)
     capabilities = source.capabilities()
     assert capabilities.emits is Emits.CHANGES and capabilities.ordering is Ordering.STRICT_GLOBAL
-    assert capabilities.operations == {Operation.INSERT, Operation.UPDATE, Operation.DELETE}
+    assert capabilities.operations == {
+        Operation.INSERT,
+        Operation.UPDATE,
+        Operation.DELETE,
+        Operation.TRUNCATE,
+    }
     assert capabilities.replay is Replay.REPLAYABLE_AT_LEAST_ONCE and capabilities.continuous
     assert capabilities.transaction_boundaries and capabilities.event_identity and capabilities.deterministic
     assert [codec.name for codec in source.codecs()] == ["postgres.lsn"]
@@ -1087,4 +1143,4 @@ def test_malformed_pgoutput_messages_stop_decoding() -> None:
             pgoutput.decode(data)
     column = pgoutput.Column("at", 1184, -1, False)
     with pytest.raises(DataError, match="column 'at'"):
-        pgoutput.column_array(["infinity"], column, "table public.t")
+        pgoutput.column_array(["not a time"], column, "table public.t")

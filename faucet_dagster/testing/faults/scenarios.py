@@ -23,6 +23,9 @@ every row of the source table, :func:`~.oracle.judge_state`). Kinds of fault:
               everything: IncarnationChanged, no new certificate, nothing of the new records written.
 ``purge``     positions after the certified one are removed (NATS purge): PositionUnavailable, no
               new certificate, nothing written.
+``ddl``       a change source's table gets a column with a default, a type change and a dropped
+              column between runs (:mod:`.ddl`): the replica equals the source, or the stream halts
+              with a SchemaError naming the column until the operator's documented way out.
 """
 
 import contextlib
@@ -43,6 +46,7 @@ from faucet_dagster.planner import Mechanism, Plan
 from faucet_dagster.protocol import EpochCertificate, Mode
 from faucet_dagster.runner.faults import FAULT_POINT_ENV, Action, Arming, Point
 from faucet_dagster.state import StateStore
+from faucet_dagster.testing.faults.ddl import run_source_ddl
 from faucet_dagster.testing.faults.oracle import (
     Verdict,
     covered,
@@ -83,6 +87,7 @@ class FaultKind(StrEnum):
     RESTART = "restart"
     RECREATE = "recreate"
     PURGE = "purge"
+    DDL = "ddl"
 
 
 class Moment(StrEnum):
@@ -154,6 +159,8 @@ class Fault:
             return f"zombie@{self.moment}"
         if self.kind is FaultKind.RESTART:
             return f"restart {self.server}"
+        if self.kind is FaultKind.DDL:
+            return "source ddl"
         return f"{self.kind} source"
 
 
@@ -182,6 +189,8 @@ def named_faults(pair: Pair) -> list[Fault]:
         faults.append(Fault(FaultKind.RECREATE))
     if pair.source is NatsSource:
         faults.append(Fault(FaultKind.PURGE))
+    if pair.source is PostgresChangesSource:
+        faults.append(Fault(FaultKind.DDL))
     return faults
 
 
@@ -685,6 +694,11 @@ def _purge(case: Case, fault: Fault) -> _Outcome:
     )
 
 
+def _ddl(case: Case, fault: Fault) -> _Outcome:
+    result = run_source_ddl(case)
+    return _Outcome(True, result.halted_correctly, _all(case.produced), _all(case.produced), result.notes)
+
+
 _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
     FaultKind.POINT: _point,
     FaultKind.RANDOM: _random,
@@ -692,6 +706,7 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
     FaultKind.RESTART: _restart,
     FaultKind.RECREATE: _recreate,
     FaultKind.PURGE: _purge,
+    FaultKind.DDL: _ddl,
 }
 
 
