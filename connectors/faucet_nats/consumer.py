@@ -14,9 +14,15 @@ Why nothing is skipped, and how it is checked (for every chunk, before any of it
 * stream sequences: a message whose stream sequence is above every one seen is new data; one at or
   below is a redelivery of something already held and is suppressed. Between two consecutive new
   messages (and between the start position and the first one), stream sequences may be absent only
-  because those messages do not match the subject filter or were deleted. That is proven from the
-  stream itself, not assumed: one ``STREAM.MSG.GET`` with ``next_by_subj`` per gap must answer the
-  next delivered sequence (or nothing). A matching message inside a gap fails the read.
+  because those messages never matched the subject filter. That is proven from the stream itself,
+  not assumed, before anything past the gap is handed on: one ``STREAM.MSG.GET`` with
+  ``next_by_subj`` per gap must answer the next delivered sequence (or nothing), so no stored
+  matching message is inside (else :class:`IntegrityError`); then one ``STREAM.INFO`` must show that
+  no sequence of the gap was removed (purged, expired by ``max_age``, limited away by ``max_msgs``
+  or ``max_bytes``, deleted): a removed message's subject is unknown, so it cannot be proven
+  absent, and the read fails with :class:`PositionUnavailable` naming the stream and the range.
+  The order matters: removal only ever grows, so a gap still fully stored after the ``next_by_subj``
+  answer was fully stored when it was answered. A bounded read's end is proven the same way.
 
 Acknowledgement is cumulative (``AckAll``) and confirmed (the double ack: the server answers), sent
 only by :meth:`PushConsumer.acknowledge`, after the caller's authority check. A background task keeps
@@ -45,10 +51,11 @@ from faucet_dagster.protocol import (
     IncarnationChanged,
     IntegrityError,
     OwnershipLost,
+    PositionUnavailable,
     WorkerIdentity,
 )
 from faucet_nats.config import NatsSourceConfig
-from faucet_nats.jetstream import JetStreamApi, StreamFacts, stream_missing
+from faucet_nats.jetstream import JetStreamApi, Removed, StreamFacts, stream_missing
 
 ACK_PREFIX = "$JS.ACK."
 _ACK = b"+ACK"
@@ -455,7 +462,11 @@ class PushConsumer:
     # -- proofs ----------------------------------------------------------------------------------
 
     async def prove(self, chunk: Chunk) -> None:
-        """Prove every gap of ``chunk`` holds no message the consumer should have delivered."""
+        """Prove every gap of ``chunk`` never held a message the consumer should have delivered.
+
+        Raises :class:`IntegrityError` when a stored matching message is inside a gap (it was not
+        delivered) and :class:`PositionUnavailable` when a gap holds removed sequences.
+        """
         if not chunk.gaps:
             return
         limiter = asyncio.Semaphore(_PROOF_CONCURRENCY)
@@ -471,14 +482,39 @@ class PushConsumer:
                 )
 
         await asyncio.gather(*(check(after, before) for after, before in chunk.gaps))
+        removed = await self._api.removed(self.facts.name)
+        for after, before in chunk.gaps:
+            self._check_kept(removed, after + 1, before - 1)
         chunk.gaps = []
 
     async def nothing_until(self, end: int) -> bool:
-        """True when no message matching the filter is stored after the highest seen, up to ``end``."""
+        """True when the sequences after the highest seen, up to ``end``, are proven to hold no message
+        of the filter (as :meth:`prove` proves a gap); False while a matching one is stored there.
+
+        Raises :class:`PositionUnavailable` when one of them was removed before it was delivered.
+        """
         if self.max_seen >= end:
             return True
         found = await self._api.next_sequence(self.facts.name, self.max_seen, self._config.subject)
-        return found is None or found > end
+        if found is not None and found <= end:
+            return False
+        self._check_kept(await self._api.removed(self.facts.name), self.max_seen + 1, end)
+        return True
+
+    def _check_kept(self, removed: Removed, low: int, high: int) -> None:
+        count = removed.count_within(low, high)
+        if count:
+            raise self._lost(low, high, count)
+
+    def _lost(self, low: int, high: int, count: int) -> PositionUnavailable:
+        span = f"sequence {low}" if low == high else f"sequences {low} to {high}"
+        return PositionUnavailable(
+            f"stream {self.facts.name} {span} were not delivered and {count} of them were removed "
+            "(purged, expired by max_age, limited away by max_msgs or max_bytes, or deleted) while "
+            "this consumer lagged: a removed message cannot be proven absent, so nothing past "
+            f"sequence {low - 1} is read",
+            where=self.where,
+        )
 
     async def diagnose(self) -> FaucetError | None:
         """Why deliveries and heartbeats stopped: the stream was deleted or recreated, the consumer was
