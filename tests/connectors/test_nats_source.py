@@ -472,7 +472,7 @@ def test_a_purge_while_the_consumer_lags_is_loss(nats_url: str, stream: str, sub
             sink = Recorder()
             covered: list[Coverage] = []
             with pytest.raises(PositionUnavailable, match=f"stream {stream} sequences 6 to 20"):
-                while True:
+                for _ in range(20):  # bounded: a read that never fails is the defect
                     coverage = await session.read(sink, FAST, CancelToken())
                     covered.append(coverage)
                     await session.acknowledge(coverage, Authority())
@@ -497,7 +497,9 @@ def test_max_msgs_retention_while_the_consumer_lags_is_loss(nats_url: str, strea
             await publish(nats_url, f"{stream}.a", [payload(i) for i in range(6, 31)])
             await wait_stream(nats_url, stream, lambda state: state["first_seq"] == 21)
             sink = Recorder()
-            with pytest.raises(PositionUnavailable, match="sequences 6 to 20"):
+            # Which of 6 to 20 the retention removed before the server could deliver them (it sends
+            # more as soon as it drops the held 1 to 5) depends on timing; that some were is certain.
+            with pytest.raises(PositionUnavailable, match=r"sequences 6 to (1\d|20) were not delivered"):
                 await session.read(sink, FAST, CancelToken())
             assert set(sink.ids()) <= {1, 2, 3, 4, 5}
         finally:
@@ -538,7 +540,7 @@ def test_a_bounded_read_whose_end_was_purged_is_loss(nats_url: str, stream: str)
             await api_call(nats_url, f"STREAM.PURGE.{stream}")
             sink = Recorder()
             with pytest.raises(PositionUnavailable, match="sequences 6 to 30"):
-                while True:
+                for _ in range(20):  # bounded: a read that never fails is the defect
                     coverage = await session.read(sink, FAST, CancelToken())
                     assert not session.finished
                     await session.acknowledge(coverage, Authority())
