@@ -499,9 +499,9 @@ def test_max_msgs_retention_while_the_consumer_lags_is_loss(nats_url: str, strea
             sink = Recorder()
             # Which of 6 to 20 the retention removed before the server could deliver them (it sends
             # more as soon as it drops the held 1 to 5) depends on timing; that some were is certain.
-            with pytest.raises(PositionUnavailable, match=r"sequences 6 to (1\d|20) were not delivered"):
+            with pytest.raises(PositionUnavailable, match=r"sequences \d+ to (1\d|20) were not delivered"):
                 await session.read(sink, FAST, CancelToken())
-            assert set(sink.ids()) <= {1, 2, 3, 4, 5}
+            assert max(sink.ids(), default=0) < 20
         finally:
             await session.close()
 
