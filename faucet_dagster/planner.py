@@ -1,9 +1,9 @@
 """The planner: checks a source/sink pair before anything is written.
 
 ``plan(...)`` applies the seven rules of DESIGN.md section 2.3, and an eighth (the sink is durable),
-to the capabilities both connectors declared from their live config. It returns a :class:`Plan` stating the delivery guarantee it can
-honestly promise and why, or raises :class:`PlanError` listing every violation (each with a stable
-code), never only the first. Pure: no I/O, no Dagster.
+to the capabilities both connectors declared from their live config. It returns a :class:`Plan`
+stating the delivery guarantee it can honestly promise and why, or raises :class:`PlanError` listing
+every violation (each with a stable code), never only the first. Pure: no I/O, no Dagster.
 """
 
 from collections.abc import Callable, Sequence

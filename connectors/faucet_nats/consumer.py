@@ -509,10 +509,10 @@ class PushConsumer:
     def _lost(self, low: int, high: int, count: int) -> PositionUnavailable:
         span = f"sequence {low}" if low == high else f"sequences {low} to {high}"
         return PositionUnavailable(
-            f"stream {self.facts.name} {span} were not delivered and {count} of them were removed "
-            "(purged, expired by max_age, limited away by max_msgs or max_bytes, or deleted) while "
-            "this consumer lagged: a removed message cannot be proven absent, so nothing past "
-            f"sequence {low - 1} is read",
+            f"stream {self.facts.name}: {count} of the undelivered {span} "
+            f"{'was' if count == 1 else 'were'} removed (purged, expired by max_age, limited away by "
+            "max_msgs or max_bytes, or deleted) while this consumer lagged: a removed message cannot "
+            f"be proven absent, so nothing past sequence {low - 1} is read",
             where=self.where,
         )
 
