@@ -23,6 +23,8 @@ every row of the source table, :func:`~.oracle.judge_state`). Kinds of fault:
               everything: IncarnationChanged, no new certificate, nothing of the new records written.
 ``purge``     positions after the certified one are removed (NATS purge): PositionUnavailable, no
               new certificate, nothing written.
+``retention``, ``page_crash``  the source changes under a lagging consumer or between a bounded
+              run's crash and its rerun: see :mod:`faucet_dagster.testing.faults.lagging`.
 """
 
 import contextlib
@@ -83,6 +85,8 @@ class FaultKind(StrEnum):
     RESTART = "restart"
     RECREATE = "recreate"
     PURGE = "purge"
+    RETENTION = "retention"
+    PAGE_CRASH = "page_crash"
 
 
 class Moment(StrEnum):
@@ -182,6 +186,9 @@ def named_faults(pair: Pair) -> list[Fault]:
         faults.append(Fault(FaultKind.RECREATE))
     if pair.source is NatsSource:
         faults.append(Fault(FaultKind.PURGE))
+    from faucet_dagster.testing.faults import lagging  # builds on this module
+
+    faults += [Fault(FaultKind(kind)) for kind in lagging.RUNNERS if lagging.applies(pair, kind)]
     return faults
 
 
@@ -695,6 +702,12 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
 }
 
 
+def _runner(kind: FaultKind) -> Callable[[Case, Fault], _Outcome]:
+    from faucet_dagster.testing.faults import lagging  # builds on this module
+
+    return _RUNNERS.get(kind) or lagging.RUNNERS[kind]
+
+
 def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: CaseParams) -> CaseResult:
     """Run ``fault`` on a fresh instance of ``pair`` under ``root`` and judge every record."""
     started = time.monotonic()
@@ -704,7 +717,7 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         case.prepare()
         case.produce("p1", params.records)
         try:
-            outcome = _RUNNERS[fault.kind](case, fault)
+            outcome = _runner(fault.kind)(case, fault)
         except HarnessError as exc:
             outcome = _Outcome(False, False, _all(case.produced), _all(case.produced), [str(exc)])
         verdict = case.judge(outcome)
