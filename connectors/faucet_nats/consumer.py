@@ -22,7 +22,10 @@ Why nothing is skipped, and how it is checked (for every chunk, before any of it
   or ``max_bytes``, deleted): a removed message's subject is unknown, so it cannot be proven
   absent, and the read fails with :class:`PositionUnavailable` naming the stream and the range.
   The order matters: removal only ever grows, so a gap still fully stored after the ``next_by_subj``
-  answer was fully stored when it was answered. A bounded read's end is proven the same way.
+  answer was fully stored when it was answered. A bounded read's end is proven the same way. With a
+  subject filter, an idle consumer also proves ahead (:meth:`PushConsumer.prove_ahead`, once per
+  idle heartbeat) that the stored messages after the last delivered one are of other subjects, so
+  retention removing those later is not mistaken for loss.
 
 Acknowledgement is cumulative (``AckAll``) and confirmed (the double ack: the server answers), sent
 only by :meth:`PushConsumer.acknowledge`, after the caller's authority check. A background task keeps
@@ -172,6 +175,10 @@ class PushConsumer:
         # Delivery bookkeeping: the last consumer sequence seen, the highest stream sequence seen.
         self._last_delivery = 0
         self.max_seen = start_after
+        # Filtered: every sequence up to here is proven to never have held a message of the filter
+        # (proven ahead while idle, before retention can remove the other subjects' messages).
+        self.proven = start_after
+        self._proven_at = 0.0
         self.acked = start_after
         self.suppressed = 0
         self._stale_reply: tuple[int, str] | None = None
@@ -481,11 +488,36 @@ class PushConsumer:
                     where=self.where,
                 )
 
-        await asyncio.gather(*(check(after, before) for after, before in chunk.gaps))
-        removed = await self._api.removed(self.facts.name)
-        for after, before in chunk.gaps:
-            self._check_kept(removed, after + 1, before - 1)
+        # What the idle proof covered already needs no proof (and may have been removed since).
+        gaps = [(max(after, self.proven), before) for after, before in chunk.gaps]
+        gaps = [(after, before) for after, before in gaps if before - after > 1]
+        if gaps:
+            await asyncio.gather(*(check(after, before) for after, before in gaps))
+            removed = await self._api.removed(self.facts.name)
+            for after, before in gaps:
+                self._check_kept(removed, after + 1, before - 1)
         chunk.gaps = []
+
+    async def prove_ahead(self) -> None:
+        """While caught up, prove the stored sequences after the highest seen hold no message of the
+        filter, so later removal of those (other subjects') messages is not mistaken for loss.
+
+        At most once per ``idle_heartbeat``, and only with a subject filter (without one every
+        message is delivered: there is nothing to prove ahead). The stream's last sequence is read
+        before the ``next_by_subj`` answer and the removals after it, as :meth:`prove` does.
+        """
+        now = time.monotonic()
+        if not self._config.subject or now - self._proven_at < self._config.idle_heartbeat:
+            return
+        self._proven_at = now
+        start = max(self.max_seen, self.proven)
+        last = (await self._api.stream(self.facts.name)).last_seq
+        if last <= start:
+            return
+        found = await self._api.next_sequence(self.facts.name, start, self._config.subject)
+        upto = last if found is None else min(last, found - 1)
+        if upto > start and not (await self._api.removed(self.facts.name)).count_within(start + 1, upto):
+            self.proven = upto
 
     async def nothing_until(self, end: int) -> bool:
         """True when the sequences after the highest seen, up to ``end``, are proven to hold no message

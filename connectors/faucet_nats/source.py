@@ -359,6 +359,8 @@ class NatsStreamSession(StreamSession):
                     return end, True
                 continue
             # Nothing ready: stop on idle, a bounded end or a full acknowledgement window; else wait.
+            if not consumer.has_incoming:
+                await consumer.prove_ahead()
             if (
                 self._end is not None
                 and not consumer.has_incoming

@@ -493,6 +493,29 @@ def test_a_purge_while_the_consumer_lags_is_loss(nats_url: str, stream: str, sub
     run(scenario())
 
 
+def test_other_subjects_removed_after_an_idle_consumer_passed_them_are_no_loss(
+    nats_url: str, stream: str
+) -> None:
+    async def scenario() -> None:
+        await publish(nats_url, f"{stream}.a", [payload(1)])
+        await publish(nats_url, f"{stream}.b", [payload(i) for i in range(2, 22)])
+        session = await open_session(config(nats_url, stream, subject=f"{stream}.a", idle_heartbeat=0.2))
+        try:
+            first = await session.read(Recorder(), FAST, CancelToken())
+            assert first.domains[0].end == "1"
+            await session.acknowledge(first, Authority())
+            # The other subject's messages, seen while the consumer was idle, are removed later.
+            await api_call(nats_url, f"STREAM.PURGE.{stream}", {"filter": f"{stream}.b"})
+            await publish(nats_url, f"{stream}.a", [payload(22)])
+            sink = Recorder()
+            coverage = await session.read(sink, FAST, CancelToken())
+            assert coverage.domains[0].end == "22" and sink.ids() == [22]
+        finally:
+            await session.close()
+
+    run(scenario())
+
+
 def test_max_msgs_retention_while_the_consumer_lags_is_loss(nats_url: str, stream: str) -> None:
     async def scenario() -> None:
         session, _ = await lagging_session(nats_url, stream, 5)
