@@ -1,9 +1,9 @@
 """The planner: checks a source/sink pair before anything is written.
 
-``plan(...)`` applies the seven rules of DESIGN.md section 2.3 to the capabilities both connectors
-declared from their live config. It returns a :class:`Plan` stating the delivery guarantee it can
-honestly promise and why, or raises :class:`PlanError` listing every violation (each with a stable
-code), never only the first. Pure: no I/O, no Dagster.
+``plan(...)`` applies the seven rules of DESIGN.md section 2.3, and an eighth (the sink is durable),
+to the capabilities both connectors declared from their live config. It returns a :class:`Plan`
+stating the delivery guarantee it can honestly promise and why, or raises :class:`PlanError` listing
+every violation (each with a stable code), never only the first. Pure: no I/O, no Dagster.
 """
 
 from collections.abc import Callable, Sequence
@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from faucet_dagster.protocol import (
     Delivery,
+    Durability,
     Emits,
     Mode,
     Ordering,
@@ -39,6 +40,7 @@ class Code(StrEnum):
     KEY_REQUIRED = "key-required"
     KEY_NOT_IN_SCHEMA = "key-not-in-schema"
     EFFECTIVELY_ONCE_UNREACHABLE = "effectively-once-unreachable"
+    SINK_NOT_DURABLE = "sink-not-durable"
 
 
 class Mechanism(StrEnum):
@@ -111,6 +113,7 @@ def plan(
         *_check_ordering(source, policy),
         *_check_operations(source, sink, policy),
         *_check_key(source, sink, policy, key),
+        *_check_durability(sink, mode),
     ]
     mechanisms, reasons = _mechanisms(source, sink, mode, policy, key, durable_state, dead_letter)
     if delivery is Delivery.EFFECTIVELY_ONCE and not mechanisms:
@@ -241,6 +244,33 @@ def _check_key(
                 )
             ]
     return []
+
+
+def _check_durability(sink: SinkCapabilities, mode: Mode) -> list[Violation]:
+    """Rule 8: the sink is durable (seed 000: the planner checks durability).
+
+    Both runners make progress permanent after the sink's commit returns: the continuous runner
+    certifies the epoch and acknowledges the source, the bounded runner's caller persists the
+    bookmark. A sink whose commit promises nothing (``Durability.NONE``) may lose writes after that,
+    and then the source has already moved past them: that is loss, which no guarantee allows, not
+    even at-least-once. So such a sink is refused in every mode, whatever delivery is asked for.
+    """
+    if sink.durability is not Durability.NONE:
+        return []
+    progress = (
+        "certifying the epoch and acknowledging the source"
+        if mode is Mode.CONTINUOUS
+        else "persisting the bookmark"
+    )
+    return [
+        Violation(
+            Code.SINK_NOT_DURABLE,
+            8,
+            f"the sink declares durability none: its commit does not promise the writes survive, so "
+            f"{progress} after it could lose records; declare acknowledged or transactional "
+            "durability only if the destination keeps what a commit returned for",
+        )
+    ]
 
 
 def _mechanisms(

@@ -20,6 +20,7 @@ BEST_EFFORT_SOURCE = [
 TABLE_SINK = [
     "--set-sink", "bounded_policies=append,upsert,replace,apply_changes",
     "--set-sink", "continuous_policies=append,apply_changes",
+    "--set-sink", "durability=transactional",
 ]  # fmt: skip
 
 
@@ -92,7 +93,7 @@ pairs:
       capabilities: {emits: messages, operations: [insert], ordering: partition,
                      replay: replayable_at_least_once, bounded: false, continuous: true}
     sink:
-      capabilities: {bounded_policies: [append], continuous_policies: [append]}
+      capabilities: {bounded_policies: [append], continuous_policies: [append], durability: acknowledged}
 """
     )
     assert main(["plan", "-f", str(pairs)]) == 0

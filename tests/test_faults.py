@@ -80,8 +80,10 @@ def test_every_record_survives_the_fault_or_the_stream_halts_explicitly(
     assert verdict.lost == 0 and verdict.unexpected == 0, verdict
     if not result.duplicates_allowed:
         assert verdict.duplicated == 0, verdict
-    if fault.kind not in (FaultKind.RESTART, FaultKind.RECREATE, FaultKind.PURGE, FaultKind.DDL):
-        assert verdict.records == 2_000 and verdict.found >= 2_000, verdict
+    halting = (FaultKind.RESTART, FaultKind.RECREATE, FaultKind.PURGE, FaultKind.DDL, FaultKind.RETENTION)
+    if fault.kind not in halting:
+        # Every record produced (a page crash adds some before its rerun) is judged, and found.
+        assert verdict.records >= 2_000 and verdict.found >= verdict.records, verdict
     assert result.passed
 
 

@@ -49,7 +49,9 @@ TABLE_SINK = SinkCapabilities(
     owner_fencing=True,
 )
 PLAIN_SINK = SinkCapabilities(
-    bounded_policies=frozenset({WritePolicy.APPEND}), continuous_policies=frozenset({WritePolicy.APPEND})
+    bounded_policies=frozenset({WritePolicy.APPEND}),
+    continuous_policies=frozenset({WritePolicy.APPEND}),
+    durability=Durability.ACKNOWLEDGED,
 )
 
 
@@ -209,6 +211,27 @@ def test_rule7_at_least_once_is_promised_honestly() -> None:
     assert any("duplicate" in reason for reason in accepted.reasons)
 
 
+# Rule 8: the sink is durable, in every mode and for every delivery asked for.
+@pytest.mark.parametrize("mode", list(Mode))
+def test_rule8_refuses_a_sink_without_durability(mode: Mode) -> None:
+    forgetful = replace(TABLE_SINK, durability=Durability.NONE)
+    for delivery in (None, Delivery.AT_LEAST_ONCE, Delivery.EFFECTIVELY_ONCE):
+        # An atomic watermark does not help: the commit that carries it may be lost with the rows.
+        assert refused(LOG_SOURCE, forgetful, mode, WritePolicy.APPEND, delivery=delivery) == (
+            Code.SINK_NOT_DURABLE,
+        )
+    with pytest.raises(PlanError) as caught:
+        plan(LOG_SOURCE, forgetful, mode, WritePolicy.APPEND)
+    assert caught.value.violations[0].rule == 8
+    assert ("acknowledging the source" if mode is Mode.CONTINUOUS else "bookmark") in str(caught.value)
+
+
+@pytest.mark.parametrize("durability", [Durability.ACKNOWLEDGED, Durability.TRANSACTIONAL])
+def test_rule8_accepts_acknowledged_and_transactional_sinks(durability: Durability) -> None:
+    sink = replace(TABLE_SINK, durability=durability)
+    assert plan(LOG_SOURCE, sink, Mode.CONTINUOUS, WritePolicy.APPEND).delivery is Delivery.EFFECTIVELY_ONCE
+
+
 def test_every_violation_is_reported_not_only_the_first() -> None:
     source = SourceCapabilities(
         emits=Emits.CHANGES,
@@ -218,7 +241,11 @@ def test_every_violation_is_reported_not_only_the_first() -> None:
         bounded=False,
         continuous=False,
     )
-    sink = replace(PLAIN_SINK, accepted_operations={WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT})})
+    sink = replace(
+        PLAIN_SINK,
+        accepted_operations={WritePolicy.APPLY_CHANGES: frozenset({Operation.INSERT})},
+        durability=Durability.NONE,
+    )
     with pytest.raises(PlanError) as caught:
         plan(source, sink, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, delivery=Delivery.EFFECTIVELY_ONCE)
     assert set(caught.value.codes) == {
@@ -229,8 +256,9 @@ def test_every_violation_is_reported_not_only_the_first() -> None:
         Code.OPERATION_NOT_ACCEPTED,
         Code.KEY_REQUIRED,
         Code.EFFECTIVELY_ONCE_UNREACHABLE,
+        Code.SINK_NOT_DURABLE,
     }
-    assert {violation.rule for violation in caught.value.violations} == {1, 2, 4, 5, 6, 7}
+    assert {violation.rule for violation in caught.value.violations} == {1, 2, 4, 5, 6, 7, 8}
     message = str(caught.value)
     for code in caught.value.codes:
         assert f"[{code}]" in message

@@ -88,8 +88,10 @@ def _capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapab
         deterministic=continuous,
         transaction_boundaries=False,
         event_identity=True,
-        discover=True,
-        shardable=True,
+        # Only the bounded source has discover() and enumerate_shards()/apply_shard(); a stream is
+        # divided among workers by membership, not by shards.
+        discover=not continuous,
+        shardable=not continuous,
         columns=None if config.format == "json" else RAW_COLUMNS,
     )
 

@@ -14,9 +14,18 @@ Why nothing is skipped, and how it is checked (for every chunk, before any of it
 * stream sequences: a message whose stream sequence is above every one seen is new data; one at or
   below is a redelivery of something already held and is suppressed. Between two consecutive new
   messages (and between the start position and the first one), stream sequences may be absent only
-  because those messages do not match the subject filter or were deleted. That is proven from the
-  stream itself, not assumed: one ``STREAM.MSG.GET`` with ``next_by_subj`` per gap must answer the
-  next delivered sequence (or nothing). A matching message inside a gap fails the read.
+  because those messages never matched the subject filter. That is proven from the stream itself,
+  not assumed, before anything past the gap is handed on: one ``STREAM.MSG.GET`` with
+  ``next_by_subj`` per gap must answer the next delivered sequence (or nothing), so no stored
+  matching message is inside (else :class:`IntegrityError`); then one ``STREAM.INFO`` must show that
+  no sequence of the gap was removed (purged, expired by ``max_age``, limited away by ``max_msgs``
+  or ``max_bytes``, deleted): a removed message's subject is unknown, so it cannot be proven
+  absent, and the read fails with :class:`PositionUnavailable` naming the stream and the range.
+  The order matters: removal only ever grows, so a gap still fully stored after the ``next_by_subj``
+  answer was fully stored when it was answered. A bounded read's end is proven the same way. With a
+  subject filter, an idle consumer also proves ahead (:meth:`PushConsumer.prove_ahead`, once per
+  idle heartbeat) that the stored messages after the last delivered one are of other subjects, so
+  retention removing those later is not mistaken for loss.
 
 Acknowledgement is cumulative (``AckAll``) and confirmed (the double ack: the server answers), sent
 only by :meth:`PushConsumer.acknowledge`, after the caller's authority check. A background task keeps
@@ -45,10 +54,11 @@ from faucet_dagster.protocol import (
     IncarnationChanged,
     IntegrityError,
     OwnershipLost,
+    PositionUnavailable,
     WorkerIdentity,
 )
 from faucet_nats.config import NatsSourceConfig
-from faucet_nats.jetstream import JetStreamApi, StreamFacts, stream_missing
+from faucet_nats.jetstream import JetStreamApi, Removed, StreamFacts, stream_missing
 
 ACK_PREFIX = "$JS.ACK."
 _ACK = b"+ACK"
@@ -165,6 +175,10 @@ class PushConsumer:
         # Delivery bookkeeping: the last consumer sequence seen, the highest stream sequence seen.
         self._last_delivery = 0
         self.max_seen = start_after
+        # Filtered: every sequence up to here is proven to never have held a message of the filter
+        # (proven ahead while idle, before retention can remove the other subjects' messages).
+        self.proven = start_after
+        self._proven_at = 0.0
         self.acked = start_after
         self.suppressed = 0
         self._stale_reply: tuple[int, str] | None = None
@@ -455,7 +469,11 @@ class PushConsumer:
     # -- proofs ----------------------------------------------------------------------------------
 
     async def prove(self, chunk: Chunk) -> None:
-        """Prove every gap of ``chunk`` holds no message the consumer should have delivered."""
+        """Prove every gap of ``chunk`` never held a message the consumer should have delivered.
+
+        Raises :class:`IntegrityError` when a stored matching message is inside a gap (it was not
+        delivered) and :class:`PositionUnavailable` when a gap holds removed sequences.
+        """
         if not chunk.gaps:
             return
         limiter = asyncio.Semaphore(_PROOF_CONCURRENCY)
@@ -470,15 +488,65 @@ class PushConsumer:
                     where=self.where,
                 )
 
-        await asyncio.gather(*(check(after, before) for after, before in chunk.gaps))
+        # What the idle proof covered already needs no proof (and may have been removed since).
+        gaps = [(max(after, self.proven), before) for after, before in chunk.gaps]
+        gaps = [(after, before) for after, before in gaps if before - after > 1]
+        if gaps:
+            await asyncio.gather(*(check(after, before) for after, before in gaps))
+            removed = await self._api.removed(self.facts.name)
+            for after, before in gaps:
+                self._check_kept(removed, after + 1, before - 1)
         chunk.gaps = []
 
+    async def prove_ahead(self) -> None:
+        """While caught up, prove the stored sequences after the highest seen hold no message of the
+        filter, so later removal of those (other subjects') messages is not mistaken for loss.
+
+        At most once per ``idle_heartbeat``, and only with a subject filter (without one every
+        message is delivered: there is nothing to prove ahead). The stream's last sequence is read
+        before the ``next_by_subj`` answer and the removals after it, as :meth:`prove` does.
+        """
+        now = time.monotonic()
+        if not self._config.subject or now - self._proven_at < self._config.idle_heartbeat:
+            return
+        self._proven_at = now
+        start = max(self.max_seen, self.proven)
+        last = (await self._api.stream(self.facts.name)).last_seq
+        if last <= start:
+            return
+        found = await self._api.next_sequence(self.facts.name, start, self._config.subject)
+        upto = last if found is None else min(last, found - 1)
+        if upto > start and not (await self._api.removed(self.facts.name)).count_within(start + 1, upto):
+            self.proven = upto
+
     async def nothing_until(self, end: int) -> bool:
-        """True when no message matching the filter is stored after the highest seen, up to ``end``."""
+        """True when the sequences after the highest seen, up to ``end``, are proven to hold no message
+        of the filter (as :meth:`prove` proves a gap); False while a matching one is stored there.
+
+        Raises :class:`PositionUnavailable` when one of them was removed before it was delivered.
+        """
         if self.max_seen >= end:
             return True
         found = await self._api.next_sequence(self.facts.name, self.max_seen, self._config.subject)
-        return found is None or found > end
+        if found is not None and found <= end:
+            return False
+        self._check_kept(await self._api.removed(self.facts.name), self.max_seen + 1, end)
+        return True
+
+    def _check_kept(self, removed: Removed, low: int, high: int) -> None:
+        count = removed.count_within(low, high)
+        if count:
+            raise self._lost(low, high, count)
+
+    def _lost(self, low: int, high: int, count: int) -> PositionUnavailable:
+        span = f"sequence {low}" if low == high else f"sequences {low} to {high}"
+        return PositionUnavailable(
+            f"stream {self.facts.name}: {count} of the undelivered {span} "
+            f"{'was' if count == 1 else 'were'} removed (purged, expired by max_age, limited away by "
+            "max_msgs or max_bytes, or deleted) while this consumer lagged: a removed message cannot "
+            f"be proven absent, so nothing past sequence {low - 1} is read",
+            where=self.where,
+        )
 
     async def diagnose(self) -> FaucetError | None:
         """Why deliveries and heartbeats stopped: the stream was deleted or recreated, the consumer was

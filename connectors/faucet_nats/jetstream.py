@@ -5,6 +5,7 @@ JetStream manager, because the source needs fields that manager drops or rounds:
 creation time to the nanosecond (part of the incarnation) and the configured first sequence.
 """
 
+import bisect
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,6 +62,28 @@ class StreamFacts:
     @property
     def incarnation(self) -> str:
         return f"{self.created}#{self.configured_first_seq}"
+
+
+@dataclass(frozen=True)
+class Removed:
+    """What a stream no longer stores: every sequence before ``first_seq`` (purged, expired, limited
+    away) and the interior ``deleted`` sequences (sorted), as STREAM.INFO reported them.
+
+    A removed sequence held a message once, of a subject nobody can tell any more: it can never be
+    proven to hold nothing a consumer should have delivered.
+    """
+
+    first_seq: int
+    deleted: tuple[int, ...]
+
+    def count_within(self, low: int, high: int) -> int:
+        """How many of the sequences ``low`` to ``high`` (inclusive) were removed."""
+        if high < low:
+            return 0
+        head = max(0, min(high, self.first_seq - 1) - low + 1)
+        start = max(low, self.first_seq)
+        interior = bisect.bisect_right(self.deleted, high) - bisect.bisect_left(self.deleted, start)
+        return head + max(0, interior)
 
 
 def describe_servers(config: NatsConnectionConfig) -> str:
@@ -167,6 +190,18 @@ class JetStreamApi:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectionFailed("JetStream sent stream info without its state", where=where) from exc
 
+    async def removed(self, stream: str) -> Removed:
+        """What ``stream`` no longer stores, read now (with the interior deletions in detail)."""
+        where = f"nats stream {stream}"
+        answer = await self.request(f"STREAM.INFO.{stream}", {"deleted_details": True}, where=where)
+        try:
+            state = answer["state"]
+            first_seq = int(state["first_seq"]) if int(state["messages"]) else int(state["last_seq"]) + 1
+            deleted = tuple(sorted(int(seq) for seq in state.get("deleted") or ()))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConnectionFailed("JetStream sent stream info without its state", where=where) from exc
+        return Removed(first_seq, deleted)
+
     async def create_consumer(self, stream: str, config: Mapping[str, Any], *, durable: str | None) -> None:
         subject = f"CONSUMER.CREATE.{stream}" + (f".{durable}" if durable else "")
         await self.request(subject, {"stream_name": stream, "config": config}, where=f"nats stream {stream}")
@@ -215,6 +250,7 @@ def stream_missing(exc: FaucetError) -> bool:
 __all__ = [
     "JetStreamApi",
     "JetStreamRefused",
+    "Removed",
     "StreamFacts",
     "connect",
     "describe_servers",

@@ -226,8 +226,13 @@ class NatsStreamSession(StreamSession):
         durable: bool,
         bounded: bool,
         max_ack_pending: int | None = None,
+        after: int | None = None,
     ) -> "NatsStreamSession":
-        """Connect, check the certified position, and (when ``owned``) create the consumer there."""
+        """Connect, check the certified position, and (when ``owned``) create the consumer there.
+
+        ``after`` (a bounded read only) starts right after that sequence of the current incarnation
+        instead, when it is past the certified position: everything up to it is at the destination.
+        """
         where = _where(config)
         client = await connect(config, where=where)
         try:
@@ -235,6 +240,8 @@ class NatsStreamSession(StreamSession):
             facts = await _stream_facts(api, config, known_incarnation=bool(positions))
             domain = _domain(config, facts)
             resumed = _resume_after(config, domain, positions)
+            if after is not None and (resumed is None or after > resumed):
+                resumed = after
             if resumed is not None:
                 _check_available(config, facts, resumed)
             start_after = resumed if resumed is not None else max(facts.first_seq - 1, 0)
@@ -352,6 +359,8 @@ class NatsStreamSession(StreamSession):
                     return end, True
                 continue
             # Nothing ready: stop on idle, a bounded end or a full acknowledgement window; else wait.
+            if not consumer.has_incoming:
+                await consumer.prove_ahead()
             if (
                 self._end is not None
                 and not consumer.has_incoming
@@ -600,14 +609,22 @@ class NatsSource(Source):
 
     Bookmark: ``{"stream", "subject", "incarnation", "sequence"}`` (the last sequence read). A
     malformed payload raises DataError (a bounded read has no dead-letter route for source records).
+
+    Watermark positions: a page's position is its bookmark's stream sequence, so a commit-token sink
+    stores the last sequence it holds, and a rerun resumes right after it (or fails with
+    :class:`PositionUnavailable` when retention removed what follows). The token carries no
+    incarnation: after the stream is deleted and recreated, a destination holding the old stream's
+    token must be reset, or a rerun without a bookmark would resume past the new stream's start.
     """
 
     connector_name = "nats"
     config_model = NatsSourceConfig
+    watermark_by_position = True
 
     def __init__(self, config: NatsSourceConfig) -> None:
         self.config = config
         self._start: Position | None = None
+        self._after: int | None = None
         self._bookmark: JsonValue | None = None
 
     def capabilities(self) -> SourceCapabilities:
@@ -645,6 +662,14 @@ class NatsSource(Source):
         self._start = Position(domain, CODEC.canonicalize(CODEC.validate(bookmark["sequence"])))
         self._bookmark = bookmark
 
+    def watermark_position(self, bookmark: JsonValue) -> int:
+        if not isinstance(bookmark, dict) or "sequence" not in bookmark:
+            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(self.config))
+        return CODEC.validate(bookmark["sequence"])
+
+    def resume_after_position(self, position: int) -> None:
+        self._after = CODEC.validate(position)
+
     async def check(self) -> None:
         client = await connect(self.config, where=_where(self.config))
         try:
@@ -674,6 +699,7 @@ class NatsSource(Source):
             durable=False,
             bounded=True,
             max_ack_pending=-1 if batch_size == 0 else max(2 * batch_size, config.chunk_messages),
+            after=self._after,
         )
         collector = _PageCollector(_where(config))
         limits = ReadLimits(records=batch_size or None, bytes=None, idle=None, age=None)

@@ -175,6 +175,28 @@ class Source(Connector):
         """A bookmark for "now" (CDC: the current log position) taken before a snapshot read."""
         return None
 
+    watermark_by_position: ClassVar[bool] = False
+    """True when this source's pages have positions the atomic watermark can use as commit tokens:
+    every page carries a bookmark, :meth:`watermark_position` maps it to a non-negative integer that
+    grows with every page and names the same records on every read (a stream sequence), and
+    :meth:`resume_after_position` starts the next read right after such a position, raising
+    :class:`~faucet_dagster.protocol.errors.PositionUnavailable` when what follows it is gone. A
+    source with positions declares them: a watermark that counts rows skips the wrong ones as soon
+    as the start of the source moves (retention) between a crash and the rerun."""
+
+    def watermark_position(self, bookmark: JsonValue) -> int:
+        """The position ``bookmark`` (one of this source's) names. Only when ``watermark_by_position``."""
+        raise UnsupportedOperation(
+            f"{self.connector_name} has no watermark positions", where=self.dataset_uri()
+        )
+
+    def resume_after_position(self, position: int) -> None:
+        """Start the next read right after ``position`` (the sink's watermark), whatever bookmark was
+        applied. Called before reading. Only when ``watermark_by_position``."""
+        raise UnsupportedOperation(
+            f"{self.connector_name} has no watermark positions", where=self.dataset_uri()
+        )
+
 
 class Sink(Connector):
     """A bounded sink (FCP section 3).

@@ -81,11 +81,14 @@ class KeysetSource(Source):
     """Base of the sources that read one table in ascending ``(cursor, key...)`` order.
 
     What such a source promises is the same whatever the database: rows (inserts) in one strict global
-    order, replayable from a bookmark, bounded, deterministic while the rows up to the previous read's
-    end are unchanged, discoverable. This base declares those capabilities and keeps the bookmarks;
-    a subclass reads. Once it knows its ordering columns (the configured key, or the table's primary
-    key) it calls :meth:`start_after` for the position to read after, and for every page
-    :meth:`reached`, whose result is the page's bookmark.
+    order, replayable from a bookmark, bounded, discoverable. Not deterministic: a table changes
+    between two reads (an updated row's cursor moves it past the others, a deleted row is gone), so
+    re-reading from a bookmark does not give the same rows, and the atomic watermark, which counts
+    rows re-read, would skip rows never written; a keyed upsert is what makes a rerun harmless. This
+    base declares those capabilities and keeps the bookmarks; a subclass reads. Once it knows its
+    ordering columns (the configured key, or the table's primary key) it calls :meth:`start_after`
+    for the position to read after, and for every page :meth:`reached`, whose result is the page's
+    bookmark.
     """
 
     def __init__(self, cursor: str | None, key: Sequence[str], columns: Sequence[str] | None) -> None:
@@ -103,7 +106,7 @@ class KeysetSource(Source):
             replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
             bounded=True,
             continuous=False,
-            deterministic=True,
+            deterministic=False,
             discover=True,
             shardable=False,
             columns=self._columns,

@@ -20,14 +20,24 @@ the previous bookmark.
 Effectively-once through the atomic watermark. When the plan holds the atomic-watermark mechanism
 (a deterministic source, a sink that commits records and a commit token in one transaction, durable
 state and no dead-letter route), every page is written with ``write_batch_idempotent`` and a token
-that counts the source rows delivered through this watermark so far: the caller passes the token of
-its last successful run, and page ``n`` carries that token plus the rows read up to the end of page
-``n``. A crash after the sink committed some pages but before the caller persisted the result leaves
-the sink's watermark ahead of the caller's token. The next run starts again from the old bookmark
-and old token; the deterministic source re-reads the same rows in the same order, and every row whose
-token is at or below ``sink.last_committed_token()`` is skipped instead of written. Counting rows
-rather than pages keeps this exact even when the next run uses another ``batch_size``. A run over
-one shard of a source uses the watermark only when the sink keeps one per shard
+that identifies how far the source has been delivered, so a rerun after a crash (the sink committed
+pages, the caller never persisted the result) neither duplicates nor skips:
+
+* by position, when the source has positions (``Source.watermark_by_position``, e.g. a stream
+  sequence): page ``n``'s token is the position its bookmark names. The rerun reads the sink's token
+  first and has the source resume right after it (``Source.resume_after_position``), whatever the
+  old bookmark said: what the sink holds is never re-read, and what follows it is read or is
+  reported gone (:class:`PositionUnavailable`), even when retention moved the start of the source
+  between the crash and the rerun.
+* by count, otherwise: the caller passes the token of its last successful run, and page ``n`` carries
+  that token plus the rows read up to the end of page ``n``. The next run starts again from the old
+  bookmark and old token; the deterministic source re-reads the same rows in the same order, and
+  every row whose token is at or below ``sink.last_committed_token()`` is skipped instead of
+  written. Counting rows rather than pages keeps this exact even when the next run uses another
+  ``batch_size``; it needs a source whose start does not move (a source with positions declares
+  them, so it never relies on a count).
+
+A run over one shard of a source uses the watermark only when the sink keeps one per shard
 (``Sink.scope_watermark``): the shards write into one destination, each with its own token
 sequence. Otherwise the plan for that run is made without the watermark and says so.
 """
@@ -207,7 +217,7 @@ async def run_bounded_sync(
     run = _Run(source, sink, settings, replacing, dead_letter, shard, dict(context or {}))
     watermark = Mechanism.ATOMIC_WATERMARK in accepted.mechanisms and not replacing
     if watermark:
-        await run.use_watermark(last_token)
+        await run.use_watermark(last_token, start_bookmark)
     bookmark = start_bookmark
     pages = 0
     async with aclosing(_read_ahead(source.stream_pages(run.context, settings.batch_size))) as stream:
@@ -269,8 +279,11 @@ class _Run:
     evolved: list[str] = field(default_factory=list)
     last_schema: pa.Schema | None = None
     watermark: bool = False
+    by_position: bool = False
+    """Watermark mode: tokens are the source's positions (else they count rows)."""
     position: int = 0
-    """Watermark mode: the token after the rows read so far (the last run's token plus this run's rows)."""
+    """Watermark mode: the token after the rows read so far (by count: the last run's token plus this
+    run's rows; by position: the last position at the sink or read)."""
     committed: int = 0
     """Watermark mode: the sink's token at the start; rows at or below it are already at the sink."""
     _checked_schema: pa.Schema | None = None
@@ -281,12 +294,23 @@ class _Run:
     def token(self) -> CommitToken | None:
         return CommitToken(self.position) if self.position else None
 
-    async def use_watermark(self, last_token: CommitToken | None) -> None:
+    async def use_watermark(self, last_token: CommitToken | None, start_bookmark: JsonValue | None) -> None:
         """Switch to idempotent writes, continuing from ``last_token`` and lining up with the sink."""
         self.watermark = True
         self.position = last_token.sequence if last_token is not None else 0
         sink_token = await self.sink.last_committed_token()
         self.committed = sink_token.sequence if sink_token is not None else 0
+        if not self.source.watermark_by_position:
+            return
+        self.by_position = True
+        start = 0
+        if start_bookmark is not None:
+            start = self.source.watermark_position(start_bookmark)
+        if self.committed > start:
+            # The sink holds pages past the bookmark (a run died before its result was persisted):
+            # read on from what the sink holds, not from a count that retention may have shifted.
+            self.source.resume_after_position(self.committed)
+        self.position = max(self.position, start, self.committed)
 
     def check_watermark_reached(self) -> None:
         """After the last page: the sink must not hold rows beyond everything the source re-read."""
@@ -307,7 +331,9 @@ class _Run:
         if batch.num_rows:
             if not self.replacing:
                 await self._fit_destination(batch)
-            if self.watermark:
+            if self.by_position:
+                written, skipped = await self._write_at_position(batch, page.bookmark, number)
+            elif self.watermark:
                 written, skipped = await self._write_idempotent(batch)
             elif self.dead_letter is not None:
                 written, refused = await self._write_partial(batch, origin)
@@ -436,7 +462,10 @@ class _Run:
         skipped = max(0, self.committed - start)
         if skipped:
             batch = batch.slice(skipped)
-        token = CommitToken(self.position)
+        return await self._commit(batch, CommitToken(self.position)), skipped
+
+    async def _commit(self, batch: pa.RecordBatch, token: CommitToken) -> int:
+        """Write ``batch`` and ``token`` in one sink transaction; return the rows written."""
         written = await self.sink.write_batch_idempotent(batch, token)
         if written == 0:
             raise IntegrityError(
@@ -445,7 +474,27 @@ class _Run:
                 where=self.sink.dataset_uri(),
             )
         await self._after_first_write()
-        return written, skipped
+        return written
+
+    async def _write_at_position(
+        self, batch: pa.RecordBatch, bookmark: JsonValue | None, number: int
+    ) -> tuple[int, int]:
+        """Write with the page's position as its token; a page at or below the sink's is skipped."""
+        if bookmark is None:
+            raise IntegrityError(
+                "a source with watermark positions sent a page without a bookmark", where=self._where(number)
+            )
+        at = self.source.watermark_position(bookmark)
+        if at <= self.committed:
+            return 0, batch.num_rows
+        if at <= self.position:
+            raise IntegrityError(
+                f"page position {at} does not follow the last one, {self.position}: the source's "
+                "positions must grow with every page",
+                where=self._where(number),
+            )
+        self.position = at
+        return await self._commit(batch, CommitToken(at)), 0
 
     async def _write_partial(
         self, batch: pa.RecordBatch, origin: Sequence[int] | None

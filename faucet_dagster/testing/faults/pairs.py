@@ -629,6 +629,7 @@ PAIRS: tuple[Pair, ...] = (
     ),
     Pair("files-postgres-bounded", Mode.BOUNDED, FilesSource, PostgresSinkSide),
     Pair("kafka-postgres-bounded", Mode.BOUNDED, KafkaSource, PostgresSinkSide),
+    Pair("nats-postgres-bounded", Mode.BOUNDED, NatsSource, PostgresSinkSide),
 )
 """Every pair the harness runs, in table order."""
 

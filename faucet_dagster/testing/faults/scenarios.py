@@ -26,6 +26,8 @@ every row of the source table, :func:`~.oracle.judge_state`). Kinds of fault:
 ``ddl``       a change source's table gets a column with a default, a type change and a dropped
               column between runs (:mod:`.ddl`): the replica equals the source, or the stream halts
               with a SchemaError naming the column until the operator's documented way out.
+``retention``, ``page_crash``  the source changes under a lagging consumer or between a bounded
+              run's crash and its rerun: see :mod:`faucet_dagster.testing.faults.lagging`.
 """
 
 import contextlib
@@ -88,6 +90,8 @@ class FaultKind(StrEnum):
     RECREATE = "recreate"
     PURGE = "purge"
     DDL = "ddl"
+    RETENTION = "retention"
+    PAGE_CRASH = "page_crash"
 
 
 class Moment(StrEnum):
@@ -191,6 +195,9 @@ def named_faults(pair: Pair) -> list[Fault]:
         faults.append(Fault(FaultKind.PURGE))
     if pair.source is PostgresChangesSource:
         faults.append(Fault(FaultKind.DDL))
+    from faucet_dagster.testing.faults import lagging  # builds on this module
+
+    faults += [Fault(FaultKind(kind)) for kind in lagging.RUNNERS if lagging.applies(pair, kind)]
     return faults
 
 
@@ -710,6 +717,12 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
 }
 
 
+def _runner(kind: FaultKind) -> Callable[[Case, Fault], _Outcome]:
+    from faucet_dagster.testing.faults import lagging  # builds on this module
+
+    return _RUNNERS.get(kind) or lagging.RUNNERS[kind]
+
+
 def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: CaseParams) -> CaseResult:
     """Run ``fault`` on a fresh instance of ``pair`` under ``root`` and judge every record."""
     started = time.monotonic()
@@ -719,7 +732,7 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         case.prepare()
         case.produce("p1", params.records)
         try:
-            outcome = _RUNNERS[fault.kind](case, fault)
+            outcome = _runner(fault.kind)(case, fault)
         except HarnessError as exc:
             outcome = _Outcome(False, False, _all(case.produced), _all(case.produced), [str(exc)])
         verdict = case.judge(outcome)
