@@ -72,6 +72,13 @@ CHECKS: tuple[Check, ...] = (
         streaming.partial_transaction,
     ),
     Check(
+        "speculative_ack",
+        "no early ack",
+        streaming.SPECULATIVE_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.speculative_acknowledgement,
+    ),
+    Check(
         "ownership_lost_before_ack",
         "ownership",
         streaming.OWNERSHIP_RULE,

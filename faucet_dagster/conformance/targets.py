@@ -326,7 +326,12 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
 
     async def acknowledged() -> str:
         async def floor(client: Any) -> str:
-            info = await client.jetstream().consumer_info(stream, f"faucet_{stream}")
+            import nats.js.errors
+
+            try:
+                info = await client.jetstream().consumer_info(stream, f"faucet_{stream}")
+            except nats.js.errors.NotFoundError:
+                return "0"  # no session created the consumer yet: nothing is acknowledged
             return str(info.ack_floor.stream_seq)
 
         return await _nats(nats_url, floor)

@@ -5,6 +5,7 @@ that names the rule. Anything not named in a class's docstring behaves exactly a
 """
 
 import asyncio
+import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -200,11 +201,13 @@ class NoEvolutionSink(SqlSink):
 
 
 class WrappedSession(StreamSession):
-    """A session forwarding everything to the real one; subclasses break one method."""
+    """A session forwarding everything to the real one; subclasses break one method. ``worker`` is
+    the identity the session was opened with."""
 
-    def __init__(self, inner: StreamSession, opened: int) -> None:
+    def __init__(self, inner: StreamSession, opened: int, worker: WorkerIdentity) -> None:
         self.inner = inner
         self.opened = opened
+        self.worker = worker
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
         return await self.inner.read(sink, limits, cancel)
@@ -242,7 +245,7 @@ class WrappedSource(StreamSource):
         worker: WorkerIdentity,
     ) -> StreamSession:
         inner = await self.inner.open(resources, resume_positions, membership, worker)
-        return self.session_type(inner, _next_open())
+        return self.session_type(inner, _next_open(), worker)
 
 
 _OPENED = [0]
@@ -330,6 +333,99 @@ class UnaskingSession(WrappedSession):
         await self.inner.acknowledge(coverage, always)
 
 
+class AskOnceSession(WrappedSession):
+    """Ownership: asks the authority on the session's first successful acknowledgement only, and
+    trusts that answer afterwards."""
+
+    trusted = False
+
+    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
+        if not self.trusted:
+            await authority()
+            self.trusted = True
+
+        async def remembered() -> None:
+            return None
+
+        await self.inner.acknowledge(coverage, remembered)
+
+
+class SpeculativeSession(WrappedSession):
+    """Speculative acknowledgement: acknowledges what a read covered before returning it."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        coverage = await self.inner.read(sink, limits, cancel)
+        if not coverage.empty:
+            await self.inner.acknowledge(coverage, _no_authority)
+        return coverage
+
+
+class AckOnCloseSession(WrappedSession):
+    """Speculative acknowledgement: acknowledges everything it read when the session closes (a
+    "commit on close" consumer), certified or not."""
+
+    read_so_far: list[Coverage]
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        coverage = await self.inner.read(sink, limits, cancel)
+        if not coverage.empty:
+            self.__dict__.setdefault("read_so_far", []).append(coverage)
+        return coverage
+
+    async def close(self) -> None:
+        for coverage in self.__dict__.get("read_so_far", []):
+            await self.inner.acknowledge(coverage, _no_authority)
+        await self.inner.close()
+
+
+async def _no_authority() -> None:
+    """What a careless session passes on instead of the runner's authority: asks nobody."""
+
+
+class WorkerIdentitySession(WrappedSession):
+    """Replay: gives each event an ordinal made from the worker id (a replay by another worker looks
+    like new events)."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        ordinal = zlib.crc32(self.worker.worker_id.encode()) % 1_000
+
+        class Renumber(ForwardingSink):
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                renumbered = Identities(identities.positions, [ordinal] * len(identities))
+                await self.inner.write(domain, rows, renumbered, resource=resource)
+
+        return await self.inner.read(Renumber(sink), limits, cancel)
+
+
+class LeaseIdentitySession(WrappedSession):
+    """Replay: numbers the events of a position from the fencing token of the lease it holds."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        token = self.worker.fencing_token
+
+        class Renumber(ForwardingSink):
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                base = [0] * len(identities) if identities.ordinals is None else list(identities.ordinals)
+                renumbered = Identities(identities.positions, [token * 1_000 + i for i in base])
+                await self.inner.write(domain, rows, renumbered, resource=resource)
+
+        return await self.inner.read(Renumber(sink), limits, cancel)
+
+
 class DroppingSession(WrappedSession):
     """Unwritten position: drops the row with id 5 on its way to the pipeline, and covers it anyway."""
 
@@ -382,9 +478,10 @@ def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpe
 class WrappedSinkSession(StreamingSinkSession):
     """A sink session forwarding everything to the real one; subclasses break one method."""
 
-    def __init__(self, inner: StreamingSinkSession, opened: int) -> None:
+    def __init__(self, inner: StreamingSinkSession, opened: int, worker: WorkerIdentity) -> None:
         self.inner = inner
         self.opened = opened
+        self.worker = worker
         self.active: EpochId | None = None
         self.background: list[asyncio.Task[Any]] = []
 
@@ -434,7 +531,7 @@ class WrappedStreamingSink(StreamingSink):
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
     ) -> StreamingSinkSession:
-        return self.session_type(await self.inner.open(stream, policy, key, worker), _next_open())
+        return self.session_type(await self.inner.open(stream, policy, key, worker), _next_open(), worker)
 
 
 class SwallowingSession(WrappedSinkSession):
@@ -503,6 +600,17 @@ class AttemptIdentitySession(WrappedSinkSession):
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         renumbered = Identities(batch.identities.positions, [self.opened] * len(batch.identities))
+        await self.inner.apply(
+            epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
+        )
+
+
+class TokenIdentitySession(WrappedSinkSession):
+    """Replay: gives each row an identity made from the fencing token of the worker's lease."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        token = self.worker.fencing_token
+        renumbered = Identities(batch.identities.positions, [token] * len(batch.identities))
         await self.inner.apply(
             epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
         )

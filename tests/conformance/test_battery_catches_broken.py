@@ -23,6 +23,7 @@ from faucet_dagster.conformance.options import DEFAULT_OPTIONS
 from faucet_dagster.conformance.setup import ConfigFactory, factory_fixtures
 from faucet_dagster.conformance.targets import (
     files_source,
+    kafka_source,
     nats_sink,
     nats_source,
     postgres_cdc_source,
@@ -169,6 +170,27 @@ def test_ownership_catches_an_acknowledgement_without_authority(request: pytest.
     caught(request, "ownership_lost_before_ack", spec, Role.STREAM_SOURCE, nats_source, "OwnershipLost")
 
 
+def test_ownership_catches_an_authority_asked_only_once(request: pytest.FixtureRequest) -> None:
+    spec = broken.stream_source("nats", broken.AskOnceSession)
+    caught(
+        request, "ownership_lost_before_ack", spec, Role.STREAM_SOURCE, nats_source, "a later acknowledgement"
+    )
+
+
+@pytest.mark.parametrize("name", ["nats", "kafka"])
+def test_speculative_ack_catches_an_acknowledgement_during_read(
+    request: pytest.FixtureRequest, name: str
+) -> None:
+    spec = broken.stream_source(name, broken.SpeculativeSession)
+    factory = {"nats": nats_source, "kafka": kafka_source}[name]
+    caught(request, "speculative_ack", spec, Role.STREAM_SOURCE, factory, "during a read")
+
+
+def test_speculative_ack_catches_an_acknowledgement_on_close(request: pytest.FixtureRequest) -> None:
+    spec = broken.stream_source("nats", broken.AckOnCloseSession)
+    caught(request, "speculative_ack", spec, Role.STREAM_SOURCE, nats_source, "when the session closed")
+
+
 def test_unwritten_position_catches_a_source_covering_rows_it_dropped(request: pytest.FixtureRequest) -> None:
     spec = broken.stream_source("nats", broken.DroppingSession)
     caught(request, "unwritten_position", spec, Role.STREAM_SOURCE, nats_source, "missing ids [5]")
@@ -177,6 +199,14 @@ def test_unwritten_position_catches_a_source_covering_rows_it_dropped(request: p
 def test_replay_catches_a_source_whose_identities_change_on_replay(request: pytest.FixtureRequest) -> None:
     spec = broken.stream_source("nats", broken.ReidentifyingSession)
     caught(request, "replay_after_commit", spec, Role.STREAM_SOURCE, nats_source, "identities")
+
+
+@pytest.mark.parametrize("session", [broken.WorkerIdentitySession, broken.LeaseIdentitySession])
+def test_replay_catches_a_source_whose_identities_come_from_the_worker(
+    request: pytest.FixtureRequest, session: type[broken.WrappedSession]
+) -> None:
+    spec = broken.stream_source("nats", session)
+    caught(request, "replay_after_commit", spec, Role.STREAM_SOURCE, nats_source, "another worker")
 
 
 # -- streaming sinks --------------------------------------------------------------------------------
@@ -226,8 +256,11 @@ def test_shutdown_catches_a_close_that_returns_before_its_work_lands(request: py
     )
 
 
-def test_replay_catches_a_sink_whose_identities_come_from_the_attempt(request: pytest.FixtureRequest) -> None:
-    spec = broken.streaming_sink("nats", broken.AttemptIdentitySession)
+@pytest.mark.parametrize("session", [broken.AttemptIdentitySession, broken.TokenIdentitySession])
+def test_replay_catches_a_sink_whose_identities_come_from_the_attempt_or_lease(
+    request: pytest.FixtureRequest, session: type[broken.WrappedSinkSession]
+) -> None:
+    spec = broken.streaming_sink("nats", session)
     caught(
         request,
         "replay_after_commit",
