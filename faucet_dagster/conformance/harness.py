@@ -336,19 +336,18 @@ class StreamDriver:
         return sealed.coverage, [i for batch in batches for i in ids_of(batch.records)]
 
     async def read_until(self, expected: set[int], limits: ReadLimits) -> list[int]:
-        """Run epochs until every id in ``expected`` was certified or the source has nothing more.
+        """Run epochs until every id in ``expected`` was certified, or ``options.timeout`` passed.
 
-        Returns every id certified, in order (duplicates included). Two reads in a row that certify
-        nothing end it: the source delivered all it will.
+        Returns every id certified, in order (duplicates included). Nothing but the rows ends it
+        early: a source that is slow to deliver (a loaded machine) is waited for, never judged by how
+        long it stayed quiet; one that never delivers a row is judged after the timeout.
         """
         seen: list[int] = []
-        idle = 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.subject.options.timeout
-        while not expected <= set(seen) and idle < 2 and loop.time() < deadline:
-            coverage, ids = await self.epoch(limits)
+        while not expected <= set(seen) and loop.time() < deadline:
+            _, ids = await self.epoch(limits)
             seen.extend(ids)
-            idle = idle + 1 if coverage.empty else 0
         return seen
 
 

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from faucet_dagster.protocol import WritePolicy
+
 Row = Mapping[str, Any]
 """A standard record: ``{"id": int, "name": str}`` (a destination may hold more columns)."""
 
@@ -62,6 +64,9 @@ class SinkSetup:
     table that ``read_keyed()`` reads back. ``refused_rows`` are
         standard rows of which the destination refuses at least one (a constraint, a size limit): the
         failed-write checks. ``unreachable`` is a valid config whose endpoint does not answer.
+        ``configure(policy, key)`` is ``config`` with its write mode and key set to these (check 5
+        builds append with a key, upsert without one... and asks ``dedups_by_key()``); ``None`` for a
+        sink without a configurable mode.
     """
 
     config: Mapping[str, Any]
@@ -71,6 +76,7 @@ class SinkSetup:
     refused_rows: Sequence[Row] | None = None
     unreachable: Mapping[str, Any] | None = None
     cleanup: Cleanup | None = None
+    configure: Callable[[WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
 
 
 Setup = SourceSetup | SinkSetup

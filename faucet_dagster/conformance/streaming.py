@@ -319,11 +319,9 @@ async def _certify_all(driver: StreamDriver, expected: set[int]) -> list[Coverag
     seen: set[int] = set()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + driver.subject.options.timeout
-    idle = 0
-    while not expected <= seen and idle < 2 and loop.time() < deadline:
+    while not expected <= seen and loop.time() < deadline:
         coverage, ids = await _succeeds(driver.rule, "reading after a restart", driver.epoch(QUIET))
         seen.update(ids)
-        idle = idle + 1 if coverage.empty else 0
         if not coverage.empty:
             coverages.append(coverage)
     if not expected <= seen or not coverages:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory, Row, SinkSetup, SourceSetup
-from faucet_dagster.protocol import Role
+from faucet_dagster.protocol import Role, WritePolicy
 
 T = TypeVar("T")
 
@@ -121,6 +121,15 @@ def sql_source(tmp_path: Path) -> SourceSetup:
     )
 
 
+def _with_mode(config: Mapping[str, Any]) -> Callable[[WritePolicy, tuple[str, ...]], dict[str, Any]]:
+    """``configure`` of a sink whose config has ``mode`` and ``key`` fields."""
+
+    def configure(policy: WritePolicy, key: tuple[str, ...]) -> dict[str, Any]:
+        return {**config, "mode": policy.value, "key": list(key)}
+
+    return configure
+
+
 def sql_sink(tmp_path: Path) -> SinkSetup:
     """A SQLite table ``items`` appended to (watermarked); ``items_keyed`` upserted by ``id``."""
     path = tmp_path / "sink.db"
@@ -145,6 +154,7 @@ def sql_sink(tmp_path: Path) -> SinkSetup:
         read_keyed=reader("items_keyed"),
         refused_rows=_refused_rows(),
         unreachable={"url": _unreachable_url(), "table": "items", "mode": "append"},
+        configure=_with_mode({"url": url, "table": "items"}),
     )
 
 
@@ -217,6 +227,7 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
         read_keyed=_pg_reader(postgres_url, "items_keyed"),
         refused_rows=_refused_rows(),
         unreachable=_pg_unreachable("items"),
+        configure=_with_mode({"url": postgres_url, "table": "items"}),
     )
 
 
@@ -471,6 +482,9 @@ def kafka_source(kafka_bootstrap: str, unique_name: Callable[..., str]) -> Sourc
         "group_id": group,
         "batch_size": 100,
         "poll_timeout": 0.1,
+        # librdkafka prefetches up to 64 MiB per partition by default (native memory): check 2 sees
+        # that as buffering the dataset. These bound what a Kafka read holds.
+        "client_properties": {"queued.max.messages.kbytes": "64", "max.partition.fetch.bytes": "65536"},
     }
     return SourceSetup(
         config,

@@ -5,6 +5,9 @@ that names the rule. Anything not named in a class's docstring behaves exactly a
 """
 
 import asyncio
+import ctypes
+import glob
+import os
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -109,6 +112,25 @@ class BufferingSource(FilesSource):
                 yield Page(records.slice(start, step), page.bookmark)
 
 
+class NativeBufferingSource(FilesSource):
+    """Check 2: copies every matched file into native memory (malloc'd, as a client library's result
+    buffer would be: neither the Python heap nor the Arrow pool) before paging through them."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        names = sorted(name for pattern in self.config.paths for name in glob.glob(pattern))
+        data = b"".join(open(name, "rb").read() for name in names)  # noqa: SIM115 - a test double
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        buffer = libc.malloc(max(1, len(data)))
+        ctypes.memmove(buffer, data, len(data))
+        del data
+        try:
+            async for page in super().stream_pages(ctx, batch_size):
+                yield page
+        finally:
+            libc.free(ctypes.c_void_p(buffer))
+
+
 class ForgetfulSource(FilesSource):
     """Check 3: ignores the bookmark it is handed (a resumed run starts from the beginning)."""
 
@@ -155,6 +177,38 @@ class LeakySource(FilesSource):
             raise ValueError(exc.message) from None
 
 
+class RawCheckSource(FilesSource):
+    """Check 6: its preflight ``check()`` lets the file system's OSError escape."""
+
+    async def check(self) -> None:
+        for pattern in self.config.paths:
+            folder = os.path.dirname(pattern)
+            await asyncio.to_thread(os.listdir, folder)  # FileNotFoundError when it is missing
+
+
+class RawShardsSource(FilesSource):
+    """Check 6: ``enumerate_shards()`` lists the folder itself and leaks its FileNotFoundError."""
+
+    async def enumerate_shards(self) -> Sequence[str]:
+        found: list[str] = []
+        for pattern in self.config.paths:
+            folder = os.path.dirname(pattern)
+            names = sorted(await asyncio.to_thread(os.listdir, folder))
+            found.extend(os.path.join(folder, name) for name in names if name.endswith(".csv"))
+        return found
+
+
+class RawCaptureSource(FilesSource):
+    """Check 6: declares ``capture_resume_position()`` and leaks an OSError from it."""
+
+    async def capture_resume_position(self) -> JsonValue | None:
+        newest = 0.0
+        for pattern in self.config.paths:
+            folder = os.path.dirname(pattern)
+            newest = max(newest, await asyncio.to_thread(os.path.getmtime, folder))
+        return {"newest": newest}
+
+
 class EmptyIsAnErrorSource(FilesSource):
     """Check 6: an empty dataset raises instead of giving an empty result."""
 
@@ -188,6 +242,25 @@ class AppendingUpsertSink(SqlSink):
 
     def dedups_by_key(self) -> bool:
         return bool(self.config.key)
+
+
+class ModeBlindDedupSink(SqlSink):
+    """Check 5: ``dedups_by_key()`` looks at the key only (an append with a key configured claims it)."""
+
+    def dedups_by_key(self) -> bool:
+        return bool(self.config.key)
+
+
+class FirstConfigDedupSink(SqlSink):
+    """Check 5: ``dedups_by_key()`` answers what the first sink built said (cached on the class), not
+    what this sink's live config says."""
+
+    answer: bool | None = None
+
+    def dedups_by_key(self) -> bool:
+        if FirstConfigDedupSink.answer is None:
+            FirstConfigDedupSink.answer = super().dedups_by_key()
+        return FirstConfigDedupSink.answer
 
 
 class NoEvolutionSink(SqlSink):

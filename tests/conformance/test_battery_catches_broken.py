@@ -95,6 +95,20 @@ def test_bounded_memory_catches_a_source_that_buffers_the_dataset(request: pytes
     )
 
 
+def test_bounded_memory_catches_a_source_that_buffers_the_dataset_natively(
+    request: pytest.FixtureRequest,
+) -> None:
+    caught(
+        request,
+        "bounded_memory",
+        files(broken.NativeBufferingSource),
+        Role.SOURCE,
+        files_source,
+        "must not buffer",
+        "natively",
+    )
+
+
 def test_resume_catches_a_source_that_ignores_its_bookmark(request: pytest.FixtureRequest) -> None:
     caught(request, "resume", files(broken.ForgetfulSource), Role.SOURCE, files_source, "replayed")
 
@@ -111,6 +125,14 @@ def test_idempotent_replay_catches_an_upsert_that_appends(request: pytest.Fixtur
 
 def test_capabilities_catch_a_discovery_that_finds_nothing(request: pytest.FixtureRequest) -> None:
     caught(request, "capabilities", files(broken.EmptyDiscoverySource), Role.SOURCE, files_source, "discover")
+
+
+@pytest.mark.parametrize("sink", ["ModeBlindDedupSink", "FirstConfigDedupSink"])
+def test_capabilities_catch_a_dedups_by_key_that_ignores_the_live_config(
+    request: pytest.FixtureRequest, sink: str
+) -> None:
+    broken.FirstConfigDedupSink.answer = None
+    caught(request, "capabilities", sql(getattr(broken, sink)), Role.SINK, sql_sink, "live config")
 
 
 def test_capabilities_catch_a_schema_evolution_that_does_nothing(request: pytest.FixtureRequest) -> None:
@@ -138,6 +160,28 @@ def test_no_panic_catches_a_hang_on_an_unreachable_endpoint(request: pytest.Fixt
 
 def test_no_panic_catches_a_malformed_record_escaping_as_value_error(request: pytest.FixtureRequest) -> None:
     caught(request, "no_panic", files(broken.LeakySource), Role.SOURCE, files_source, "ValueError")
+
+
+@pytest.mark.parametrize(
+    ("source", "call"),
+    [
+        ("RawCheckSource", "check()"),
+        ("RawShardsSource", "enumerate_shards()"),
+        ("RawCaptureSource", "capture_resume_position()"),
+    ],
+)
+def test_no_panic_catches_a_raw_exception_from_a_declared_call(
+    request: pytest.FixtureRequest, source: str, call: str
+) -> None:
+    caught(
+        request,
+        "no_panic",
+        files(getattr(broken, source)),
+        Role.SOURCE,
+        files_source,
+        f"{call} on an unreachable endpoint raised",
+        "instead of a FaucetError",
+    )
 
 
 def test_no_panic_catches_an_error_on_an_empty_dataset(request: pytest.FixtureRequest) -> None:
