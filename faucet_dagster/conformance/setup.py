@@ -43,6 +43,11 @@ class SourceSetup:
     provider's own acknowledgement state (a committed offset, a consumer's floor, a slot's confirmed
     position) as text that changes exactly when the source acknowledges; ``None`` when it has none.
     ``cleanup()`` removes what the setup created on shared servers (a replication slot).
+    ``redelivered()`` counts the deliveries the provider has repeated so far on the session's
+    consumer (``None``: the provider never redelivers on its own, as a Kafka log does not).
+    ``make_unavailable()`` removes every row stored so far from the provider (a purge, retention,
+    records deleted below the low watermark), so a position among them can no longer be resumed
+    from; ``None`` when the system cannot remove data under a reader.
     """
 
     config: Mapping[str, Any]
@@ -52,6 +57,8 @@ class SourceSetup:
     add_malformed: Callable[[], Awaitable[None]] | None = None
     acknowledged: Callable[[], Awaitable[str]] | None = None
     cleanup: Cleanup | None = None
+    redelivered: Callable[[], Awaitable[int]] | None = None
+    make_unavailable: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from faucet_dagster.protocol import (
     LifecycleError,
     Ordering,
     OwnershipLost,
+    PositionUnavailable,
     ReadLimits,
     Role,
     StreamingSinkSession,
@@ -52,6 +53,7 @@ CANCEL_RULE = "stream 3 cancellation is an interruption"
 TRANSACTION_RULE = "stream 3 no coverage inside an open transaction"
 OWNERSHIP_RULE = "stream 5 authority() before every acknowledgement"
 SPECULATIVE_RULE = "stream 5 only certified work is acknowledged, and only in acknowledge()"
+UNAVAILABLE_RULE = "stream 1 an unavailable resume position is refused, never replaced by the latest"
 UNWRITTEN_RULE = "stream 3 a position whose rows were not written is never certified"
 FAILED_WRITE_RULE = "stream 6 failed sink writes are never reported as committed"
 UNCERTAIN_RULE = "stream 7 an uncertain commit is resolved or reported, never lost"
@@ -95,11 +97,23 @@ async def slow_sink(subject: Subject) -> Outcome:
     await subject.source_setup.add_rows(rows)
     driver = StreamDriver(subject, SLOW_RULE)
     driver.probe.delay = subject.options.slow_sink_seconds
+    redelivered = subject.source_setup.redelivered
     try:
+        await driver.open()
+        before = 0 if redelivered is None else await redelivered()
         seen = await _succeeds(
             SLOW_RULE, "reading while the sink is slow", driver.read_until(set(expected), QUIET)
         )
         _once(SLOW_RULE, seen, expected, f"with a sink blocked for {subject.options.slow_sink_seconds:g}s")
+        # Suppressing the repeats is not enough: the deliveries must have been kept alive.
+        repeated = 0 if redelivered is None else await redelivered() - before
+        if repeated:
+            raise ConformanceFailure(
+                SLOW_RULE,
+                f"the provider redelivered {repeated} message(s) while the sink blocked for "
+                f"{subject.options.slow_sink_seconds:g}s: the source let its deliveries expire "
+                "(keep protocol heartbeats and delivery renewals alive while a flush waits)",
+            )
         await driver.open()
         _, again = await _succeeds(SLOW_RULE, "reading after the slow epoch", driver.epoch(QUIET))
         if again:
@@ -416,6 +430,45 @@ async def unwritten_position(subject: Subject) -> Outcome:
     finally:
         await driver.close()
     return Outcome.passed("certified positions match written rows; a failed write certified nothing")
+
+
+async def unavailable_position(subject: Subject) -> Outcome:
+    """Rows after the certified position are removed before they were read (a purge, retention):
+    resuming there raises PositionUnavailable; nothing after the gap is certified."""
+    setup = subject.source_setup
+    if setup.make_unavailable is None:
+        return Outcome.not_applicable("the setup cannot remove data under a reader")
+    first, gone, later = make_rows(1, 20), make_rows(21, 10), make_rows(31, 10)
+    await setup.add_rows(first)
+    driver = StreamDriver(subject, UNAVAILABLE_RULE)
+    try:
+        seen = await _succeeds(
+            UNAVAILABLE_RULE, "reading", driver.read_until({row["id"] for row in first}, QUIET)
+        )
+        _once(UNAVAILABLE_RULE, seen, [row["id"] for row in first], "before the removal")
+        await driver.close()
+        await setup.add_rows(gone)
+        await setup.make_unavailable()
+        await setup.add_rows(later)
+        try:
+            await driver.open()
+            after = await driver.read_until({row["id"] for row in later}, QUIET)
+        except PositionUnavailable as exc:
+            return Outcome.passed(f"resuming after removed rows raised PositionUnavailable: {exc.message}")
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                UNAVAILABLE_RULE,
+                f"resuming after rows 21-30 were removed unread raised {type(exc).__name__}: {exc}; the "
+                "source must refuse with PositionUnavailable, not leave the gap for others to find",
+            ) from exc
+    finally:
+        await driver.close()
+    raise ConformanceFailure(
+        UNAVAILABLE_RULE,
+        f"resuming at the certified position after rows 21-30 were removed unread certified "
+        f"{len(after)} later row(s) without PositionUnavailable: the unavailable position was replaced "
+        "by the latest available one (the removed rows are lost)",
+    )
 
 
 async def replay_after_commit(subject: Subject) -> Outcome:

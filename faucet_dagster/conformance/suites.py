@@ -79,6 +79,13 @@ CHECKS: tuple[Check, ...] = (
         streaming.speculative_acknowledgement,
     ),
     Check(
+        "unavailable_position",
+        "unavailable pos",
+        streaming.UNAVAILABLE_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.unavailable_position,
+    ),
+    Check(
         "ownership_lost_before_ack",
         "ownership",
         streaming.OWNERSHIP_RULE,

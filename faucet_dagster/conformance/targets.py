@@ -347,6 +347,26 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
 
         return await _nats(nats_url, floor)
 
+    async def redelivered() -> int:
+        async def count(client: Any) -> int:
+            import nats.js.errors
+
+            try:
+                info = await client.jetstream().consumer_info(stream, f"faucet_{stream}")
+            except nats.js.errors.NotFoundError:
+                return 0
+            # The consumer starts at the stream's first sequence with no filter: every delivery past
+            # the last stream sequence delivered is a repeated one.
+            return int(info.delivered.consumer_seq - info.delivered.stream_seq)
+
+        return await _nats(nats_url, count)
+
+    async def purge() -> None:
+        async def remove(client: Any) -> None:
+            await client.jetstream().purge_stream(stream)
+
+        await _nats(nats_url, remove)
+
     async def cleanup() -> None:
         async def delete(client: Any) -> None:
             await client.jetstream().delete_stream(stream)
@@ -369,6 +389,8 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
         add_malformed=lambda: publish([b"{not json"]),
         acknowledged=acknowledged,
         cleanup=cleanup,
+        redelivered=redelivered,
+        make_unavailable=purge,
     )
 
 

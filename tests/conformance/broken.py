@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import glob
 import os
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -44,6 +45,7 @@ from faucet_dagster.protocol import (
     Page,
     Position,
     PositionCodec,
+    PositionUnavailable,
     ReadLimits,
     Receipt,
     Records,
@@ -321,6 +323,23 @@ class WrappedSource(StreamSource):
         return self.session_type(inner, _next_open(), worker)
 
 
+class LatestWhenUnavailableSource(WrappedSource):
+    """Unavailable position: when its resume position is gone, starts over from what the provider
+    still has (the "latest available" fallback)."""
+
+    async def open(
+        self,
+        resources: Sequence[str],
+        resume_positions: Sequence[Position],
+        membership: Membership,
+        worker: WorkerIdentity,
+    ) -> StreamSession:
+        try:
+            return await super().open(resources, resume_positions, membership, worker)
+        except PositionUnavailable:
+            return await super().open(resources, (), membership, worker)
+
+
 _OPENED = [0]
 
 
@@ -353,6 +372,26 @@ class ImpatientSession(WrappedSession):
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
         return await asyncio.wait_for(self.inner.read(sink, limits, cancel), 0.3)
+
+
+class LoopBlockingSession(WrappedSession):
+    """Slow sink: waits out its sink's backpressure with a blocking sleep in line with the read (the
+    keep-alive replaced by a sleep), so nothing renews the deliveries meanwhile."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        class Blocking(ForwardingSink):
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                time.sleep(2.5)  # the defect under test: the loop stalls
+                await self.inner.write(domain, rows, identities, resource=resource)
+
+        return await self.inner.read(Blocking(sink), limits, cancel)
 
 
 class DeafSession(WrappedSession):

@@ -198,6 +198,13 @@ def test_slow_sink_catches_a_source_that_gives_up_on_a_slow_pipeline(request: py
     caught(request, "slow_sink", spec, Role.STREAM_SOURCE, nats_source, "TimeoutError")
 
 
+def test_slow_sink_catches_deliveries_left_to_expire_while_the_sink_blocks(
+    request: pytest.FixtureRequest,
+) -> None:
+    spec = broken.stream_source("nats", broken.LoopBlockingSession)
+    caught(request, "slow_sink", spec, Role.STREAM_SOURCE, nats_source, "redelivered")
+
+
 def test_cancel_during_read_catches_a_session_deaf_to_cancellation(request: pytest.FixtureRequest) -> None:
     spec = broken.stream_source("nats", broken.DeafSession)
     options = ConformanceOptions(timeout=3)
@@ -233,6 +240,17 @@ def test_speculative_ack_catches_an_acknowledgement_during_read(
 def test_speculative_ack_catches_an_acknowledgement_on_close(request: pytest.FixtureRequest) -> None:
     spec = broken.stream_source("nats", broken.AckOnCloseSession)
     caught(request, "speculative_ack", spec, Role.STREAM_SOURCE, nats_source, "when the session closed")
+
+
+def test_unavailable_position_catches_a_source_falling_back_to_the_latest(
+    request: pytest.FixtureRequest,
+) -> None:
+    spec = broken.wrapping(
+        "nats",
+        Role.STREAM_SOURCE,
+        lambda inner: broken.LatestWhenUnavailableSource(inner, broken.WrappedSession),
+    )
+    caught(request, "unavailable_position", spec, Role.STREAM_SOURCE, nats_source, "PositionUnavailable")
 
 
 def test_unwritten_position_catches_a_source_covering_rows_it_dropped(request: pytest.FixtureRequest) -> None:
