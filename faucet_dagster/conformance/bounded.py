@@ -6,8 +6,8 @@
 3. :func:`resume`: a run started from a bookmark replays nothing committed and skips nothing;
 4. :func:`idempotent_replay`: replaying pages leaves an atomic-watermark or keyed-upsert destination
    unchanged, or the honest branch (no mechanism, effectively-once refused);
-5. :func:`capabilities`: each capability claimed works, each one denied is refused by the planner and
-   by ``faucet plan``;
+5. :func:`capabilities`: each capability claimed works, each one denied is refused by the planner
+   (planning the capabilities of the connector built from the spec under test);
 6. :func:`no_panic`: bad config, an unreachable endpoint, a malformed record and an empty dataset end
    in a FaucetError (an empty result for the empty dataset) within the timeout.
 
@@ -16,13 +16,9 @@ Each check is a coroutine taking a :class:`~faucet_dagster.conformance.harness.S
 """
 
 import asyncio
-import contextlib
 import ctypes
 import functools
-import io
 import json
-import os
-import tempfile
 import tracemalloc
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -390,7 +386,7 @@ async def idempotent_replay(subject: Subject) -> Outcome:
         delivery=Delivery.EFFECTIVELY_ONCE,
     )
     return Outcome.not_applicable(
-        "no atomic watermark and no keyed upsert: effectively-once is refused by the planner and faucet plan"
+        "no atomic watermark and no keyed upsert: effectively-once is refused by the planner"
     )
 
 
@@ -471,11 +467,6 @@ ANY_SINK = SinkCapabilities(
 )
 """The counterpart of a source under test: a sink that accepts every policy and has a watermark."""
 
-_CLI_MODE_ROLES = {
-    Mode.BOUNDED: (Role.SOURCE, Role.SINK),
-    Mode.CONTINUOUS: (Role.STREAM_SOURCE, Role.STREAMING_SINK),
-}
-
 
 def _policy_of(sink: Sink) -> WritePolicy:
     return sink.write_mode()[0]
@@ -493,13 +484,12 @@ async def _refused(
     delivery: Delivery | None = None,
     key: tuple[str, ...] = (),
 ) -> None:
-    """Both the planner and ``faucet plan`` must refuse the pair with ``code`` (the honest branch).
+    """The planner must refuse the pair with ``code`` (the honest branch).
 
-    The subject's side comes from its capabilities (and, for the CLI, its config); the other side is
-    :data:`ANY_SOURCE` / :data:`ANY_SINK`. The CLI is asked when it builds the subject's role in
-    ``mode`` (a bounded source or sink in bounded mode, a streaming one in continuous mode).
+    The subject's side is the capabilities of the connector built from the spec under test (never a
+    lookup of an installed connector by name); the other side is :data:`ANY_SOURCE` /
+    :data:`ANY_SINK`.
     """
-    is_source = subject.role in (Role.SOURCE, Role.STREAM_SOURCE)
     source = source_caps or ANY_SOURCE
     sink = sink_caps or ANY_SINK
     try:
@@ -515,42 +505,6 @@ async def _refused(
             f"the planner accepted {mode} {policy} ({accepted.delivery}) though the capabilities "
             f"deny it ({code})",
         )
-    if subject.role not in _CLI_MODE_ROLES[mode]:
-        # `faucet plan` builds the connector's other role in this mode (or refuses to, for lack of
-        # one): the capabilities of this role are not what it plans with.
-        return
-    from faucet_dagster.cli import EXIT_REFUSED, _as_plain, main
-
-    side, other = ("source", "sink") if is_source else ("sink", "source")
-    with tempfile.TemporaryDirectory(prefix="faucet-conformance-") as folder:
-        config_path = os.path.join(folder, "config.json")
-        with open(config_path, "w") as handle:
-            json.dump(dict(subject.setup.config), handle, default=str)
-        argv = ["plan", "--mode", mode.value, "--policy", policy.value, f"--{side}", subject.spec.name]
-        argv += [f"--{side}-config", config_path]
-        for name, value in _as_plain(sink if is_source else source).items():
-            if value is not None:
-                argv += [f"--set-{other}", f"{name}={_flag(value)}"]
-        if key:
-            argv += ["--key", ",".join(key)]
-        if delivery is not None:
-            argv += ["--delivery", delivery.value]
-        output = io.StringIO()
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            exit_code = main(argv)
-    text = output.getvalue()
-    if exit_code != EXIT_REFUSED or code not in text:
-        raise ConformanceFailure(
-            rule, f"`faucet {' '.join(argv[:5])}` exited {exit_code} without refusing {code}: {text.strip()}"
-        )
-
-
-def _flag(value: object) -> str:
-    if isinstance(value, list):
-        return ",".join(str(item) for item in value) if value else "[]"
-    if isinstance(value, dict):
-        return json.dumps(value)
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # -- check 5 ------------------------------------------------------------------------------------------
