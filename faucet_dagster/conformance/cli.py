@@ -39,10 +39,17 @@ def add_conformance_parser(commands: Any) -> None:
     parser.add_argument("connectors", nargs="*", help="names of installed connectors")
     parser.add_argument("--all", action="store_true", help="every installed connector with a setup")
     parser.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="run the checks on deliberately broken connectors and print which check caught each",
+    )
     parser.set_defaults(handler=conformance_command)
 
 
 def conformance_command(args: argparse.Namespace) -> int:
+    if args.self_test:
+        return _self_test(args.check)
     setups = conformance_setups()
     installed = load_connectors()
     testable = sorted(name for name in setups if name in installed)
@@ -71,6 +78,30 @@ def conformance_command(args: argparse.Namespace) -> int:
     print()
     print(format_table(results))
     return 1 if any(result.status == "fail" for result in results) else 0
+
+
+def _self_test(only: list[str]) -> int:
+    """Every self-test case: rule x broken connector -> the check that caught it (or why not)."""
+    from faucet_dagster.conformance.selftest import CASES, run_case
+
+    rows: list[tuple[str, str, str, str]] = []
+    with _Fixtures() as fixtures:
+        for case in CASES:
+            if only and case.check not in only:
+                continue
+            where = f"{case.broken} ({case.spec().name} {case.role.value})"
+            try:
+                run_case(case, fixtures.call(case.factory, case.check))
+            except AssertionError as exc:
+                verdict = f"NOT CAUGHT: {exc}"
+            else:
+                verdict = "caught"
+            print(f"{case.rule:<82} {where:<52} -> {case.check:<30} {verdict}", flush=True)
+            rows.append((case.rule, where, case.check, verdict))
+    missed = [row for row in rows if row[3] != "caught"]
+    print()
+    print(f"{len(rows) - len(missed)} of {len(rows)} broken connectors caught by the check of their rule")
+    return 1 if missed else 0
 
 
 def _run(

@@ -1,7 +1,8 @@
 """Deliberately broken connectors: each wraps (or subclasses) a real connector and breaks one rule.
 
-They exist for the battery's self-tests: every check must catch its broken connector, with a failure
-that names the rule. Anything not named in a class's docstring behaves exactly as the real connector.
+They exist for the battery's self-test (:mod:`.selftest`): every check must catch its broken
+connector, with a failure that names the rule. Anything not named in a class's docstring behaves
+exactly as the real connector. Only the self-test imports this module (it loads the connectors).
 """
 
 import asyncio
@@ -726,6 +727,11 @@ class TokenIdentitySession(WrappedSinkSession):
         await self.inner.apply(
             epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
         )
+
+
+def reset() -> None:
+    """Forget what broken connectors remembered across instances (before each self-test case)."""
+    FirstConfigDedupSink.answer = None
 
 
 _KEEP: list[asyncio.Task[Any]] = []
