@@ -152,9 +152,9 @@ class _Fixtures:
             url = server.create_database(database)
             self._stack.callback(server.drop_database, database)
             return url
-        if name == "nats_url":
+        if name in ("nats_url", "nats_server"):
             self._nats = self._nats or self._start(NatsServer.from_env())
-            return self._nats.url
+            return self._nats.url if name == "nats_url" else self._nats
         if name == "kafka_bootstrap":
             self._kafka = self._kafka or self._start(KafkaServer.from_env())
             return self._kafka.bootstrap

@@ -13,6 +13,7 @@ back the same way.
 
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,9 @@ class SinkSetup:
         failed-write checks. ``unreachable`` is a valid config whose endpoint does not answer.
         ``configure(policy, key)`` is ``config`` with its write mode and key set to these (check 5
         builds append with a key, upsert without one... and asks ``dedups_by_key()``); ``None`` for a
-        sink without a configurable mode.
+        sink without a configurable mode. ``stall()`` is a context inside which the destination
+        stops answering the sink's open sessions (their server processes SIGSTOPped, or a proxy
+        holding the responses) and answers again on exit: the shutdown check commits against it.
     """
 
     config: Mapping[str, Any]
@@ -84,6 +87,7 @@ class SinkSetup:
     unreachable: Mapping[str, Any] | None = None
     cleanup: Cleanup | None = None
     configure: Callable[[WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
+    stall: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
 Setup = SourceSetup | SinkSetup

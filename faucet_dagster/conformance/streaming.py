@@ -805,6 +805,62 @@ async def shutdown_with_outstanding_work(subject: Subject) -> Outcome:
         raise ConformanceFailure(
             SHUTDOWN_RULE, f"an epoch that never committed is reported committed: {state}"
         )
+    stalled = await _close_against_a_stalled_destination(subject)
     return Outcome.passed(
-        "close with outstanding work " + ("promised nothing more lands" if closed else "was uncertain")
+        "close with outstanding work "
+        + ("promised nothing more lands" if closed else "was uncertain")
+        + (f"; {stalled}" if stalled else "")
     )
+
+
+async def _close_against_a_stalled_destination(subject: Subject) -> str | None:
+    """An epoch applied and committed to a destination that stopped answering, given up by the
+    caller, then close_session: returning while the destination is stalled promises that none of it
+    lands later (local servers store within milliseconds: only a stall shows a close that does not
+    wait for, or fence, its remote requests)."""
+    stall = subject.sink_setup.stall
+    if stall is None:
+        return None
+    rows = make_rows(5_001, 20)
+    epoch = EpochId(STREAM, 2, WORKER.fencing_token)
+    session = await open_sink_session(subject, SHUTDOWN_RULE)
+    settle = subject.options.settle_seconds
+    try:
+        await subject.within(session.begin_epoch(epoch), SHUTDOWN_RULE, "begin_epoch")
+        baseline = set(pairs(await subject.sink_setup.read_back()))
+    except BaseException:
+        await quietly_close(session)
+        raise
+
+    async def apply_and_commit() -> None:
+        await session.apply(epoch, sink_batch(epoch, rows))
+        await session.commit_epoch(epoch, covering(rows))
+
+    async with stall():
+        work = asyncio.ensure_future(apply_and_commit())
+        # A sink gives up on its own (UncertainOutcome after its timeout), or the caller gives up.
+        await asyncio.wait([work], timeout=6 * settle)
+        work.cancel()
+        await asyncio.wait([work], timeout=subject.options.timeout)
+        if work.done() and not work.cancelled():
+            work.exception()  # its failure is expected (the destination never answered): consumed
+        closing = asyncio.ensure_future(_close_honestly(subject, session, SHUTDOWN_RULE))
+        await asyncio.wait([closing], timeout=6 * settle)
+        returned_while_stalled = closing.done()
+    closed = await closing
+    if not (closed and returned_while_stalled):
+        return "against a stalled destination close " + ("waited for it" if closed else "was uncertain")
+    landed: set[tuple[int, str]] = set()
+    for _ in range(3):  # the destination works off what it held once it answers again
+        await asyncio.sleep(settle)
+        landed = set(pairs(await subject.sink_setup.read_back())) - baseline
+        if landed:
+            break
+    if landed:
+        raise ConformanceFailure(
+            SHUTDOWN_RULE,
+            f"close_session returned while the destination was stalled with work in flight, then "
+            f"{len(landed)} rows of it landed: a close that does not wait for (or fence) its remote "
+            "requests must raise UncertainOutcome",
+        )
+    return "against a stalled destination close returned and nothing landed"

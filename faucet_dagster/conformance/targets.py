@@ -14,15 +14,18 @@ import asyncio
 import contextlib
 import csv
 import json
+import os
+import signal
 import socket
 import sqlite3
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory, Row, SinkSetup, SourceSetup
 from faucet_dagster.protocol import Role, WritePolicy
+from faucet_dagster.testing import NatsServer
 
 T = TypeVar("T")
 
@@ -232,7 +235,8 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
 
 
 def postgres_streaming_sink(postgres_url: str) -> SinkSetup:
-    """Epochs into ``items`` (name at most 40 characters), one transaction each."""
+    """Epochs into ``items`` (name at most 40 characters), one transaction each; ``stall`` stops the
+    server processes of the database's open connections (a local server only)."""
     _run(lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))"))
     unreachable = _pg_unreachable("items")
     return SinkSetup(
@@ -240,7 +244,52 @@ def postgres_streaming_sink(postgres_url: str) -> SinkSetup:
         _pg_reader(postgres_url, "items"),
         refused_rows=_refused_rows(),
         unreachable=unreachable,
+        stall=(lambda: _pg_stalled(postgres_url)) if _is_local(postgres_url) else None,
     )
+
+
+def _is_local(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.asynccontextmanager
+async def _pg_stalled(url: str) -> AsyncIterator[None]:
+    """SIGSTOP the backend processes of every connection to ``url``'s database; SIGCONT on exit."""
+    found = await _pg(
+        url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    stopped: list[int] = []
+    try:
+        for (pid,) in found:
+            if _process_name(int(pid)) == "postgres":  # never signal a process that is not the server's
+                os.kill(int(pid), signal.SIGSTOP)
+                stopped.append(int(pid))
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.asynccontextmanager
+async def _stopped(pid: int | None) -> AsyncIterator[None]:
+    """The server process ``pid`` stopped (SIGSTOP) inside the context, continued (SIGCONT) on exit."""
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
 
 
 def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> SourceSetup:
@@ -394,8 +443,10 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
     )
 
 
-def nats_sink(nats_url: str, unique_name: Callable[..., str]) -> SinkSetup:
-    """A fresh stream with a 120 s duplicate window that refuses messages over 1 KiB."""
+def nats_sink(nats_server: NatsServer, unique_name: Callable[..., str]) -> SinkSetup:
+    """A fresh stream with a 120 s duplicate window that refuses messages over 1 KiB; ``stall``
+    stops the server process (SIGSTOP) when this process manages it."""
+    nats_url = nats_server.url
     stream = unique_name("s")
     subject = f"{stream}.out"
     bucket = f"w_{stream}"
@@ -449,6 +500,7 @@ def nats_sink(nats_url: str, unique_name: Callable[..., str]) -> SinkSetup:
         refused_rows=_refused_rows(),
         unreachable=_nats_unreachable(config),
         cleanup=cleanup,
+        stall=(lambda: _stopped(nats_server.pid)) if nats_server.pid is not None else None,
     )
 
 
