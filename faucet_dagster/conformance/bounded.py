@@ -16,6 +16,7 @@ Each check is a coroutine taking a :class:`~faucet_dagster.conformance.harness.S
 """
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import json
@@ -425,6 +426,62 @@ async def _watermark_replay(
         raise ConformanceFailure(
             REPLAY_RULE, f"a page with the newer token {second} was not written exactly once"
         )
+    await _interrupted_writes(subject, CommitToken(3_000))
+
+
+_MAX_POINTS = 32
+"""How many interruption points of one idempotent write the battery tries at most."""
+
+
+async def _interrupted_writes(subject: Subject, first_token: CommitToken) -> None:
+    """An idempotent write interrupted at each point where it waits (after 0, 1, 2... event-loop
+    steps, then ever more): whatever the point, the records and the commit token are both stored or
+    neither. A sink committing them in two transactions leaves records without their token when the
+    interruption falls between the two, the crash a replay then duplicates.
+
+    Counting loop steps, not time, makes the points independent of the machine's speed: a write
+    advances at most one wait per step, so every wait of the write is an interruption point.
+    """
+    read_back = subject.sink_setup.read_back
+    steps, token, point = 0, first_token.sequence, 0
+    while point < _MAX_POINTS:
+        point += 1
+        token += 1
+        page = make_rows(100_000 + point * 1_000, 5)
+        sink = subject.sink()
+        write = asyncio.ensure_future(sink.write_batch_idempotent(rows_batch(page), CommitToken(token)))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        finished = write.done()
+        write.cancel()
+        await asyncio.wait([write], timeout=subject.options.timeout)
+        if write.done() and not write.cancelled():
+            write.exception()  # an interrupted write may fail: only what it left matters
+        with contextlib.suppress(FaucetError):
+            await subject.within(sink.close(), REPLAY_RULE, "Sink.close")
+        # Work handed to a thread goes on after the interruption: look until the rows show or the
+        # destination settles.
+        landed = bool(set(pairs(page)) & set(pairs(await read_back())))
+        if not landed and not finished:
+            await asyncio.sleep(subject.options.settle_seconds)
+            landed = bool(set(pairs(page)) & set(pairs(await read_back())))
+        probe = subject.sink()
+        try:
+            stored = await subject.within(probe.last_committed_token(), REPLAY_RULE, "last_committed_token")
+        finally:
+            await subject.within(probe.close(), REPLAY_RULE, "Sink.close")
+        has_token = stored is not None and stored.sequence >= token
+        if landed != has_token:
+            raise ConformanceFailure(
+                REPLAY_RULE,
+                f"a write_batch_idempotent interrupted after {steps} event-loop step(s) left the records "
+                f"{'in' if landed else 'out of'} the destination but last_committed_token() is {stored} "
+                f"(the write's token is {token}): records and commit token must commit atomically, in one "
+                "transaction",
+            )
+        if finished:
+            return
+        steps = steps + 1 if steps < 8 else steps * 2
 
 
 async def _keyed_replay(
@@ -718,8 +775,8 @@ async def _dedups_follow_the_config(
 ) -> str:
     """dedups_by_key() of sinks built from configs that tell a mode from a key: append with a key,
     each keyed policy with and without one. A config the connector refuses (ConfigError) is fine."""
-    variants = [(WritePolicy.APPEND, ("id",))]
-    variants += [(policy, key) for policy in _KEYED_POLICIES for key in (("id",), ())]
+    keys: tuple[tuple[str, ...], ...] = (("id",), ())
+    variants = [(WritePolicy.APPEND, keys[0]), *((policy, key) for policy in _KEYED_POLICIES for key in keys)]
     built: list[str] = []
     for policy, key in variants:
         try:

@@ -237,6 +237,19 @@ class TokenBlindSink(SqlSink):
         return written
 
 
+class TwoTransactionSink(SqlSink):
+    """Check 4: honours the token, but commits the records, then the token in a second transaction
+    (an interruption between the two leaves records a replay writes again)."""
+
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        stored = await self.last_committed_token()
+        if stored is not None and token.sequence <= stored.sequence:
+            return 0
+        written = await self.write_batch(records)
+        await super().write_batch_idempotent(records.slice(0, 0), token)
+        return written
+
+
 class AppendingUpsertSink(SqlSink):
     """Check 4: configured to upsert by key, it appends (and still says it dedups by key)."""
 

@@ -103,6 +103,10 @@ CASES: tuple[SelfTestCase, ...] = (
         "idempotent_replay", broken.TokenBlindSink, _sql(broken.TokenBlindSink), _SINK, _SQL, "commit token"
     ),
     _case(
+        "idempotent_replay", broken.TwoTransactionSink, _sql(broken.TwoTransactionSink), _SINK, _SQL,
+        "commit atomically",
+    ),
+    _case(
         "idempotent_replay", broken.AppendingUpsertSink, _sql(broken.AppendingUpsertSink), _SINK, _SQL,
         "must converge",
     ),
@@ -253,6 +257,11 @@ def run_case(case: SelfTestCase, setup: Setup) -> ConformanceFailure:
     except ConformanceFailure as failure:
         if failure.rule != case.rule:
             raise AssertionError(f"{case.id}: failed rule [{failure.rule}], not [{case.rule}]") from failure
+        if failure.__cause__ is not None and "expected it to work" in failure.message:
+            raise AssertionError(
+                f"{case.id}: caught only as a raw {type(failure.__cause__).__name__} (the check does not "
+                f"name what was broken): {failure.message}"
+            ) from failure
         missing = [fragment for fragment in case.fragments if fragment not in failure.message]
         if missing:
             raise AssertionError(
