@@ -509,50 +509,6 @@ async def _no_authority() -> None:
     """What a careless session passes on instead of the runner's authority: asks nobody."""
 
 
-class WorkerIdentitySession(WrappedSession):
-    """Replay: gives each event an ordinal made from the worker id (a replay by another worker looks
-    like new events)."""
-
-    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-        ordinal = zlib.crc32(self.worker.worker_id.encode()) % 1_000
-
-        class Renumber(ForwardingSink):
-            async def write(
-                self,
-                domain: OrderingDomain,
-                rows: Records,
-                identities: Identities,
-                *,
-                resource: str | None = None,
-            ) -> None:
-                renumbered = Identities(identities.positions, [ordinal] * len(identities))
-                await self.inner.write(domain, rows, renumbered, resource=resource)
-
-        return await self.inner.read(Renumber(sink), limits, cancel)
-
-
-class LeaseIdentitySession(WrappedSession):
-    """Replay: numbers the events of a position from the fencing token of the lease it holds."""
-
-    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-        token = self.worker.fencing_token
-
-        class Renumber(ForwardingSink):
-            async def write(
-                self,
-                domain: OrderingDomain,
-                rows: Records,
-                identities: Identities,
-                *,
-                resource: str | None = None,
-            ) -> None:
-                base = [0] * len(identities) if identities.ordinals is None else list(identities.ordinals)
-                renumbered = Identities(identities.positions, [token * 1_000 + i for i in base])
-                await self.inner.write(domain, rows, renumbered, resource=resource)
-
-        return await self.inner.read(Renumber(sink), limits, cancel)
-
-
 class DroppingSession(WrappedSession):
     """Unwritten position: drops the row with id 5 on its way to the pipeline, and covers it anyway."""
 
@@ -574,11 +530,15 @@ class DroppingSession(WrappedSession):
         return await self.inner.read(Dropper(sink), limits, cancel)
 
 
-class ReidentifyingSession(WrappedSession):
-    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+class RenumberingSession(WrappedSession):
+    """Replay: gives each event the ordinals :meth:`ordinals` makes (subclasses build them from what
+    a careless author would: the attempt, the worker, the lease), not from the source alone."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        raise NotImplementedError
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-        attempt = self.opened
+        session = self
 
         class Renumber(ForwardingSink):
             async def write(
@@ -589,10 +549,33 @@ class ReidentifyingSession(WrappedSession):
                 *,
                 resource: str | None = None,
             ) -> None:
-                renumbered = Identities(identities.positions, [attempt] * len(identities))
+                renumbered = Identities(identities.positions, session.ordinals(identities))
                 await self.inner.write(domain, rows, renumbered, resource=resource)
 
         return await self.inner.read(Renumber(sink), limits, cancel)
+
+
+class ReidentifyingSession(RenumberingSession):
+    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        return [self.opened] * len(identities)
+
+
+class WorkerIdentitySession(RenumberingSession):
+    """Replay: gives each event an ordinal made from the worker id (a replay by another worker looks
+    like new events)."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        return [zlib.crc32(self.worker.worker_id.encode()) % 1_000] * len(identities)
+
+
+class LeaseIdentitySession(RenumberingSession):
+    """Replay: numbers the events of a position from the fencing token of the lease it holds."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        base = [0] * len(identities) if identities.ordinals is None else list(identities.ordinals)
+        return [self.worker.fencing_token * 1_000 + ordinal for ordinal in base]
 
 
 def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpec:
@@ -736,22 +719,21 @@ class ConfidentCloseSession(WrappedSinkSession):
 class AttemptIdentitySession(WrappedSinkSession):
     """Replay: gives each row an identity made from the session (the attempt), not the source."""
 
+    def ordinal(self) -> int:
+        return self.opened
+
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        renumbered = Identities(batch.identities.positions, [self.opened] * len(batch.identities))
+        renumbered = Identities(batch.identities.positions, [self.ordinal()] * len(batch.identities))
         await self.inner.apply(
             epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
         )
 
 
-class TokenIdentitySession(WrappedSinkSession):
+class TokenIdentitySession(AttemptIdentitySession):
     """Replay: gives each row an identity made from the fencing token of the worker's lease."""
 
-    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        token = self.worker.fencing_token
-        renumbered = Identities(batch.identities.positions, [token] * len(batch.identities))
-        await self.inner.apply(
-            epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
-        )
+    def ordinal(self) -> int:
+        return self.worker.fencing_token
 
 
 def reset() -> None:
