@@ -67,12 +67,11 @@ class JsonLinesSource(Source):
         return None if self._reached is None else {"file": self._reached[0], "line": self._reached[1]}
 
     def apply_start_bookmark(self, bookmark: JsonValue) -> None:
-        if not (isinstance(bookmark, dict) and isinstance(bookmark.get("file"), str)):
+        name = bookmark.get("file") if isinstance(bookmark, dict) else None
+        line = bookmark.get("line") if isinstance(bookmark, dict) else None
+        if not isinstance(name, str) or not isinstance(line, int):
             raise ConfigError("the bookmark is not one this source emitted", where=self.dataset_uri())
-        line = bookmark.get("line")
-        if not isinstance(line, int):
-            raise ConfigError("the bookmark's line is not a number", where=self.dataset_uri())
-        self._start = self._reached = (bookmark["file"], line)
+        self._start = self._reached = (name, line)
 
     async def check(self) -> None:
         await asyncio.to_thread(self._names)
