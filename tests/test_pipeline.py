@@ -226,6 +226,21 @@ def test_rows_after_the_last_boundary_block_the_seal() -> None:
     run(scenario)
 
 
+def test_rows_at_or_behind_an_accepted_boundary_are_refused() -> None:
+    async def scenario() -> None:
+        epoch, _ = begin(Pipeline({"items": SCHEMA}))
+        await epoch.control(ProgressBoundary(DOMAIN, "10"))
+        for behind in (5, 10):
+            with pytest.raises(IntegrityError, match="at or before the accepted boundary 10"):
+                await epoch.write(DOMAIN, rows(behind, behind), ids(behind, behind))
+        await epoch.write(DOMAIN, rows(11, 12), ids(11, 12))
+        await epoch.control(ProgressBoundary(DOMAIN, "12"))
+        sealed = await epoch.seal(coverage(12))
+        assert sealed.row_counts == {"items": 2}
+
+    run(scenario)
+
+
 def test_an_open_transaction_blocks_the_seal_and_controls_must_pair() -> None:
     async def scenario() -> None:
         epoch, _ = begin(Pipeline({"items": SCHEMA}))

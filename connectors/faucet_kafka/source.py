@@ -17,7 +17,7 @@ ownership. Nothing else ever commits: auto commit is off.
 import asyncio
 import bisect
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 from confluent_kafka import Message, TopicPartition
@@ -317,9 +317,14 @@ class KafkaStreamSession(StreamSession):
 
 
 class KafkaStreamSource(StreamSource):
-    """The continuous Kafka source. Building it does no I/O; ``open`` connects."""
+    """The continuous Kafka source. Building it does no I/O; ``open`` connects.
+
+    ``session_type`` is the session class ``open`` returns: a subclass of the source can set its own
+    :class:`KafkaStreamSession` subclass that overrides one session method (and calls ``super()``).
+    """
 
     connector_name = "kafka"
+    session_type: ClassVar[type[KafkaStreamSession]] = KafkaStreamSession
 
     def __init__(self, config: KafkaSourceConfig) -> None:
         self.config = config
@@ -342,7 +347,8 @@ class KafkaStreamSource(StreamSource):
         membership: Membership,
         worker: WorkerIdentity,
     ) -> KafkaStreamSession:
-        """Open a session on the partitions of ``resources`` (topics) that ``membership`` owns.
+        """Open a session (a ``session_type``) on the partitions of ``resources`` (topics) that
+        ``membership`` owns.
 
         Each starts at its certified offset + 1, or at its low watermark without one; see
         :meth:`KafkaReader.open` for the checks and what they raise.
@@ -365,7 +371,7 @@ class KafkaStreamSource(StreamSource):
         except BaseException:
             await reader.close()
             raise
-        return KafkaStreamSession(reader, worker)
+        return self.session_type(reader, worker)
 
 
 class KafkaSource(Source):

@@ -1,7 +1,10 @@
 """``faucet conformance``: run the battery on installed connectors and print the table of checks.
 
-``faucet conformance postgres`` runs every role of one connector that :data:`.targets.TARGETS`
-knows; ``--all`` every connector; ``--check`` restricts to check ids. The real servers come from
+``faucet conformance NAME`` runs every role of an installed connector (``faucet.connectors``) that
+has a conformance setup (``faucet.conformance`` entry point, or this repository's
+:mod:`.targets`: see :mod:`.registry`); ``--all`` every such connector; ``--check`` restricts to
+check ids; ``--self-test`` runs each check against the deliberately broken connectors and prints
+which check caught which. The real servers come from
 :mod:`faucet_dagster.testing` (started here, on free ports, and stopped at the end), or from
 ``FAUCET_TEST_POSTGRES_URL`` / ``FAUCET_TEST_NATS_URL`` / ``FAUCET_TEST_KAFKA_BOOTSTRAP``. Exit code:
 0 when nothing failed, 1 when a check failed.
@@ -18,11 +21,11 @@ from typing import Any
 
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import ConformanceFailure, ConformanceOptions
+from faucet_dagster.conformance.registry import conformance_setups
 from faucet_dagster.conformance.setup import ConfigFactory, factory_fixtures
 from faucet_dagster.conformance.suites import SUITES, Check, run_check
 from faucet_dagster.conformance.table import Result, format_table
-from faucet_dagster.conformance.targets import TARGETS
-from faucet_dagster.protocol import ConfigError, ConnectorSpec, Role, get_connector
+from faucet_dagster.protocol import ConfigError, ConnectorSpec, Role, load_connectors
 from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
 
 
@@ -33,27 +36,38 @@ def add_conformance_parser(commands: Any) -> None:
         help="run the conformance battery on connectors and print the table of checks",
         description=__doc__,
     )
-    parser.add_argument("connectors", nargs="*", help=f"connector names ({', '.join(TARGETS)})")
-    parser.add_argument("--all", action="store_true", help="every connector of this repository")
+    parser.add_argument("connectors", nargs="*", help="names of installed connectors")
+    parser.add_argument("--all", action="store_true", help="every installed connector with a setup")
     parser.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="run the checks on deliberately broken connectors and print which check caught each",
+    )
     parser.set_defaults(handler=conformance_command)
 
 
 def conformance_command(args: argparse.Namespace) -> int:
-    names = list(TARGETS) if args.all else list(args.connectors)
+    if args.self_test:
+        return _self_test(args.check)
+    setups = conformance_setups()
+    installed = load_connectors()
+    testable = sorted(name for name in setups if name in installed)
+    names = testable if args.all else list(args.connectors)
     if not names:
         raise ConfigError("name a connector, or pass --all", where="faucet conformance")
-    unknown = [name for name in names if name not in TARGETS]
+    unknown = [name for name in names if name not in testable]
     if unknown:
         raise ConfigError(
-            f"no conformance setup for {', '.join(unknown)} (known: {', '.join(TARGETS)})",
+            f"no installed connector with a conformance setup is named {', '.join(unknown)} "
+            f"(testable: {', '.join(testable) or 'none'})",
             where="faucet conformance",
         )
     results: list[Result] = []
     with _Fixtures() as fixtures:
         for name in names:
-            spec = get_connector(name)
-            for role, (factory, options) in TARGETS[name].items():
+            spec = installed[name]
+            for role, (factory, options) in setups[name].roles().items():
                 for check in SUITES[role].checks:
                     if args.check and check.id not in args.check:
                         continue
@@ -64,6 +78,30 @@ def conformance_command(args: argparse.Namespace) -> int:
     print()
     print(format_table(results))
     return 1 if any(result.status == "fail" for result in results) else 0
+
+
+def _self_test(only: list[str]) -> int:
+    """Every self-test case: rule x broken connector -> the check that caught it (or why not)."""
+    from faucet_dagster.conformance.selftest import CASES, run_case
+
+    rows: list[tuple[str, str, str, str]] = []
+    with _Fixtures() as fixtures:
+        for case in CASES:
+            if only and case.check not in only:
+                continue
+            where = f"{case.broken} ({case.spec().name} {case.role.value})"
+            try:
+                run_case(case, fixtures.call(case.factory, case.check))
+            except AssertionError as exc:
+                verdict = f"NOT CAUGHT: {exc}"
+            else:
+                verdict = "caught"
+            print(f"{case.rule:<82} {where:<52} -> {case.check:<30} {verdict}", flush=True)
+            rows.append((case.rule, where, case.check, verdict))
+    missed = [row for row in rows if row[3] != "caught"]
+    print()
+    print(f"{len(rows) - len(missed)} of {len(rows)} broken connectors caught by the check of their rule")
+    return 1 if missed else 0
 
 
 def _run(
@@ -114,9 +152,9 @@ class _Fixtures:
             url = server.create_database(database)
             self._stack.callback(server.drop_database, database)
             return url
-        if name == "nats_url":
+        if name in ("nats_url", "nats_server"):
             self._nats = self._nats or self._start(NatsServer.from_env())
-            return self._nats.url
+            return self._nats.url if name == "nats_url" else self._nats
         if name == "kafka_bootstrap":
             self._kafka = self._kafka or self._start(KafkaServer.from_env())
             return self._kafka.bootstrap

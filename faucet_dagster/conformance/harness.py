@@ -203,6 +203,8 @@ class ProbeSinkSession(StreamingSinkSession):
 
 
 WORKER = WorkerIdentity("conformance-worker", 1)
+OTHER_WORKER = WorkerIdentity("conformance-takeover", 7)
+"""The worker that takes the stream over after :data:`WORKER` stopped (another id, a higher token)."""
 
 
 class Tap(StreamRecordSink):
@@ -243,7 +245,8 @@ class StreamDriver:
     begin, read, seal, commit at the probe, then acknowledge with the authority given.
 
     ``certified`` are the positions of the epochs committed so far; ``events`` every certified
-    event in commit order, as (domain, position, ordinal, id).
+    event in commit order, as (domain, position, ordinal, id). ``worker`` is the identity sessions
+    are opened with (a replay by another worker uses another one, with another fencing token).
     """
 
     subject: Subject
@@ -256,13 +259,14 @@ class StreamDriver:
     controls: list[Control] = field(default_factory=list)
     sequence: int = 0
     acknowledge: bool = True
+    worker: WorkerIdentity = WORKER
 
     async def open(self, source: StreamSource | None = None) -> StreamSession:
         """Open a session at the certified positions (closing a previous one first)."""
         await self.close()
         opened = source or self.subject.stream_source()
         self.session = await self.subject.within(
-            opened.open(self.subject.source_setup.resources, self.certified, Membership(), WORKER),
+            opened.open(self.subject.source_setup.resources, self.certified, Membership(), self.worker),
             self.rule,
             "StreamSource.open",
         )
@@ -288,7 +292,7 @@ class StreamDriver:
         """
         session = self.session or await self.open()
         self.sequence += 1
-        epoch = EpochId(STREAM, self.sequence, WORKER.fencing_token)
+        epoch = EpochId(STREAM, self.sequence, self.worker.fencing_token)
         await self.probe.begin_epoch(epoch)
         before = len(self.probe.committed)
         pipeline = self.pipeline.begin(epoch, self.probe, self.certified)
@@ -332,19 +336,18 @@ class StreamDriver:
         return sealed.coverage, [i for batch in batches for i in ids_of(batch.records)]
 
     async def read_until(self, expected: set[int], limits: ReadLimits) -> list[int]:
-        """Run epochs until every id in ``expected`` was certified or the source has nothing more.
+        """Run epochs until every id in ``expected`` was certified, or ``options.timeout`` passed.
 
-        Returns every id certified, in order (duplicates included). Two reads in a row that certify
-        nothing end it: the source delivered all it will.
+        Returns every id certified, in order (duplicates included). Nothing but the rows ends it
+        early: a source that is slow to deliver (a loaded machine) is waited for, never judged by how
+        long it stayed quiet; one that never delivers a row is judged after the timeout.
         """
         seen: list[int] = []
-        idle = 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.subject.options.timeout
-        while not expected <= set(seen) and idle < 2 and loop.time() < deadline:
-            coverage, ids = await self.epoch(limits)
+        while not expected <= set(seen) and loop.time() < deadline:
+            _, ids = await self.epoch(limits)
             seen.extend(ids)
-            idle = idle + 1 if coverage.empty else 0
         return seen
 
 
@@ -365,12 +368,12 @@ def advance(certified: tuple[Position, ...], coverage: Coverage) -> tuple[Positi
 
 
 async def open_sink_session(
-    subject: Subject, rule: str, *, token: int = 1, config: Any = None
+    subject: Subject, rule: str, *, token: int = 1, config: Any = None, worker: str = WORKER.worker_id
 ) -> StreamingSinkSession:
     """A session of the streaming sink under test for the battery's stream (APPEND)."""
     sink = subject.streaming_sink(config)
     return await subject.within(
-        sink.open(STREAM, WritePolicy.APPEND, (), WorkerIdentity(WORKER.worker_id, token)),
+        sink.open(STREAM, WritePolicy.APPEND, (), WorkerIdentity(worker, token)),
         rule,
         "StreamingSink.open",
     )

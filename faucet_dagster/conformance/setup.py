@@ -13,8 +13,11 @@ back the same way.
 
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
+
+from faucet_dagster.protocol import WritePolicy
 
 Row = Mapping[str, Any]
 """A standard record: ``{"id": int, "name": str}`` (a destination may hold more columns)."""
@@ -41,6 +44,11 @@ class SourceSetup:
     provider's own acknowledgement state (a committed offset, a consumer's floor, a slot's confirmed
     position) as text that changes exactly when the source acknowledges; ``None`` when it has none.
     ``cleanup()`` removes what the setup created on shared servers (a replication slot).
+    ``redelivered()`` counts the deliveries the provider has repeated so far on the session's
+    consumer (``None``: the provider never redelivers on its own, as a Kafka log does not).
+    ``make_unavailable()`` removes every row stored so far from the provider (a purge, retention,
+    records deleted below the low watermark), so a position among them can no longer be resumed
+    from; ``None`` when the system cannot remove data under a reader.
     """
 
     config: Mapping[str, Any]
@@ -50,6 +58,8 @@ class SourceSetup:
     add_malformed: Callable[[], Awaitable[None]] | None = None
     acknowledged: Callable[[], Awaitable[str]] | None = None
     cleanup: Cleanup | None = None
+    redelivered: Callable[[], Awaitable[int]] | None = None
+    make_unavailable: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,11 @@ class SinkSetup:
     table that ``read_keyed()`` reads back. ``refused_rows`` are
         standard rows of which the destination refuses at least one (a constraint, a size limit): the
         failed-write checks. ``unreachable`` is a valid config whose endpoint does not answer.
+        ``configure(policy, key)`` is ``config`` with its write mode and key set to these (check 5
+        builds append with a key, upsert without one... and asks ``dedups_by_key()``); ``None`` for a
+        sink without a configurable mode. ``stall()`` is a context inside which the destination
+        stops answering the sink's open sessions (their server processes SIGSTOPped, or a proxy
+        holding the responses) and answers again on exit: the shutdown check commits against it.
     """
 
     config: Mapping[str, Any]
@@ -71,6 +86,8 @@ class SinkSetup:
     refused_rows: Sequence[Row] | None = None
     unreachable: Mapping[str, Any] | None = None
     cleanup: Cleanup | None = None
+    configure: Callable[[WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
+    stall: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
 Setup = SourceSetup | SinkSetup

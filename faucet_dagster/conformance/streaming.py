@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from faucet_dagster.conformance.harness import (
+    OTHER_WORKER,
     STREAM,
     WORKER,
     StreamDriver,
@@ -30,6 +31,7 @@ from faucet_dagster.conformance.setup import make_rows
 from faucet_dagster.protocol import (
     CancelToken,
     ConnectionFailed,
+    Coverage,
     Durability,
     EpochId,
     EpochMismatch,
@@ -37,6 +39,7 @@ from faucet_dagster.protocol import (
     LifecycleError,
     Ordering,
     OwnershipLost,
+    PositionUnavailable,
     ReadLimits,
     Role,
     StreamingSinkSession,
@@ -49,6 +52,8 @@ SLOW_RULE = "stream 2 backpressure: a slow sink loses and duplicates nothing"
 CANCEL_RULE = "stream 3 cancellation is an interruption"
 TRANSACTION_RULE = "stream 3 no coverage inside an open transaction"
 OWNERSHIP_RULE = "stream 5 authority() before every acknowledgement"
+SPECULATIVE_RULE = "stream 5 only certified work is acknowledged, and only in acknowledge()"
+UNAVAILABLE_RULE = "stream 1 an unavailable resume position is refused, never replaced by the latest"
 UNWRITTEN_RULE = "stream 3 a position whose rows were not written is never certified"
 FAILED_WRITE_RULE = "stream 6 failed sink writes are never reported as committed"
 UNCERTAIN_RULE = "stream 7 an uncertain commit is resolved or reported, never lost"
@@ -92,11 +97,23 @@ async def slow_sink(subject: Subject) -> Outcome:
     await subject.source_setup.add_rows(rows)
     driver = StreamDriver(subject, SLOW_RULE)
     driver.probe.delay = subject.options.slow_sink_seconds
+    redelivered = subject.source_setup.redelivered
     try:
+        await driver.open()
+        before = 0 if redelivered is None else await redelivered()
         seen = await _succeeds(
             SLOW_RULE, "reading while the sink is slow", driver.read_until(set(expected), QUIET)
         )
         _once(SLOW_RULE, seen, expected, f"with a sink blocked for {subject.options.slow_sink_seconds:g}s")
+        # Suppressing the repeats is not enough: the deliveries must have been kept alive.
+        repeated = 0 if redelivered is None else await redelivered() - before
+        if repeated:
+            raise ConformanceFailure(
+                SLOW_RULE,
+                f"the provider redelivered {repeated} message(s) while the sink blocked for "
+                f"{subject.options.slow_sink_seconds:g}s: the source let its deliveries expire "
+                "(keep protocol heartbeats and delivery renewals alive while a flush waits)",
+            )
         await driver.open()
         _, again = await _succeeds(SLOW_RULE, "reading after the slow epoch", driver.epoch(QUIET))
         if again:
@@ -189,78 +206,193 @@ async def partial_transaction(subject: Subject) -> Outcome:
     return Outcome.passed("transactions certified whole despite a record limit and a cancellation")
 
 
+async def speculative_acknowledgement(subject: Subject) -> Outcome:
+    """The provider's acknowledgement state (a committed offset, an ack floor, a slot's confirmed
+    position) does not move during a read, after the epoch is certified, when the session closes, or
+    in a reopened session's reads: only ``acknowledge`` moves it."""
+    setup = subject.source_setup
+    if setup.acknowledged is None:
+        return Outcome.not_applicable("the setup reads no provider acknowledgement state")
+    acknowledged = setup.acknowledged
+    await setup.add_rows(make_rows(1, 20))
+    driver = StreamDriver(subject, SPECULATIVE_RULE, acknowledge=False)
+    # Opening may reposition the provider at the certified positions (the admitted worker recreates
+    # its consumer there): the baseline is taken after each open.
+    await driver.open()
+    before = await acknowledged()
+
+    async def unmoved(when: str) -> None:
+        now = await acknowledged()
+        if now != before:
+            raise ConformanceFailure(
+                SPECULATIVE_RULE,
+                f"the provider's acknowledgement moved from {before!r} to {now!r} {when}, before any "
+                "acknowledge(): progress that is not certified was acknowledged (speculatively)",
+            )
+
+    try:
+        coverage, _ = await _succeeds(SPECULATIVE_RULE, "reading", driver.epoch(QUIET))
+        if coverage.empty:
+            raise ConformanceFailure(SPECULATIVE_RULE, "20 rows were added but the read covered nothing")
+        await unmoved("during a read whose epoch was then certified")
+        await driver.close()
+        await unmoved("when the session closed")
+        more = make_rows(21, 10)
+        await setup.add_rows(more)
+        await driver.open()
+        before = await acknowledged()
+        await _succeeds(SPECULATIVE_RULE, "reading on", driver.read_until({row["id"] for row in more}, QUIET))
+        await unmoved("during the reads of a reopened session")
+    finally:
+        await driver.close()
+    return Outcome.passed("the provider's acknowledgement stayed put through reads, a close and a reopen")
+
+
+class _Authorities:
+    """The battery's authority callbacks, counting how often the session asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def lost(self) -> None:
+        self.asked += 1
+        raise OwnershipLost("the conformance battery took the lease away", where="conformance")
+
+    async def owner(self) -> None:
+        self.asked += 1
+
+
 async def ownership_lost_before_ack(subject: Subject) -> Outcome:
     """An authority that raises OwnershipLost stops the acknowledgement (it propagates, nothing moves
-    at the provider); acknowledge asks the authority every time, also for coverage already done."""
+    at the provider), on the first acknowledgement of a session and on a later one; acknowledge asks
+    the authority every time something moves at the provider, also for redeliveries of certified work
+    it suppresses after a restart between the certificate and the acknowledgement."""
     setup = subject.source_setup
     await setup.add_rows(make_rows(1, 20))
     driver = StreamDriver(subject, OWNERSHIP_RULE, acknowledge=False)
-    asked = 0
-
-    async def lost() -> None:
-        nonlocal asked
-        asked += 1
-        raise OwnershipLost("the conformance battery took the lease away", where="conformance")
-
-    async def owner() -> None:
-        nonlocal asked
-        asked += 1
-
+    authority = _Authorities()
     try:
         coverage, _ = await _succeeds(OWNERSHIP_RULE, "reading", driver.epoch(QUIET))
         if coverage.empty:
             raise ConformanceFailure(OWNERSHIP_RULE, "20 rows were added but the read covered nothing")
+        await _refused_without_ownership(subject, driver, coverage, authority, "the first acknowledgement")
+        moved = await _acknowledged_with_ownership(subject, driver, coverage, authority, "certified coverage")
+        # Repeated: whatever the session sends the provider again, it asks the authority first.
+        authority.asked = 0
         session = driver.session
         assert session is not None
-        before = await setup.acknowledged() if setup.acknowledged else None
-        try:
-            await subject.within(session.acknowledge(coverage, lost), OWNERSHIP_RULE, "acknowledge")
-        except OwnershipLost:
-            pass
-        except FaucetError as exc:
+        await _succeeds(
+            OWNERSHIP_RULE, "the repeated acknowledgement", session.acknowledge(coverage, authority.owner)
+        )
+        if setup.acknowledged is not None and authority.asked == 0 and await setup.acknowledged() != moved:
             raise ConformanceFailure(
-                OWNERSHIP_RULE, f"OwnershipLost became {type(exc).__name__}: {exc}"
-            ) from exc
-        else:
-            raise ConformanceFailure(
-                OWNERSHIP_RULE, "acknowledge returned although authority() raised OwnershipLost"
+                OWNERSHIP_RULE, "a repeated acknowledgement changed the provider without awaiting authority()"
             )
-        if asked == 0:
+        # Ownership lost after an earlier acknowledgement succeeded: asking once is not enough.
+        await setup.add_rows(make_rows(21, 10))
+        later, _ = await _succeeds(OWNERSHIP_RULE, "reading on", driver.epoch(QUIET))
+        if later.empty:
+            raise ConformanceFailure(OWNERSHIP_RULE, "10 more rows were added but the read covered nothing")
+        await _refused_without_ownership(subject, driver, later, authority, "a later acknowledgement")
+        # The worker stops after the certificate of ``later``, before acknowledging it: the provider
+        # redelivers it to the next session, which suppresses what is certified and acknowledges it
+        # only through acknowledge(), after authority().
+        await driver.close()
+        if setup.acknowledged is not None and await setup.acknowledged() != moved:
             raise ConformanceFailure(
-                OWNERSHIP_RULE, "acknowledge never awaited authority() before acknowledging"
+                OWNERSHIP_RULE, "closing the session moved the provider's acknowledgement"
             )
-        if setup.acknowledged is not None and await setup.acknowledged() != before:
+        rest = make_rows(31, 10)
+        await setup.add_rows(rest)
+        await driver.open()  # may reposition the provider at the certified positions
+        reopened = await setup.acknowledged() if setup.acknowledged is not None else None
+        coverages = await _certify_all(driver, {row["id"] for row in rest})
+        if setup.acknowledged is not None and await setup.acknowledged() != reopened:
             raise ConformanceFailure(
                 OWNERSHIP_RULE,
-                "the provider's acknowledgement moved although authority() raised OwnershipLost",
+                "the provider's acknowledgement moved while a reopened session read (redeliveries of "
+                "certified work are acknowledged only in acknowledge(), after authority())",
             )
-        asked = 0
-        await _succeeds(OWNERSHIP_RULE, "the acknowledgement", session.acknowledge(coverage, owner))
-        if asked == 0:
-            raise ConformanceFailure(
-                OWNERSHIP_RULE, "the acknowledgement of certified coverage never awaited authority()"
+        await _refused_without_ownership(
+            subject, driver, coverages[0], authority, "the first acknowledgement after a redelivery"
+        )
+        for item in coverages:
+            await _acknowledged_with_ownership(
+                subject, driver, item, authority, "coverage after a redelivery"
             )
-        if setup.acknowledged is not None:
-            moved = await setup.acknowledged()
-            if moved == before:
-                raise ConformanceFailure(
-                    OWNERSHIP_RULE, "an acknowledgement with ownership left the provider unmoved"
-                )
-            # Repeated: whatever the session sends the provider again, it asks the authority first.
-            asked = 0
-            await _succeeds(
-                OWNERSHIP_RULE, "the repeated acknowledgement", session.acknowledge(coverage, owner)
-            )
-            if asked == 0 and await setup.acknowledged() != moved:
-                raise ConformanceFailure(
-                    OWNERSHIP_RULE,
-                    "a repeated acknowledgement changed the provider without awaiting authority()",
-                )
     finally:
         await driver.close()
     return Outcome.passed(
-        "OwnershipLost stops the acknowledgement; authority() asked on every acknowledgement"
+        "OwnershipLost stops every acknowledgement (first, later, after a redelivery); authority() asked"
     )
+
+
+async def _certify_all(driver: StreamDriver, expected: set[int]) -> list[Coverage]:
+    """Epochs (not acknowledged) until ``expected`` is certified; the non-empty coverages, in order."""
+    coverages: list[Coverage] = []
+    seen: set[int] = set()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + driver.subject.options.timeout
+    while not expected <= seen and loop.time() < deadline:
+        coverage, ids = await _succeeds(driver.rule, "reading after a restart", driver.epoch(QUIET))
+        seen.update(ids)
+        if not coverage.empty:
+            coverages.append(coverage)
+    if not expected <= seen or not coverages:
+        raise ConformanceFailure(
+            driver.rule,
+            f"a reopened session certified {sorted(seen)[:5]}..., not the {len(expected)} new rows",
+        )
+    return coverages
+
+
+async def _refused_without_ownership(
+    subject: Subject, driver: StreamDriver, coverage: Coverage, authority: _Authorities, what: str
+) -> None:
+    setup = subject.source_setup
+    session = driver.session
+    assert session is not None
+    before = await setup.acknowledged() if setup.acknowledged else None
+    authority.asked = 0
+    try:
+        await subject.within(session.acknowledge(coverage, authority.lost), OWNERSHIP_RULE, "acknowledge")
+    except OwnershipLost:
+        pass
+    except FaucetError as exc:
+        raise ConformanceFailure(
+            OWNERSHIP_RULE, f"{what}: OwnershipLost became {type(exc).__name__}: {exc}"
+        ) from exc
+    else:
+        raise ConformanceFailure(OWNERSHIP_RULE, f"{what} returned although authority() raised OwnershipLost")
+    if authority.asked == 0:
+        raise ConformanceFailure(OWNERSHIP_RULE, f"{what} never awaited authority() before acknowledging")
+    if setup.acknowledged is not None and await setup.acknowledged() != before:
+        raise ConformanceFailure(
+            OWNERSHIP_RULE, f"{what} moved the provider's acknowledgement although authority() raised"
+        )
+
+
+async def _acknowledged_with_ownership(
+    subject: Subject, driver: StreamDriver, coverage: Coverage, authority: _Authorities, what: str
+) -> str | None:
+    setup = subject.source_setup
+    session = driver.session
+    assert session is not None
+    before = await setup.acknowledged() if setup.acknowledged else None
+    authority.asked = 0
+    await _succeeds(
+        OWNERSHIP_RULE, f"the acknowledgement of {what}", session.acknowledge(coverage, authority.owner)
+    )
+    if authority.asked == 0:
+        raise ConformanceFailure(OWNERSHIP_RULE, f"the acknowledgement of {what} never awaited authority()")
+    if setup.acknowledged is None:
+        return None
+    moved = await setup.acknowledged()
+    if moved == before:
+        raise ConformanceFailure(
+            OWNERSHIP_RULE, f"an acknowledgement of {what} with ownership left the provider unmoved"
+        )
+    return moved
 
 
 async def unwritten_position(subject: Subject) -> Outcome:
@@ -300,6 +432,45 @@ async def unwritten_position(subject: Subject) -> Outcome:
     return Outcome.passed("certified positions match written rows; a failed write certified nothing")
 
 
+async def unavailable_position(subject: Subject) -> Outcome:
+    """Rows after the certified position are removed before they were read (a purge, retention):
+    resuming there raises PositionUnavailable; nothing after the gap is certified."""
+    setup = subject.source_setup
+    if setup.make_unavailable is None:
+        return Outcome.not_applicable("the setup cannot remove data under a reader")
+    first, gone, later = make_rows(1, 20), make_rows(21, 10), make_rows(31, 10)
+    await setup.add_rows(first)
+    driver = StreamDriver(subject, UNAVAILABLE_RULE)
+    try:
+        seen = await _succeeds(
+            UNAVAILABLE_RULE, "reading", driver.read_until({row["id"] for row in first}, QUIET)
+        )
+        _once(UNAVAILABLE_RULE, seen, [row["id"] for row in first], "before the removal")
+        await driver.close()
+        await setup.add_rows(gone)
+        await setup.make_unavailable()
+        await setup.add_rows(later)
+        try:
+            await driver.open()
+            after = await driver.read_until({row["id"] for row in later}, QUIET)
+        except PositionUnavailable as exc:
+            return Outcome.passed(f"resuming after removed rows raised PositionUnavailable: {exc.message}")
+        except FaucetError as exc:
+            raise ConformanceFailure(
+                UNAVAILABLE_RULE,
+                f"resuming after rows 21-30 were removed unread raised {type(exc).__name__}: {exc}; the "
+                "source must refuse with PositionUnavailable, not leave the gap for others to find",
+            ) from exc
+    finally:
+        await driver.close()
+    raise ConformanceFailure(
+        UNAVAILABLE_RULE,
+        f"resuming at the certified position after rows 21-30 were removed unread certified "
+        f"{len(after)} later row(s) without PositionUnavailable: the unavailable position was replaced "
+        "by the latest available one (the removed rows are lost)",
+    )
+
+
 async def replay_after_commit(subject: Subject) -> Outcome:
     """Interrupted after the destination commit, before the certificate: the replay matches the
     documented duplicate handling (sinks) or re-delivers the same events with the same identities
@@ -318,7 +489,8 @@ async def _source_replay(subject: Subject) -> Outcome:
         seen = await _succeeds(REPLAY_RULE, "reading", first.read_until(set(expected), QUIET))
     finally:
         await first.close()
-    replay = StreamDriver(subject, REPLAY_RULE, acknowledge=False)
+    # The replay is another worker's, after a takeover: another worker id, a higher fencing token.
+    replay = StreamDriver(subject, REPLAY_RULE, acknowledge=False, worker=OTHER_WORKER)
     try:
         again = await _succeeds(REPLAY_RULE, "reading again", replay.read_until(set(expected), QUIET))
     finally:
@@ -340,8 +512,10 @@ async def _source_replay(subject: Subject) -> Outcome:
         )
         raise ConformanceFailure(
             REPLAY_RULE,
-            f"re-reading from the same certified positions gave other events or identities ({changed}): "
-            "a deduplicating sink would take the replay for new events",
+            f"re-reading from the same certified positions as another worker (fencing token "
+            f"{WORKER.fencing_token} then {OTHER_WORKER.fencing_token}) gave other events or identities "
+            f"({changed}): an identity is built from the source position, never the worker, lease or "
+            "attempt; a deduplicating sink would take the replay for new events",
         )
     return Outcome.passed(f"the replay re-delivered {len(again)} events with the same identities")
 
@@ -378,9 +552,13 @@ async def _sink_replay(subject: Subject) -> Outcome:
     finally:
         await quietly_close(session)  # the worker stops before its certificate is persisted
     committed = pairs(await subject.sink_setup.read_back())
-    session = await open_sink_session(subject, REPLAY_RULE)
+    # The replay is another worker's, after a takeover: another worker id, a higher fencing token.
+    session = await open_sink_session(
+        subject, REPLAY_RULE, token=OTHER_WORKER.fencing_token, worker=OTHER_WORKER.worker_id
+    )
     try:
-        receipts = await _commit(subject, session, epoch, rows, REPLAY_RULE)
+        replayed = EpochId(STREAM, epoch.sequence, OTHER_WORKER.fencing_token)
+        receipts = await _commit(subject, session, replayed, rows, REPLAY_RULE)
     finally:
         await quietly_close(session)
     after = pairs(await subject.sink_setup.read_back())
@@ -627,6 +805,62 @@ async def shutdown_with_outstanding_work(subject: Subject) -> Outcome:
         raise ConformanceFailure(
             SHUTDOWN_RULE, f"an epoch that never committed is reported committed: {state}"
         )
+    stalled = await _close_against_a_stalled_destination(subject)
     return Outcome.passed(
-        "close with outstanding work " + ("promised nothing more lands" if closed else "was uncertain")
+        "close with outstanding work "
+        + ("promised nothing more lands" if closed else "was uncertain")
+        + (f"; {stalled}" if stalled else "")
     )
+
+
+async def _close_against_a_stalled_destination(subject: Subject) -> str | None:
+    """An epoch applied and committed to a destination that stopped answering, given up by the
+    caller, then close_session: returning while the destination is stalled promises that none of it
+    lands later (local servers store within milliseconds: only a stall shows a close that does not
+    wait for, or fence, its remote requests)."""
+    stall = subject.sink_setup.stall
+    if stall is None:
+        return None
+    rows = make_rows(5_001, 20)
+    epoch = EpochId(STREAM, 2, WORKER.fencing_token)
+    session = await open_sink_session(subject, SHUTDOWN_RULE)
+    settle = subject.options.settle_seconds
+    try:
+        await subject.within(session.begin_epoch(epoch), SHUTDOWN_RULE, "begin_epoch")
+        baseline = set(pairs(await subject.sink_setup.read_back()))
+    except BaseException:
+        await quietly_close(session)
+        raise
+
+    async def apply_and_commit() -> None:
+        await session.apply(epoch, sink_batch(epoch, rows))
+        await session.commit_epoch(epoch, covering(rows))
+
+    async with stall():
+        work = asyncio.ensure_future(apply_and_commit())
+        # A sink gives up on its own (UncertainOutcome after its timeout), or the caller gives up.
+        await asyncio.wait([work], timeout=6 * settle)
+        work.cancel()
+        await asyncio.wait([work], timeout=subject.options.timeout)
+        if work.done() and not work.cancelled():
+            work.exception()  # its failure is expected (the destination never answered): consumed
+        closing = asyncio.ensure_future(_close_honestly(subject, session, SHUTDOWN_RULE))
+        await asyncio.wait([closing], timeout=6 * settle)
+        returned_while_stalled = closing.done()
+    closed = await closing
+    if not (closed and returned_while_stalled):
+        return "against a stalled destination close " + ("waited for it" if closed else "was uncertain")
+    landed: set[tuple[int, str]] = set()
+    for _ in range(3):  # the destination works off what it held once it answers again
+        await asyncio.sleep(settle)
+        landed = set(pairs(await subject.sink_setup.read_back())) - baseline
+        if landed:
+            break
+    if landed:
+        raise ConformanceFailure(
+            SHUTDOWN_RULE,
+            f"close_session returned while the destination was stalled with work in flight, then "
+            f"{len(landed)} rows of it landed: a close that does not wait for (or fence) its remote "
+            "requests must raise UncertainOutcome",
+        )
+    return "against a stalled destination close returned and nothing landed"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from faucet_dagster.conformance import bounded, streaming
 from faucet_dagster.conformance.harness import Subject
-from faucet_dagster.conformance.options import Outcome
+from faucet_dagster.conformance.options import ConformanceFailure, Outcome
 from faucet_dagster.protocol import Role
 
 CheckFunction = Callable[[Subject], Awaitable[Outcome]]
@@ -70,6 +70,20 @@ CHECKS: tuple[Check, ...] = (
         streaming.TRANSACTION_RULE,
         frozenset({Role.STREAM_SOURCE}),
         streaming.partial_transaction,
+    ),
+    Check(
+        "speculative_ack",
+        "no early ack",
+        streaming.SPECULATIVE_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.speculative_acknowledgement,
+    ),
+    Check(
+        "unavailable_position",
+        "unavailable pos",
+        streaming.UNAVAILABLE_RULE,
+        frozenset({Role.STREAM_SOURCE}),
+        streaming.unavailable_position,
     ),
     Check(
         "ownership_lost_before_ack",
@@ -132,9 +146,20 @@ SUITES: Mapping[Role, Suite] = {
 
 
 async def run_check(check: Check, subject: Subject) -> Outcome:
-    """Run ``check`` on ``subject`` and clean its setup up (also when the check failed)."""
+    """Run ``check`` on ``subject`` and clean its setup up (also when the check failed).
+
+    A verdict is always a :class:`ConformanceFailure` naming the check's rule: an exception the
+    connector raised where the check expected none becomes one (its cause kept), never the verdict.
+    """
     try:
         return await check.run(subject)
+    except ConformanceFailure:
+        raise
+    except Exception as exc:
+        raise ConformanceFailure(
+            check.rule,
+            f"{subject.label} raised {type(exc).__name__} where {check.id} expected it to work: {exc}",
+        ) from exc
     finally:
         if subject.setup.cleanup is not None:
             await subject.setup.cleanup()

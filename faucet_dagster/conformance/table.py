@@ -21,6 +21,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("partial_transaction", "S3"),
     ("ownership_lost_before_ack", "S4"),
     ("unwritten_position", "S5"),
+    ("speculative_ack", "S6"),
+    ("unavailable_position", "S7"),
     ("failed_writes", "K1"),
     ("uncertain_commit", "K2"),
     ("lifecycle_order", "K3"),
@@ -32,7 +34,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 LEGEND = (
     "1 config schema  2 bounded memory  3 resume  4 idempotent replay  5 capabilities  6 no panic | "
     "S1 slow sink  S2 cancel during read  S3 partial transaction  S4 ownership lost before ack  "
-    "S5 unwritten position | K1 failed writes  K2 uncertain commit  K3 lifecycle order  "
+    "S5 unwritten position  S6 no speculative acknowledgement  S7 unavailable position | "
+    "K1 failed writes  K2 uncertain commit  K3 lifecycle order  "
     "K4 shutdown with outstanding work | R replay after commit, before certificate | "
     ". not a check of the role"
 )

@@ -14,15 +14,18 @@ import asyncio
 import contextlib
 import csv
 import json
+import os
+import signal
 import socket
 import sqlite3
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory, Row, SinkSetup, SourceSetup
-from faucet_dagster.protocol import Role
+from faucet_dagster.protocol import Role, WritePolicy
+from faucet_dagster.testing import NatsServer
 
 T = TypeVar("T")
 
@@ -121,6 +124,15 @@ def sql_source(tmp_path: Path) -> SourceSetup:
     )
 
 
+def _with_mode(config: Mapping[str, Any]) -> Callable[[WritePolicy, tuple[str, ...]], dict[str, Any]]:
+    """``configure`` of a sink whose config has ``mode`` and ``key`` fields."""
+
+    def configure(policy: WritePolicy, key: tuple[str, ...]) -> dict[str, Any]:
+        return {**config, "mode": policy.value, "key": list(key)}
+
+    return configure
+
+
 def sql_sink(tmp_path: Path) -> SinkSetup:
     """A SQLite table ``items`` appended to (watermarked); ``items_keyed`` upserted by ``id``."""
     path = tmp_path / "sink.db"
@@ -145,6 +157,7 @@ def sql_sink(tmp_path: Path) -> SinkSetup:
         read_keyed=reader("items_keyed"),
         refused_rows=_refused_rows(),
         unreachable={"url": _unreachable_url(), "table": "items", "mode": "append"},
+        configure=_with_mode({"url": url, "table": "items"}),
     )
 
 
@@ -217,11 +230,13 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
         read_keyed=_pg_reader(postgres_url, "items_keyed"),
         refused_rows=_refused_rows(),
         unreachable=_pg_unreachable("items"),
+        configure=_with_mode({"url": postgres_url, "table": "items"}),
     )
 
 
 def postgres_streaming_sink(postgres_url: str) -> SinkSetup:
-    """Epochs into ``items`` (name at most 40 characters), one transaction each."""
+    """Epochs into ``items`` (name at most 40 characters), one transaction each; ``stall`` stops the
+    server processes of the database's open connections (a local server only)."""
     _run(lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))"))
     unreachable = _pg_unreachable("items")
     return SinkSetup(
@@ -229,7 +244,52 @@ def postgres_streaming_sink(postgres_url: str) -> SinkSetup:
         _pg_reader(postgres_url, "items"),
         refused_rows=_refused_rows(),
         unreachable=unreachable,
+        stall=(lambda: _pg_stalled(postgres_url)) if _is_local(postgres_url) else None,
     )
+
+
+def _is_local(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.asynccontextmanager
+async def _pg_stalled(url: str) -> AsyncIterator[None]:
+    """SIGSTOP the backend processes of every connection to ``url``'s database; SIGCONT on exit."""
+    found = await _pg(
+        url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    stopped: list[int] = []
+    try:
+        for (pid,) in found:
+            if _process_name(int(pid)) == "postgres":  # never signal a process that is not the server's
+                os.kill(int(pid), signal.SIGSTOP)
+                stopped.append(int(pid))
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.asynccontextmanager
+async def _stopped(pid: int | None) -> AsyncIterator[None]:
+    """The server process ``pid`` stopped (SIGSTOP) inside the context, continued (SIGCONT) on exit."""
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
 
 
 def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> SourceSetup:
@@ -329,10 +389,35 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
 
     async def acknowledged() -> str:
         async def floor(client: Any) -> str:
-            info = await client.jetstream().consumer_info(stream, f"faucet_{stream}")
+            import nats.js.errors
+
+            try:
+                info = await client.jetstream().consumer_info(stream, f"faucet_{stream}")
+            except nats.js.errors.NotFoundError:
+                return "0"  # no session created the consumer yet: nothing is acknowledged
             return str(info.ack_floor.stream_seq)
 
         return await _nats(nats_url, floor)
+
+    async def redelivered() -> int:
+        async def count(client: Any) -> int:
+            import nats.js.errors
+
+            try:
+                info = await client.jetstream().consumer_info(stream, f"faucet_{stream}")
+            except nats.js.errors.NotFoundError:
+                return 0
+            # The consumer starts at the stream's first sequence with no filter: every delivery past
+            # the last stream sequence delivered is a repeated one.
+            return int(info.delivered.consumer_seq - info.delivered.stream_seq)
+
+        return await _nats(nats_url, count)
+
+    async def purge() -> None:
+        async def remove(client: Any) -> None:
+            await client.jetstream().purge_stream(stream)
+
+        await _nats(nats_url, remove)
 
     async def cleanup() -> None:
         async def delete(client: Any) -> None:
@@ -356,11 +441,15 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
         add_malformed=lambda: publish([b"{not json"]),
         acknowledged=acknowledged,
         cleanup=cleanup,
+        redelivered=redelivered,
+        make_unavailable=purge,
     )
 
 
-def nats_sink(nats_url: str, unique_name: Callable[..., str]) -> SinkSetup:
-    """A fresh stream with a 120 s duplicate window that refuses messages over 1 KiB."""
+def nats_sink(nats_server: NatsServer, unique_name: Callable[..., str]) -> SinkSetup:
+    """A fresh stream with a 120 s duplicate window that refuses messages over 1 KiB; ``stall``
+    stops the server process (SIGSTOP) when this process manages it."""
+    nats_url = nats_server.url
     stream = unique_name("s")
     subject = f"{stream}.out"
     bucket = f"w_{stream}"
@@ -414,6 +503,7 @@ def nats_sink(nats_url: str, unique_name: Callable[..., str]) -> SinkSetup:
         refused_rows=_refused_rows(),
         unreachable=_nats_unreachable(config),
         cleanup=cleanup,
+        stall=(lambda: _stopped(nats_server.pid)) if nats_server.pid is not None else None,
     )
 
 
@@ -469,6 +559,9 @@ def kafka_source(kafka_bootstrap: str, unique_name: Callable[..., str]) -> Sourc
         "group_id": group,
         "batch_size": 100,
         "poll_timeout": 0.1,
+        # librdkafka prefetches up to 64 MiB per partition by default (native memory): check 2 sees
+        # that as buffering the dataset. These bound what a Kafka read holds.
+        "client_properties": {"queued.max.messages.kbytes": "64", "max.partition.fetch.bytes": "65536"},
     }
     return SourceSetup(
         config,

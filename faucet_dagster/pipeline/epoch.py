@@ -15,8 +15,8 @@ What holds, and where it is enforced:
   so before the epoch can commit: a :class:`DataError` naming the row, or the dead-letter route.
 * A control (``TransactionBegin``, ``TransactionEnd``, ``ProgressBoundary``) flushes the builders of
   its domain and waits for every preceding ``apply``; only then is a boundary *accepted*.
-* Positions only move forward within a domain, rows come after the certified start position, and a
-  boundary is never before the last row before it.
+* Positions only move forward within a domain, rows come after the certified start position and
+  after the domain's last accepted boundary, and a boundary is never before the last row before it.
 * ``seal`` refuses (with :class:`IntegrityError`) an epoch with an open transaction, rows after the
   last accepted boundary of their domain, or coverage that does not end exactly at each domain's last
   accepted boundary: a position the pipeline has no evidence for is never certified.
@@ -202,6 +202,13 @@ class _Domain:
             raise IntegrityError(
                 f"row at {first} is at or before the certified position {self.start_text}",
                 where=str(self.domain),
+            )
+        if self.boundary is not None and compare(low, self.boundary) <= 0:
+            # A boundary vouches that everything up to it was read: a row at or behind it is either
+            # a duplicate or one the source skipped before vouching (an ordering bug of the source).
+            boundary = self.codec.canonicalize(self.boundary)
+            raise IntegrityError(
+                f"row at {first} is at or before the accepted boundary {boundary}", where=str(self.domain)
             )
         if compare(high, low) < 0:
             raise IntegrityError(f"rows went back from {first} to {last}", where=str(self.domain))

@@ -1,10 +1,16 @@
 """Deliberately broken connectors: each wraps (or subclasses) a real connector and breaks one rule.
 
-They exist for the battery's self-tests: every check must catch its broken connector, with a failure
-that names the rule. Anything not named in a class's docstring behaves exactly as the real connector.
+They exist for the battery's self-test (:mod:`.selftest`): every check must catch its broken
+connector, with a failure that names the rule. Anything not named in a class's docstring behaves
+exactly as the real connector. Only the self-test imports this module (it loads the connectors).
 """
 
 import asyncio
+import ctypes
+import glob
+import os
+import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -40,6 +46,7 @@ from faucet_dagster.protocol import (
     Page,
     Position,
     PositionCodec,
+    PositionUnavailable,
     ReadLimits,
     Receipt,
     Records,
@@ -56,6 +63,7 @@ from faucet_dagster.protocol import (
     StreamSource,
     TransactionBegin,
     TransactionEnd,
+    UncertainOutcome,
     WorkerIdentity,
     WritePolicy,
     get_connector,
@@ -108,6 +116,25 @@ class BufferingSource(FilesSource):
                 yield Page(records.slice(start, step), page.bookmark)
 
 
+class NativeBufferingSource(FilesSource):
+    """Check 2: copies every matched file into native memory (malloc'd, as a client library's result
+    buffer would be: neither the Python heap nor the Arrow pool) before paging through them."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        names = sorted(name for pattern in self.config.paths for name in glob.glob(pattern))
+        data = b"".join(open(name, "rb").read() for name in names)  # noqa: SIM115 - a test double
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        buffer = libc.malloc(max(1, len(data)))
+        ctypes.memmove(buffer, data, len(data))
+        del data
+        try:
+            async for page in super().stream_pages(ctx, batch_size):
+                yield page
+        finally:
+            libc.free(ctypes.c_void_p(buffer))
+
+
 class ForgetfulSource(FilesSource):
     """Check 3: ignores the bookmark it is handed (a resumed run starts from the beginning)."""
 
@@ -154,6 +181,38 @@ class LeakySource(FilesSource):
             raise ValueError(exc.message) from None
 
 
+class RawCheckSource(FilesSource):
+    """Check 6: its preflight ``check()`` lets the file system's OSError escape."""
+
+    async def check(self) -> None:
+        for pattern in self.config.paths:
+            folder = os.path.dirname(pattern)
+            await asyncio.to_thread(os.listdir, folder)  # FileNotFoundError when it is missing
+
+
+class RawShardsSource(FilesSource):
+    """Check 6: ``enumerate_shards()`` lists the folder itself and leaks its FileNotFoundError."""
+
+    async def enumerate_shards(self) -> Sequence[str]:
+        found: list[str] = []
+        for pattern in self.config.paths:
+            folder = os.path.dirname(pattern)
+            names = sorted(await asyncio.to_thread(os.listdir, folder))
+            found.extend(os.path.join(folder, name) for name in names if name.endswith(".csv"))
+        return found
+
+
+class RawCaptureSource(FilesSource):
+    """Check 6: declares ``capture_resume_position()`` and leaks an OSError from it."""
+
+    async def capture_resume_position(self) -> JsonValue | None:
+        newest = 0.0
+        for pattern in self.config.paths:
+            folder = os.path.dirname(pattern)
+            newest = max(newest, await asyncio.to_thread(os.path.getmtime, folder))
+        return {"newest": newest}
+
+
 class EmptyIsAnErrorSource(FilesSource):
     """Check 6: an empty dataset raises instead of giving an empty result."""
 
@@ -178,6 +237,19 @@ class TokenBlindSink(SqlSink):
         return written
 
 
+class TwoTransactionSink(SqlSink):
+    """Check 4: honours the token, but commits the records, then the token in a second transaction
+    (an interruption between the two leaves records a replay writes again)."""
+
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        stored = await self.last_committed_token()
+        if stored is not None and token.sequence <= stored.sequence:
+            return 0
+        written = await self.write_batch(records)
+        await super().write_batch_idempotent(records.slice(0, 0), token)
+        return written
+
+
 class AppendingUpsertSink(SqlSink):
     """Check 4: configured to upsert by key, it appends (and still says it dedups by key)."""
 
@@ -187,6 +259,25 @@ class AppendingUpsertSink(SqlSink):
 
     def dedups_by_key(self) -> bool:
         return bool(self.config.key)
+
+
+class ModeBlindDedupSink(SqlSink):
+    """Check 5: ``dedups_by_key()`` looks at the key only (an append with a key configured claims it)."""
+
+    def dedups_by_key(self) -> bool:
+        return bool(self.config.key)
+
+
+class FirstConfigDedupSink(SqlSink):
+    """Check 5: ``dedups_by_key()`` answers what the first sink built said (cached on the class), not
+    what this sink's live config says."""
+
+    answer: bool | None = None
+
+    def dedups_by_key(self) -> bool:
+        if FirstConfigDedupSink.answer is None:
+            FirstConfigDedupSink.answer = super().dedups_by_key()
+        return FirstConfigDedupSink.answer
 
 
 class NoEvolutionSink(SqlSink):
@@ -200,11 +291,13 @@ class NoEvolutionSink(SqlSink):
 
 
 class WrappedSession(StreamSession):
-    """A session forwarding everything to the real one; subclasses break one method."""
+    """A session forwarding everything to the real one; subclasses break one method. ``worker`` is
+    the identity the session was opened with."""
 
-    def __init__(self, inner: StreamSession, opened: int) -> None:
+    def __init__(self, inner: StreamSession, opened: int, worker: WorkerIdentity) -> None:
         self.inner = inner
         self.opened = opened
+        self.worker = worker
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
         return await self.inner.read(sink, limits, cancel)
@@ -242,7 +335,24 @@ class WrappedSource(StreamSource):
         worker: WorkerIdentity,
     ) -> StreamSession:
         inner = await self.inner.open(resources, resume_positions, membership, worker)
-        return self.session_type(inner, _next_open())
+        return self.session_type(inner, _next_open(), worker)
+
+
+class LatestWhenUnavailableSource(WrappedSource):
+    """Unavailable position: when its resume position is gone, starts over from what the provider
+    still has (the "latest available" fallback)."""
+
+    async def open(
+        self,
+        resources: Sequence[str],
+        resume_positions: Sequence[Position],
+        membership: Membership,
+        worker: WorkerIdentity,
+    ) -> StreamSession:
+        try:
+            return await super().open(resources, resume_positions, membership, worker)
+        except PositionUnavailable:
+            return await super().open(resources, (), membership, worker)
 
 
 _OPENED = [0]
@@ -277,6 +387,26 @@ class ImpatientSession(WrappedSession):
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
         return await asyncio.wait_for(self.inner.read(sink, limits, cancel), 0.3)
+
+
+class LoopBlockingSession(WrappedSession):
+    """Slow sink: waits out its sink's backpressure with a blocking sleep in line with the read (the
+    keep-alive replaced by a sleep), so nothing renews the deliveries meanwhile."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        class Blocking(ForwardingSink):
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                time.sleep(2.5)  # the defect under test: the loop stalls
+                await self.inner.write(domain, rows, identities, resource=resource)
+
+        return await self.inner.read(Blocking(sink), limits, cancel)
 
 
 class DeafSession(WrappedSession):
@@ -330,6 +460,55 @@ class UnaskingSession(WrappedSession):
         await self.inner.acknowledge(coverage, always)
 
 
+class AskOnceSession(WrappedSession):
+    """Ownership: asks the authority on the session's first successful acknowledgement only, and
+    trusts that answer afterwards."""
+
+    trusted = False
+
+    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
+        if not self.trusted:
+            await authority()
+            self.trusted = True
+
+        async def remembered() -> None:
+            return None
+
+        await self.inner.acknowledge(coverage, remembered)
+
+
+class SpeculativeSession(WrappedSession):
+    """Speculative acknowledgement: acknowledges what a read covered before returning it."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        coverage = await self.inner.read(sink, limits, cancel)
+        if not coverage.empty:
+            await self.inner.acknowledge(coverage, _no_authority)
+        return coverage
+
+
+class AckOnCloseSession(WrappedSession):
+    """Speculative acknowledgement: acknowledges everything it read when the session closes (a
+    "commit on close" consumer), certified or not."""
+
+    read_so_far: list[Coverage]
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        coverage = await self.inner.read(sink, limits, cancel)
+        if not coverage.empty:
+            self.__dict__.setdefault("read_so_far", []).append(coverage)
+        return coverage
+
+    async def close(self) -> None:
+        for coverage in self.__dict__.get("read_so_far", []):
+            await self.inner.acknowledge(coverage, _no_authority)
+        await self.inner.close()
+
+
+async def _no_authority() -> None:
+    """What a careless session passes on instead of the runner's authority: asks nobody."""
+
+
 class DroppingSession(WrappedSession):
     """Unwritten position: drops the row with id 5 on its way to the pipeline, and covers it anyway."""
 
@@ -351,11 +530,15 @@ class DroppingSession(WrappedSession):
         return await self.inner.read(Dropper(sink), limits, cancel)
 
 
-class ReidentifyingSession(WrappedSession):
-    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+class RenumberingSession(WrappedSession):
+    """Replay: gives each event the ordinals :meth:`ordinals` makes (subclasses build them from what
+    a careless author would: the attempt, the worker, the lease), not from the source alone."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        raise NotImplementedError
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-        attempt = self.opened
+        session = self
 
         class Renumber(ForwardingSink):
             async def write(
@@ -366,10 +549,33 @@ class ReidentifyingSession(WrappedSession):
                 *,
                 resource: str | None = None,
             ) -> None:
-                renumbered = Identities(identities.positions, [attempt] * len(identities))
+                renumbered = Identities(identities.positions, session.ordinals(identities))
                 await self.inner.write(domain, rows, renumbered, resource=resource)
 
         return await self.inner.read(Renumber(sink), limits, cancel)
+
+
+class ReidentifyingSession(RenumberingSession):
+    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        return [self.opened] * len(identities)
+
+
+class WorkerIdentitySession(RenumberingSession):
+    """Replay: gives each event an ordinal made from the worker id (a replay by another worker looks
+    like new events)."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        return [zlib.crc32(self.worker.worker_id.encode()) % 1_000] * len(identities)
+
+
+class LeaseIdentitySession(RenumberingSession):
+    """Replay: numbers the events of a position from the fencing token of the lease it holds."""
+
+    def ordinals(self, identities: Identities) -> list[int]:
+        base = [0] * len(identities) if identities.ordinals is None else list(identities.ordinals)
+        return [self.worker.fencing_token * 1_000 + ordinal for ordinal in base]
 
 
 def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpec:
@@ -382,9 +588,10 @@ def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpe
 class WrappedSinkSession(StreamingSinkSession):
     """A sink session forwarding everything to the real one; subclasses break one method."""
 
-    def __init__(self, inner: StreamingSinkSession, opened: int) -> None:
+    def __init__(self, inner: StreamingSinkSession, opened: int, worker: WorkerIdentity) -> None:
         self.inner = inner
         self.opened = opened
+        self.worker = worker
         self.active: EpochId | None = None
         self.background: list[asyncio.Task[Any]] = []
 
@@ -434,7 +641,7 @@ class WrappedStreamingSink(StreamingSink):
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
     ) -> StreamingSinkSession:
-        return self.session_type(await self.inner.open(stream, policy, key, worker), _next_open())
+        return self.session_type(await self.inner.open(stream, policy, key, worker), _next_open(), worker)
 
 
 class SwallowingSession(WrappedSinkSession):
@@ -498,14 +705,40 @@ class EagerCloseSession(WrappedSinkSession):
         _KEEP.append(asyncio.ensure_future(finish()))
 
 
+class ConfidentCloseSession(WrappedSinkSession):
+    """Shutdown: reports a successful close when the real session says the shutdown is uncertain
+    (it "only" released its client, with requests still unanswered)."""
+
+    async def close_session(self) -> None:
+        try:
+            await self.inner.close_session()
+        except UncertainOutcome:
+            return
+
+
 class AttemptIdentitySession(WrappedSinkSession):
     """Replay: gives each row an identity made from the session (the attempt), not the source."""
 
+    def ordinal(self) -> int:
+        return self.opened
+
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        renumbered = Identities(batch.identities.positions, [self.opened] * len(batch.identities))
+        renumbered = Identities(batch.identities.positions, [self.ordinal()] * len(batch.identities))
         await self.inner.apply(
             epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, batch.records, renumbered)
         )
+
+
+class TokenIdentitySession(AttemptIdentitySession):
+    """Replay: gives each row an identity made from the fencing token of the worker's lease."""
+
+    def ordinal(self) -> int:
+        return self.worker.fencing_token
+
+
+def reset() -> None:
+    """Forget what broken connectors remembered across instances (before each self-test case)."""
+    FirstConfigDedupSink.answer = None
 
 
 _KEEP: list[asyncio.Task[Any]] = []
