@@ -576,6 +576,62 @@ def test_the_snapshot_mode_seeds_a_new_replica_without_gap_or_overlap(replicatio
     assert written["transactions"] > 20, "changes flowed during and after the snapshot"
 
 
+def test_a_snapshot_epoch_committed_before_its_certificate_recovers_to_the_source_after_a_delete(
+    replication: Replication, tmp_path: Path
+) -> None:
+    """Killed after the sink committed the snapshot's epoch and before its certificate; a row deleted at
+    the source before anyone recovers. A new snapshot cannot re-read the first one (the source is not
+    deterministic with ``snapshot``), so the recovery certifies the committed epoch from the replica's
+    own watermark and decodes the delete from there: the replica equals the source."""
+    tables = ("orders",)
+    replication.execute(ORDERS)
+    replication.execute(ORDERS, url=replication.target_url)
+    replication.execute(
+        "INSERT INTO orders SELECT g, 'old', g, '{}', '2026-01-01' FROM generate_series(1, 100) g"
+    )
+    config = replication.source_config(tables, snapshot=True)
+    FaucetConnection(connector="postgres", config=config).setup_replication()
+    spec = WorkerSpec(
+        mode="continuous",
+        stream=replication.name,
+        worker_id="doomed",
+        source=Endpoint("postgres", config),
+        sink=Endpoint("postgres", replication.sink_config(tables)),
+        resources=tuple(f"public.{table}" for table in tables),
+        policy=WritePolicy.APPLY_CHANGES.value,
+        state_url=replication.state_url,
+        lease_seconds=5,
+    )
+    worker = WorkerProcess(spec, Arming(Point.AFTER_SINK_COMMIT, 1, Action.KILL), tmp_path / "w")
+    try:
+        assert worker.wait(timeout=60) == -signal.SIGKILL, worker.tail()
+    finally:
+        worker.close()
+    assert len(replication.rows("orders", replication.target_url)) == 100, "the snapshot was committed"
+    assert replication.store.certificates(replication.name) == [], "and not certified"
+    replication.execute("DELETE FROM orders WHERE id = 7", "UPDATE orders SET status = 'new' WHERE id = 8")
+    replication.store.release(replication.name)  # the killed worker's lease, without waiting for it
+
+    async def recover() -> list[EpochCertificate]:
+        runner = StreamRunner(replication.stream(tables, snapshot=True).build_spec(), replication.store)
+        try:
+            return await runner.run_epochs(20)
+        finally:
+            await runner.close()
+
+    certificates = asyncio.run(recover())
+    replication.assert_identical(tables)
+    assert [c.sequence for c in certificates] == [1, 2], certificates
+    adopted = certificates[0]
+    assert adopted.coverage[0].start is None and adopted.receipts == () and adopted.row_counts == {}
+    chained(replication.store.certificates(replication.name))
+    consistent(certificates)
+    (confirmed,) = replication.execute(
+        f"SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{replication.slot}'"
+    )[0]
+    assert LSN.validate(confirmed) == LSN.validate(certificates[-1].coverage[0].end) + 1
+
+
 # -- faucet cdc setup -------------------------------------------------------------------------------------
 
 

@@ -1131,6 +1131,9 @@ def test_registered_as_the_postgres_stream_source_with_honest_capabilities() -> 
     assert capabilities.replay is Replay.REPLAYABLE_AT_LEAST_ONCE and capabilities.continuous
     assert capabilities.transaction_boundaries and capabilities.event_identity and capabilities.deterministic
     assert [codec.name for codec in source.codecs()] == ["postgres.lsn"]
+    # A snapshot is taken anew on each attempt: not deterministic (the runner never re-reads it).
+    snapshot = {"url": "postgresql://app@db.invalid/shop", "slot": "s", "publication": "p", "snapshot": True}
+    assert not get_connector("postgres").stream_source(snapshot).capabilities().deterministic
     with pytest.raises(ConfigError, match="slot"):
         get_connector("postgres").stream_source(
             {"url": "postgresql://app@db/shop", "slot": "Bad-Name", "publication": "p"}
