@@ -153,7 +153,8 @@ async def unkeyed_tables(conn: Connection, tables: Sequence[str]) -> list[str]:
 def unkeyed_error(tables: Sequence[str], where: str) -> ConfigError:
     """The error naming tables without a replica identity and the ways out."""
     return ConfigError(
-        f"table(s) {', '.join(tables)} have no primary key and no replica identity: published, the "
+        f"table(s) {', '.join(tables)} have no replica identity (no primary key, or REPLICA IDENTITY "
+        "NOTHING): published, the "
         "application's own UPDATE and DELETE on them fail, and their changes have no key to apply by. "
         "Add a primary key, or set REPLICA IDENTITY FULL on them (faucet cdc setup "
         "--replica-identity-full does; rows are then replicated as a multiset, identical rows included)",
