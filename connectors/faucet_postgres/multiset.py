@@ -45,8 +45,8 @@ def multiset_statement(
     ordinal: str,
 ) -> sql.Composed:
     """One statement applying ``stage`` (change rows with ``position`` and ``ordinal``) to ``target``
-    as a multiset; its one row: rows inserted, rows deleted, deletes that found no row, and the row
-    text of one value such a delete named (null when none)."""
+    as a multiset; its one row: rows inserted, rows deleted, and deletes that found no row (a row's
+    values are never returned: without a key, they are the whole row)."""
     names = sql.SQL(", ").join(map(sql.Identifier, columns))
     op = sql.Identifier(OPERATION_COLUMN)
     step = sql.SQL("CASE s.{op} WHEN {insert} THEN 1 WHEN {delete} THEN -1 ELSE 0 END").format(
@@ -74,7 +74,7 @@ def multiset_statement(
         "CROSS JOIN LATERAL generate_series(1, j.{delta} + j.{missed}) WHERE j.{delta} + j.{missed} > 0 "
         "RETURNING 1) "
         "SELECT (SELECT count(*) FROM inserted), (SELECT count(*) FROM deleted), "
-        "(SELECT coalesce(sum({missed}), 0) FROM judged), (SELECT min({v}) FROM judged WHERE {missed} > 0)"
+        "(SELECT coalesce(sum({missed}), 0) FROM judged)"
     ).format(
         stage_value=_value(columns, "s"),
         stage_names=sql.SQL(", ").join(sql.Identifier("s", name) for name in columns),

@@ -153,7 +153,7 @@ def test_changes_apply_by_key_in_commit_order_whatever_order_the_batches_arrive(
                 if extra:
                     # A delete of a key the replica lacks: it diverged, so nothing of the epoch is committed.
                     with pytest.raises(
-                        IntegrityError, match=r"diverged.*0 insert\(s\).*1 update\(s\).*key \(99\)"
+                        IntegrityError, match=r"diverged.*0 insert\(s\).*1 update\(s\).*, key \(99\);"
                     ):
                         await session.commit_epoch(second, covering(0x30, 0x50))
                     await session.abort_epoch(second)
@@ -212,7 +212,10 @@ def test_rows_of_a_table_without_a_key_are_applied_as_a_multiset(postgres_url: s
             await session.apply(
                 third, rows(third, 0x50, [("insert", 7, "x"), ("delete", 2, "b"), ("delete", 2, "b")])
             )
-            with pytest.raises(IntegrityError, match=r"diverged.*key \(2,b\)"):
+            with pytest.raises(
+                IntegrityError,
+                match=r"diverged.*0 insert\(s\).*1 update\(s\) or delete\(s\) of rows it lacked;",
+            ):
                 await session.commit_epoch(third, covering(0x40, 0x50))
             await session.abort_epoch(third)
         finally:
