@@ -359,7 +359,9 @@ async def apply_stage(
             where=where,
         )
     surprise = None if row[6] is None else str(row[6])[:SURPRISE_CHARS]
-    return ChangeCounts(inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated, surprise)
+    return ChangeCounts(
+        inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated, surprise
+    )
 
 
 async def _truncate(conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage) -> int:
