@@ -21,7 +21,9 @@ How, in one transaction:
    (columns still unchanged keep the destination's value). Applying is lenient so a replay or a
    snapshot overlap converges: an insert of a present key updates it, an update of an absent key
    inserts it, a delete of an absent key does nothing. Such surprises are counted
-   (:class:`ChangeCounts`): a consistent replica started from nothing (or from a snapshot) has none.
+   (:class:`ChangeCounts`): a consistent replica started from nothing (or from a snapshot) has none,
+   and the streaming sink refuses an epoch that has any (the bounded sink, whose at-least-once reruns
+   rely on converging, does not).
 
 The key is the one configured, else the columns whose field metadata ``faucet.key`` is ``"true"``
 (what the PostgreSQL change source marks: the replica identity, under FULL the primary key). The key should
