@@ -5,7 +5,9 @@ connector registry (this module imports no connector). A stream source that can 
 for change data capture has an ``async setup_replication(tables)`` method
 (:class:`ReplicationSetupSource`); the PostgreSQL change source's creates the publication for
 ``tables`` (adding the ones it lacks), the slot, and the marker that records the slot's incarnation,
-and raises :class:`~faucet_dagster.protocol.ConfigError` when ``wal_level`` is not ``logical``. It is
+and raises :class:`~faucet_dagster.protocol.ConfigError` when ``wal_level`` is not ``logical`` or a
+table has no primary key and no replica identity (publishing it would break the application's UPDATE
+and DELETE; ``--replica-identity-full`` sets REPLICA IDENTITY FULL on such tables instead). It is
 idempotent: running it again keeps the slot and its incarnation.
 
 :func:`setup_change_source` is the one implementation; the CLI and the Dagster resource method
@@ -77,6 +79,12 @@ def add_cdc_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser
     setup.add_argument(
         "--table", action="append", default=[], metavar="SCHEMA.TABLE", help="a table to publish (repeatable)"
     )
+    setup.add_argument(
+        "--replica-identity-full",
+        action="store_true",
+        help="set REPLICA IDENTITY FULL on a table without a primary key instead of refusing it "
+        "(config field replica_identity_full)",
+    )
     setup.add_argument("--json", action="store_true", help="print JSON")
     setup.set_defaults(handler=_setup_command)
 
@@ -91,6 +99,8 @@ def _setup_command(args: argparse.Namespace) -> int:
         if not sep or not field.strip():
             raise ConfigError(f"--set takes FIELD=VALUE, got {assignment!r}", where="faucet cdc setup")
         config[field.strip()] = _parse_flag_value(value)
+    if args.replica_identity_full:
+        config["replica_identity_full"] = True
     result = setup_change_source(args.connector, config, args.table)
     if args.json:
         print(json.dumps(result, indent=2, default=str))

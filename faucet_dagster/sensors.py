@@ -284,6 +284,17 @@ def certificate_problems(certificate: EpochCertificate) -> list[str]:
             f"certificate {certificate.certificate_id}: the sink handled {handled} rows "
             f"(written + skipped), the pipeline sealed {sealed}"
         )
+    for receipt in certificate.receipts:
+        # A replica that met rows it did not expect diverged from its source: not effectively-once.
+        surprises = {
+            name: receipt.details.get(name, "0") for name in ("unexpected_inserts", "unexpected_changes")
+        }
+        if any(value != "0" for value in surprises.values()):
+            problems.append(
+                f"certificate {certificate.certificate_id}: {receipt.resource} diverged from its source ("
+                + ", ".join(f"{name} {value}" for name, value in surprises.items())
+                + ")"
+            )
     return problems
 
 

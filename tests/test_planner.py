@@ -179,6 +179,18 @@ def test_rule7_atomic_watermark() -> None:
     assert "the source is not deterministic" in caught.value.violations[0].message
 
 
+def test_rule7_continuous_atomic_watermark_does_not_rest_on_a_deterministic_source() -> None:
+    """The continuous runner never re-reads a non-deterministic source into an atomic watermark (an
+    epoch the sink committed before its certificate is certified from the sink's watermark), so the
+    watermark holds there; a bounded rerun does re-read, and needs determinism."""
+    snapshotting = replace(CDC_SOURCE, deterministic=False)
+    continuous = plan(snapshotting, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPLY_CHANGES, ("id",))
+    assert continuous.delivery is Delivery.EFFECTIVELY_ONCE
+    assert Mechanism.ATOMIC_WATERMARK in continuous.mechanisms
+    bounded = plan(replace(LOG_SOURCE, deterministic=False), TABLE_SINK, Mode.BOUNDED, WritePolicy.APPEND)
+    assert bounded.delivery is Delivery.AT_LEAST_ONCE
+
+
 def test_rule7_keyed_upsert_holds_with_a_dead_letter_route() -> None:
     accepted = plan(
         TABLE_SOURCE,

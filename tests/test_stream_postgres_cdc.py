@@ -35,16 +35,25 @@ from stream_ticks import chained_ends
 
 from faucet_dagster.cli import main
 from faucet_dagster.protocol import (
+    Delivery,
+    DomainCoverage,
     EpochCertificate,
     IncarnationChanged,
+    OrderingDomain,
     PositionUnavailable,
     ReadLimits,
+    Receipt,
     WritePolicy,
 )
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.runner.faults import Action, Arming, Point
-from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
+from faucet_dagster.sensors import (
+    FaucetStream,
+    certificate_problems,
+    close_cached_streams,
+    faucet_stream_sensor,
+)
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing import PostgresServer
 from faucet_dagster.testing.faults.scenarios import WorkerProcess
@@ -576,6 +585,62 @@ def test_the_snapshot_mode_seeds_a_new_replica_without_gap_or_overlap(replicatio
     assert written["transactions"] > 20, "changes flowed during and after the snapshot"
 
 
+def test_a_snapshot_epoch_committed_before_its_certificate_recovers_to_the_source_after_a_delete(
+    replication: Replication, tmp_path: Path
+) -> None:
+    """Killed after the sink committed the snapshot's epoch and before its certificate; a row deleted at
+    the source before anyone recovers. A new snapshot cannot re-read the first one (the source is not
+    deterministic with ``snapshot``), so the recovery certifies the committed epoch from the replica's
+    own watermark and decodes the delete from there: the replica equals the source."""
+    tables = ("orders",)
+    replication.execute(ORDERS)
+    replication.execute(ORDERS, url=replication.target_url)
+    replication.execute(
+        "INSERT INTO orders SELECT g, 'old', g, '{}', '2026-01-01' FROM generate_series(1, 100) g"
+    )
+    config = replication.source_config(tables, snapshot=True)
+    FaucetConnection(connector="postgres", config=config).setup_replication()
+    spec = WorkerSpec(
+        mode="continuous",
+        stream=replication.name,
+        worker_id="doomed",
+        source=Endpoint("postgres", config),
+        sink=Endpoint("postgres", replication.sink_config(tables)),
+        resources=tuple(f"public.{table}" for table in tables),
+        policy=WritePolicy.APPLY_CHANGES.value,
+        state_url=replication.state_url,
+        lease_seconds=5,
+    )
+    worker = WorkerProcess(spec, Arming(Point.AFTER_SINK_COMMIT, 1, Action.KILL), tmp_path / "w")
+    try:
+        assert worker.wait(timeout=60) == -signal.SIGKILL, worker.tail()
+    finally:
+        worker.close()
+    assert len(replication.rows("orders", replication.target_url)) == 100, "the snapshot was committed"
+    assert replication.store.certificates(replication.name) == [], "and not certified"
+    replication.execute("DELETE FROM orders WHERE id = 7", "UPDATE orders SET status = 'new' WHERE id = 8")
+    replication.store.release(replication.name)  # the killed worker's lease, without waiting for it
+
+    async def recover() -> list[EpochCertificate]:
+        runner = StreamRunner(replication.stream(tables, snapshot=True).build_spec(), replication.store)
+        try:
+            return await runner.run_epochs(20)
+        finally:
+            await runner.close()
+
+    certificates = asyncio.run(recover())
+    replication.assert_identical(tables)
+    assert [c.sequence for c in certificates] == [1, 2], certificates
+    adopted = certificates[0]
+    assert adopted.coverage[0].start is None and adopted.receipts == () and adopted.row_counts == {}
+    chained(replication.store.certificates(replication.name))
+    consistent(certificates)
+    (confirmed,) = replication.execute(
+        f"SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{replication.slot}'"
+    )[0]
+    assert LSN.validate(confirmed) == LSN.validate(certificates[-1].coverage[0].end) + 1
+
+
 # -- faucet cdc setup -------------------------------------------------------------------------------------
 
 
@@ -596,3 +661,80 @@ def test_cdc_setup_is_idempotent_and_names_what_is_wrong(
     assert incarnation and incarnation[0] in again, "running it again keeps the slot's incarnation"
     assert main(["cdc", "setup", "--connector", "nats", "--set", "stream=ORDERS"]) == 2
     assert "has no replication setup" in capsys.readouterr().err
+
+
+# -- tables without a primary key ---------------------------------------------------------------------
+
+
+def test_a_table_without_a_key_is_refused_at_setup_and_replicated_as_a_multiset_under_full(
+    replication: Replication, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Setup refuses a table without a primary key or replica identity (published, the application's
+    own UPDATE and DELETE would fail), unless asked to set REPLICA IDENTITY FULL; then identical rows
+    are replicated as distinct rows, through the snapshot and the changes after it."""
+    tables = ("notes",)
+    replication.execute("CREATE TABLE notes (id int, note text)")
+    replication.execute("INSERT INTO notes VALUES (1, 'a'), (1, 'z'), (2, 'b'), (2, 'b'), (3, NULL)")
+    base = ["cdc", "setup", "--set", f"url={replication.source_url}", "--set", f"slot={replication.slot}"]
+    base += ["--set", f"publication={replication.slot}_pub", "--table", "public.notes"]
+    assert main(base) == 2
+    refused = capsys.readouterr().err
+    assert "public.notes have no replica identity" in refused, refused
+    assert "--replica-identity-full" in refused
+    (published,) = replication.execute(
+        f"SELECT count(*) FROM pg_publication WHERE pubname = '{replication.slot}_pub'"
+    )
+    assert published == (0,), "nothing was set up"
+    replication.execute("UPDATE notes SET note = 'b' WHERE id = 2")  # the application still works
+
+    assert main([*base, "--replica-identity-full"]) == 0, capsys.readouterr().err
+    assert replication.execute("SELECT relreplident::text FROM pg_class WHERE relname = 'notes'") == [("f",)]
+
+    def multiset(url: str) -> list[tuple[Any, ...]]:
+        return replication.execute("SELECT id, note FROM notes ORDER BY id, note NULLS FIRST", url=url)
+
+    async def run_stream() -> list[EpochCertificate]:
+        runner = StreamRunner(replication.stream(tables, snapshot=True).build_spec(), replication.store)
+        try:
+            return await runner.run_epochs(20)
+        finally:
+            await runner.close()
+
+    asyncio.run(run_stream())  # the snapshot
+    assert multiset(replication.target_url) == multiset(replication.source_url)
+    replication.execute(
+        "DELETE FROM notes WHERE ctid = (SELECT min(ctid) FROM notes WHERE id = 2)",
+        "UPDATE notes SET note = 'c' WHERE id = 1 AND note = 'a'",
+        "INSERT INTO notes VALUES (3, NULL), (4, 'd'), (4, 'd')",
+        "UPDATE notes SET id = 5 WHERE id = 3 AND ctid = (SELECT min(ctid) FROM notes WHERE id = 3)",
+    )
+    replication.execute(
+        "DELETE FROM notes WHERE id = 4 AND ctid = (SELECT max(ctid) FROM notes WHERE id = 4)"
+    )
+    asyncio.run(run_stream())
+    assert multiset(replication.target_url) == multiset(replication.source_url)
+    assert multiset(replication.target_url) == [(1, "c"), (1, "z"), (2, "b"), (3, None), (4, "d"), (5, None)]
+    certificates = replication.store.certificates(replication.name)
+    chained(certificates)
+    consistent(certificates)
+
+
+def test_a_certificate_whose_receipt_reports_divergence_fails_the_certificate_check() -> None:
+    domain = OrderingDomain("postgres", "s", "", "1:s:m", "postgres.lsn")
+
+    def certificate(details: dict[str, str]) -> EpochCertificate:
+        return EpochCertificate(
+            stream="s",
+            sequence=1,
+            fencing_token=1,
+            worker="w",
+            coverage=(DomainCoverage(domain, None, "0/10"),),
+            receipts=(Receipt("public.orders", 1, 0, details),),
+            row_counts={"public.orders": 1},
+            digest="d",
+            delivery=Delivery.EFFECTIVELY_ONCE,
+        )
+
+    assert certificate_problems(certificate({"unexpected_inserts": "0", "unexpected_changes": "0"})) == []
+    [problem] = certificate_problems(certificate({"unexpected_inserts": "1", "unexpected_changes": "0"}))
+    assert "public.orders diverged from its source (unexpected_inserts 1" in problem

@@ -49,6 +49,9 @@ class PostgresCdcConfig(PostgresConnection):
     batch_rows: int = Field(default=10_000, ge=1)
     """Rows buffered (of the complete transactions of a group and the open one) before they are written
     to the pipeline."""
+    replica_identity_full: bool = False
+    """Setup only: a table without a primary key (or replica identity) gets REPLICA IDENTITY FULL
+    instead of being refused (its rows are then replicated as a multiset)."""
 
     @field_validator("slot")
     @classmethod

@@ -5,7 +5,7 @@ Shared by the session (:mod:`.cdc_slot`, :mod:`.cdc_session`, :mod:`.cdc_snapsho
 """
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -128,6 +128,38 @@ async def connect_cdc(config: PostgresCdcConfig, *, replication: bool = False) -
 
 def slot_where(config: PostgresCdcConfig) -> str:
     return f"slot {config.slot} on {config.safe_url()}"
+
+
+async def unkeyed_tables(conn: Connection, tables: Sequence[str]) -> list[str]:
+    """The tables of ``tables`` (``schema.table``) whose rows have no replica identity: no primary key
+    under the default identity, an identity index that is gone, or ``REPLICA IDENTITY NOTHING``.
+
+    Published, their UPDATE and DELETE fail at the source ("does not have a replica identity and
+    publishes updates") and their changes carry no key to apply by. psycopg errors propagate.
+    """
+    cursor = await conn.execute(
+        "SELECT n.nspname || '.' || c.relname FROM pg_class AS c "
+        "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+        "WHERE n.nspname || '.' || c.relname = ANY(%s) AND (c.relreplident = 'n' "
+        "OR (c.relreplident = 'd' AND NOT EXISTS (SELECT 1 FROM pg_index AS i "
+        "WHERE i.indrelid = c.oid AND i.indisprimary)) "
+        "OR (c.relreplident = 'i' AND NOT EXISTS (SELECT 1 FROM pg_index AS i "
+        "WHERE i.indrelid = c.oid AND i.indisreplident))) ORDER BY 1",
+        (list(tables),),
+    )
+    return [row[0] for row in await cursor.fetchall()]
+
+
+def unkeyed_error(tables: Sequence[str], where: str) -> ConfigError:
+    """The error naming tables without a replica identity and the ways out."""
+    return ConfigError(
+        f"table(s) {', '.join(tables)} have no replica identity (no primary key, or REPLICA IDENTITY "
+        "NOTHING): published, the "
+        "application's own UPDATE and DELETE on them fail, and their changes have no key to apply by. "
+        "Add a primary key, or set REPLICA IDENTITY FULL on them (faucet cdc setup "
+        "--replica-identity-full does; rows are then replicated as a multiset, identical rows included)",
+        where=where,
+    )
 
 
 class Interrupted(Exception):

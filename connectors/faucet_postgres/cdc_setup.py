@@ -17,6 +17,8 @@ from faucet_postgres.cdc_server import (
     connect_cdc,
     slot_facts,
     slot_where,
+    unkeyed_error,
+    unkeyed_tables,
 )
 from faucet_postgres.common import pg_error
 
@@ -41,8 +43,10 @@ async def setup_replication(config: PostgresCdcConfig, tables: Sequence[str] = (
     is kept, and given a marker if it has none (its current position becomes its beginning). A new
     slot gets a new marker, so positions certified on a dropped slot of the same name fail with
     :class:`IncarnationChanged`. ``tables`` (``schema.table``) default to ``config.tables``. Raises
-    :class:`ConfigError` when ``wal_level`` is not ``logical``, a table does not exist, or the slot
-    exists with another plugin or database; :class:`AuthError` without the needed privileges.
+    :class:`ConfigError` when ``wal_level`` is not ``logical``, a table does not exist, a table has no
+    replica identity (no primary key; unless ``config.replica_identity_full``, which sets REPLICA
+    IDENTITY FULL on such tables), or the slot exists with another plugin or database;
+    :class:`AuthError` without the needed privileges. Nothing is changed when it raises.
     """
     wanted = tuple(tables) or config.tables
     for table in wanted:
@@ -145,6 +149,14 @@ async def _ensure_publication(
     missing = [table for table in tables if table not in found]
     if missing:
         raise ConfigError(f"table(s) {', '.join(missing)} do not exist", where=where)
+    unkeyed = await unkeyed_tables(conn, tables)
+    if unkeyed and not config.replica_identity_full:
+        raise unkeyed_error(unkeyed, where)
+    for table in unkeyed:
+        # Asked for: FULL makes the application's UPDATE and DELETE work and logs whole old rows.
+        await conn.execute(
+            sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(sql.Identifier(*qualified_name(table)))
+        )
     identifiers = [sql.Identifier(*qualified_name(table)) for table in tables]
     name = sql.Identifier(config.publication)
     if not exists:

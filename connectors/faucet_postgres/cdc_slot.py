@@ -37,6 +37,8 @@ from faucet_postgres.cdc_server import (
     connect_cdc,
     slot_facts,
     slot_where,
+    unkeyed_error,
+    unkeyed_tables,
 )
 from faucet_postgres.common import error_text, pg_error
 
@@ -363,6 +365,14 @@ class SlotSession(StreamSession):
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading the publication", where=self._where) from exc
         self._published = {row[0]: Published(row[0], row[1], tuple(row[2]), row[3], row[4]) for row in rows}
+        try:
+            unkeyed = await unkeyed_tables(
+                conn, resources or [published.name for published in self._published.values()]
+            )
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading the tables' replica identities", where=self._where) from exc
+        if unkeyed:
+            raise unkeyed_error(unkeyed, self._where)
         if not resources:
             self._selected = None
             return

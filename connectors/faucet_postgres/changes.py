@@ -21,12 +21,19 @@ How, in one transaction:
    (columns still unchanged keep the destination's value). Applying is lenient so a replay or a
    snapshot overlap converges: an insert of a present key updates it, an update of an absent key
    inserts it, a delete of an absent key does nothing. Such surprises are counted
-   (:class:`ChangeCounts`): a consistent replica started from nothing (or from a snapshot) has none.
+   (:class:`ChangeCounts`): a consistent replica started from nothing (or from a snapshot) has none,
+   and the streaming sink refuses an epoch that has any (the bounded sink, whose at-least-once reruns
+   rely on converging, does not).
 
 The key is the one configured, else the columns whose field metadata ``faucet.key`` is ``"true"``
 (what the PostgreSQL change source marks: the replica identity, under FULL the primary key). The key should
 be indexed in the destination (a table the sink creates gets it as primary key). Key values are
 compared with ``=``: a null key is refused with :class:`DataError`.
+
+A layout keyed by every one of its columns (a table without a primary key, which the change source
+reads under FULL) is a multiset: identical rows are distinct rows, nulls are allowed, and the stage is
+applied by :mod:`faucet_postgres.multiset` (an insert adds a row, a delete removes exactly one); a
+table the sink creates for it has no primary key.
 """
 
 import json
@@ -50,6 +57,7 @@ from faucet_dagster.protocol import (
     SchemaError,
 )
 from faucet_postgres.common import PgColumn, copy_batch
+from faucet_postgres.multiset import multiset_statement
 
 KEY_METADATA = b"faucet.key"
 """The field metadata marking a key column of change rows (value ``b"true"``)."""
@@ -71,6 +79,9 @@ _FIRST = "__faucet_first_op"
 _PRESENT = "__faucet_present"
 _BIGINT = PgColumn("", "int8", "bigint", -1, False)
 
+SURPRISE_CHARS = 200
+"""The longest key text an error about a diverged replica quotes."""
+
 COPY_ROWS = 32_768
 """Staged rows are held in memory until this many can be COPYed at once (or the stage is applied)."""
 
@@ -81,6 +92,16 @@ class ChangeLayout:
 
     columns: tuple[str, ...]
     key: tuple[str, ...]
+
+    @property
+    def multiset(self) -> bool:
+        """True when every column is in the key: the rows are a multiset (see the module docstring)."""
+        return set(self.key) == set(self.columns)
+
+    @property
+    def created_key(self) -> tuple[str, ...]:
+        """The primary key of a table created for these rows: none for a multiset."""
+        return () if self.multiset else self.key
 
     @property
     def others(self) -> tuple[str, ...]:
@@ -149,7 +170,7 @@ def staged_rows(
     truncated = bool(pc.any(truncates).as_py())
     keyed = records.filter(pc.invert(truncates)) if truncated else records  # a truncate row has no key
     nulls = [column for column in layout.key if keyed.column(column).null_count]
-    if nulls:
+    if nulls and not layout.multiset:
         raise DataError(f"a change row has a null in key column(s) {', '.join(nulls)}", where=where)
     unchanged, names = _unchanged_json(records, where)
     stray = sorted(names - set(layout.columns))
@@ -256,8 +277,10 @@ class ChangeCounts:
 
     ``unexpected_inserts``: keys whose first change was an insert but which were present (a replay
     or an overlap); ``unexpected_changes``: keys whose first change was an update or a delete but
-    which were absent (a gap, or a replica not seeded). Both are 0 for a consistent replica.
-    ``truncated``: rows a truncate removed (not counted in ``deleted``).
+    which were absent (a gap, or a replica not seeded; a multiset: deletes that found no row). Both
+    are 0 for a consistent replica. ``truncated``: rows a truncate removed (not counted in
+    ``deleted``). ``surprise``: one unexpected key as row text, at most :data:`SURPRISE_CHARS`
+    characters (never for a multiset, whose key is the whole row).
     """
 
     inserted: int
@@ -266,6 +289,7 @@ class ChangeCounts:
     unexpected_inserts: int
     unexpected_changes: int
     truncated: int = 0
+    surprise: str | None = None
 
     def details(self) -> dict[str, str]:
         return {
@@ -285,6 +309,7 @@ class ChangeCounts:
             self.unexpected_inserts + other.unexpected_inserts,
             self.unexpected_changes + other.unexpected_changes,
             self.truncated + other.truncated,
+            self.surprise or other.surprise,
         )
 
 
@@ -304,6 +329,14 @@ async def apply_stage(
         return NO_CHANGES
     await _copy_held(conn, staged)
     truncated = await _truncate(conn, target, staged) if staged.truncated else 0
+    if staged.layout.multiset:
+        if staged.unchanged:
+            raise DataError("a change row of a table without a key left a column out", where=where)
+        statement = multiset_statement(target, staged.identifier, staged.layout.columns, _POSITION, _ORDINAL)
+        cursor = await conn.execute(statement)
+        counted = await cursor.fetchone()
+        assert counted is not None  # the statement returns one row
+        return ChangeCounts(int(counted[0]), 0, int(counted[1]), 0, int(counted[2]), truncated)
     if staged.unchanged:
         await _carry_key_changes(conn, target, staged)
     last: sql.Composable = _last_changes(staged)
@@ -319,7 +352,7 @@ async def apply_stage(
     if filled is not None:
         await conn.execute(sql.SQL("DROP TABLE {}").format(filled))
     assert row is not None  # an aggregate returns one row
-    inserted, updated, deleted, unexpected_inserts, unexpected_changes, unknown = (int(n) for n in row)
+    inserted, updated, deleted, unexpected_inserts, unexpected_changes, unknown = (int(n) for n in row[:6])
     if unknown:
         raise IntegrityError(
             f"{unknown} update(s) of key(s) absent from the destination left column(s) "
@@ -327,7 +360,10 @@ async def apply_stage(
             "with a snapshot, or set REPLICA IDENTITY FULL on the source table)",
             where=where,
         )
-    return ChangeCounts(inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated)
+    surprise = None if row[6] is None else str(row[6])[:SURPRISE_CHARS]
+    return ChangeCounts(
+        inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated, surprise
+    )
 
 
 async def _truncate(conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage) -> int:
@@ -538,8 +574,17 @@ def _apply(target: sql.Composable, staged: ChangeStage, last: sql.Composable) ->
         "count(*) FILTER (WHERE {first} = {insert} AND {present}), "
         "count(*) FILTER (WHERE {first} <> {insert} AND NOT {present}), "
         "count(*) FILTER (WHERE {op} <> {delete} AND NOT {present} AND {unchanged} IS NOT NULL "
-        "AND {unchanged} <> '[]'::jsonb) FROM judged"
-    ).format(op=op, delete=delete, present=present, first=first, insert=insert, unchanged=unchanged)
+        "AND {unchanged} <> '[]'::jsonb), "
+        "min(ROW({keys})::text) FILTER (WHERE ({first} = {insert}) = {present}) FROM judged"
+    ).format(
+        op=op,
+        delete=delete,
+        present=present,
+        first=first,
+        insert=insert,
+        unchanged=unchanged,
+        keys=_names(layout.key),
+    )
     return sql.SQL("WITH {} {}").format(sql.SQL(", ").join(statements), counts)
 
 

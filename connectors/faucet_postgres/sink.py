@@ -329,7 +329,7 @@ class PostgresSink(Sink):
         key = self._created_key()
         if self.mode is WritePolicy.APPLY_CHANGES:
             # Change rows: the table has their data columns, keyed as the rows say.
-            key = changes.change_layout(schema, self.config.key, self.dataset_uri()).key
+            key = changes.change_layout(schema, self.config.key, self.dataset_uri()).created_key
             schema = changes.data_schema(schema)
         if self.mode is WritePolicy.REPLACE and not self._staged:
             columns = await self._create_stage(conn, schema)

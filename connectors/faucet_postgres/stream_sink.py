@@ -825,7 +825,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                     )
                 counts = await self._apply_pending(conn, state, table, pending)
             data = changes.data_schema(records.schema)
-            target = await self._target(conn, table, data, layout.key, change_rows=True)
+            target = await self._target(conn, table, data, layout.created_key, change_rows=True)
             stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
             pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
         rows = changes.staged_rows(records, layout, positions, _ordinals(identities), where)
@@ -843,9 +843,18 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         """Apply one table's stage; the counts so far plus this stage's."""
         where = f"{self._where} table {table}"
         try:
-            return pending.counts + await changes.apply_stage(
-                conn, pending.target.identifier, pending.stage, where
-            )
+            counts = await changes.apply_stage(conn, pending.target.identifier, pending.stage, where)
+            if counts.unexpected_inserts or counts.unexpected_changes:
+                # The replica is not what the stream made it (written by something else, or a change was
+                # lost or applied twice): committing would certify a diverged replica.
+                example = "" if counts.surprise is None else f", key {counts.surprise}"
+                raise IntegrityError(
+                    f"the replica diverged from the change stream: {counts.unexpected_inserts} insert(s) "
+                    f"of rows it held, {counts.unexpected_changes} update(s) or delete(s) of rows it "
+                    f"lacked{example}; nothing of the epoch is committed",
+                    where=where,
+                )
+            return pending.counts + counts
         except BaseException as exc:
             state.failed = True
             if isinstance(exc, psycopg.Error):

@@ -21,7 +21,10 @@ Failures and interruptions:
 * on every open, the sink's ``last_committed()`` is reconciled with the last certificate: a sink one
   epoch ahead (a crash between 4 and 5) is recovered by reading again from the certified positions
   at least to the sink's watermark; the sink suppresses the rows it already holds, as it documents,
-  and that epoch's certificate is persisted under the sequence the sink committed;
+  and that epoch's certificate is persisted under the sequence the sink committed. A source that is
+  not deterministic (its re-read would not give the rows the sink committed: a new snapshot, say) is
+  not re-read into a sink with an atomic watermark: that epoch is certified from the sink's own
+  watermark (coverage up to it; no receipts, no rows, an empty digest) and the source opens there;
 * a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
   lease until an operator runs ``faucet streams release``.
 
@@ -200,6 +203,12 @@ class StreamRunner:
         self._certified: tuple[Position, ...] = ()
         self._next_sequence = 0
         self._recover_to: tuple[Position, ...] = ()
+        # The coverage of an epoch the sink committed before its certificate, to certify as the sink
+        # holds it: for a source whose re-read would not give the same rows (see the module docstring).
+        self._adopted: Coverage | None = None
+        self._adopts = (
+            not spec.source.capabilities().deterministic and spec.sink.capabilities().atomic_watermark
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cancel: CancelToken | None = None
         self._cancel_requested = False
@@ -264,6 +273,33 @@ class StreamRunner:
         source_session, sink_session = await self._open_sessions(lease)
         epoch = EpochId(self.spec.name, self._next_sequence, lease.fencing_token)
         timings.lap("lease")
+        adopted, self._adopted = self._adopted, None
+        if adopted is not None:
+            # The sink committed this epoch, no certificate names it, and the source cannot re-read it
+            # exactly: steps 5 and 6 with the sink's own watermark as the coverage, nothing read.
+            certificate = EpochCertificate(
+                stream=self.spec.name,
+                sequence=epoch.sequence,
+                fencing_token=epoch.fencing_token,
+                worker=self.worker_id,
+                coverage=adopted.domains,
+                receipts=(),
+                row_counts={},
+                digest="",
+                delivery=self.plan.delivery,
+                timings=timings.laps,
+                created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
+            )
+            try:
+                await asyncio.to_thread(self.store.append_certificate, certificate, lease)
+                self._certified = _advance(self._certified, adopted)
+                self._next_sequence = epoch.sequence + 1
+                await source_session.acknowledge(adopted, self._authority)
+            except BaseException as exc:
+                await self._drop_sessions(exc)
+                raise
+            logger.warning("stream %s: certified %s from the destination's watermark", self.spec.name, epoch)
+            return certificate
 
         # 2. Begin the epoch at the sink.
         await self._guard(sink_session.begin_epoch(epoch), epoch, None)
@@ -391,9 +427,21 @@ class StreamRunner:
             except BaseException as exc:
                 await self._drop_sessions(exc)
                 raise
+            if self._recover_to and self._adopts:
+                certified = {position.domain.lineage: position.value for position in self._certified}
+                self._adopted = Coverage(
+                    tuple(
+                        DomainCoverage(
+                            position.domain, certified.get(position.domain.lineage), position.value
+                        )
+                        for position in self._recover_to
+                    )
+                )
+                self._recover_to = ()
         if self._source_session is None:
+            resume = self._certified if self._adopted is None else _advance(self._certified, self._adopted)
             self._source_session = await self.spec.source.open(
-                self.spec.resources, self._certified, self.spec.membership, worker
+                self.spec.resources, resume, self.spec.membership, worker
             )
             self._sessions_token = lease.fencing_token
         return self._source_session, self._sink_session
@@ -554,6 +602,7 @@ class StreamRunner:
         session, self._sink_session = self._sink_session, None
         self._sessions_token = None
         self._recover_to = ()
+        self._adopted = None
         if session is None:
             return
         try:

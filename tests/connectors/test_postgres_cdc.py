@@ -1094,6 +1094,44 @@ def test_setup_is_idempotent_and_names_what_is_wrong(postgres_url: str, unique_n
     run(scenario)
 
 
+def test_a_table_without_a_replica_identity_is_refused_at_setup_and_at_open(
+    postgres_url: str, unique_name: Any
+) -> None:
+    """Published, a table without a primary key or replica identity breaks the application's UPDATE
+    and DELETE, and its changes have no key: setup refuses it (unless asked for FULL), and a session
+    refuses one added to the publication by hand."""
+    slot = unique_name("s")
+    config = cdc_config(postgres_url, slot)
+
+    async def scenario() -> None:
+        await sql(
+            postgres_url, "CREATE TABLE keyed (id int PRIMARY KEY)", "CREATE TABLE bare (id int, v text)"
+        )
+        await sql(
+            postgres_url,
+            "CREATE TABLE nothing (id int PRIMARY KEY)",
+            "ALTER TABLE nothing REPLICA IDENTITY NOTHING",
+        )
+        with pytest.raises(
+            ConfigError, match=r"public\.bare, public\.nothing have no replica identity.*FULL"
+        ):
+            await setup_replication(config, ["public.keyed", "public.bare", "public.nothing"])
+        assert await sql(postgres_url, f"SELECT 1 FROM pg_publication WHERE pubname = '{slot}_pub'") == []
+        await setup_replication(config, ["public.keyed"])
+        await sql(postgres_url, f"ALTER PUBLICATION {slot}_pub ADD TABLE bare")
+        with pytest.raises(ConfigError, match=r"public\.bare have no replica identity"):
+            await open_session(config)
+        session = await open_session(config, resources=["public.keyed"])  # the others are not read
+        await session.close()
+        await setup_replication(config.model_copy(update={"replica_identity_full": True}), ["public.bare"])
+        assert await sql(postgres_url, "SELECT relreplident::text FROM pg_class WHERE relname = 'bare'") == [
+            ("f",)
+        ]
+        await (await open_session(config)).close()
+
+    run(scenario)
+
+
 def test_setup_and_open_refuse_a_server_without_logical_wal(unique_name: Any) -> None:
     server = PostgresServer(settings={"wal_level": "replica"})
     try:
@@ -1131,6 +1169,9 @@ def test_registered_as_the_postgres_stream_source_with_honest_capabilities() -> 
     assert capabilities.replay is Replay.REPLAYABLE_AT_LEAST_ONCE and capabilities.continuous
     assert capabilities.transaction_boundaries and capabilities.event_identity and capabilities.deterministic
     assert [codec.name for codec in source.codecs()] == ["postgres.lsn"]
+    # A snapshot is taken anew on each attempt: not deterministic (the runner never re-reads it).
+    snapshot = {"url": "postgresql://app@db.invalid/shop", "slot": "s", "publication": "p", "snapshot": True}
+    assert not get_connector("postgres").stream_source(snapshot).capabilities().deterministic
     with pytest.raises(ConfigError, match="slot"):
         get_connector("postgres").stream_source(
             {"url": "postgresql://app@db/shop", "slot": "Bad-Name", "publication": "p"}

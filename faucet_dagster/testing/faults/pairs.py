@@ -34,6 +34,7 @@ from psycopg.rows import dict_row
 from faucet_dagster.cdc_cli import setup_change_source
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import Mode, WritePolicy, get_connector
+from faucet_dagster.testing.faults import cdc_variants
 from faucet_dagster.testing.faults.spec import Endpoint, Target
 from faucet_dagster.testing.servers import KafkaServer, NatsServer, PostgresServer
 
@@ -167,6 +168,10 @@ class SourceSide(ABC):
     def recreate(self) -> None:
         """Delete the source and create it again, empty (a new incarnation)."""
         raise NotImplementedError(f"a {self.label} source is not recreated by this harness")
+
+    def change_existing(self, producer: str) -> list[Produced]:
+        """Delete and update records of ``producer`` already stored (a source of changes)."""
+        raise NotImplementedError(f"a {self.label} source does not change what it stored")
 
     def purge(self, keep_from: int) -> None:
         """Remove every record before position ``keep_from`` (retention)."""
@@ -453,12 +458,52 @@ class PostgresChangesSource(SourceSide):
         return (CHANGES_TABLE,)
 
     def state(self) -> dict[Key, Row]:
+        return dict(self.keyed_rows())
+
+    def keyed_rows(self) -> list[tuple[Key, Row]]:
         with psycopg.connect(self.url, connect_timeout=10, row_factory=dict_row) as conn:
             rows = conn.execute(f"SELECT * FROM {CHANGES_TABLE}").fetchall()
-        return {(str(row["producer"]), int(row["seq"])): row for row in rows}
+        return [((str(row["producer"]), int(row["seq"])), row) for row in rows]
 
     def drop(self) -> None:
         self.servers.postgres.drop_database(self.name)
+
+
+class PostgresSnapshotChangesSource(PostgresChangesSource):
+    """:class:`PostgresChangesSource` with ``snapshot`` (see :mod:`.cdc_variants`)."""
+
+    label = "PostgreSQL CDC snapshot"
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "snapshot": True}
+
+    def change_existing(self, producer: str) -> list[Produced]:
+        seqs, position = cdc_variants.change_existing(self.url, CHANGES_TABLE, producer)
+        return [Produced(producer, seq, self.name, "", position) for seq in seqs]
+
+
+class PostgresUnkeyedChangesSource(PostgresChangesSource):
+    """:class:`PostgresChangesSource` on a table without a key, holding identical rows (see
+    :mod:`.cdc_variants`)."""
+
+    label = "PostgreSQL CDC no key"
+
+    def create(self) -> None:
+        self.servers.postgres.create_database(self.name)
+        with psycopg.connect(self.url, connect_timeout=10) as conn:
+            conn.execute(cdc_variants.UNKEYED_TABLE.format(table=CHANGES_TABLE))
+        setup_change_source(self.connector, self.config())
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "replica_identity_full": True}
+
+    def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
+        produced = super().produce(producer, count, first_id)
+        seqs, position = cdc_variants.duplicate_rows(self.url, CHANGES_TABLE, producer)
+        return [*produced, *(Produced(producer, seq, self.name, "", position) for seq in seqs)]
+
+    def state(self) -> dict[Key, Row]:
+        return dict(cdc_variants.numbered(self.keyed_rows()))
 
 
 # -- sinks ------------------------------------------------------------------------------------------
@@ -524,6 +569,14 @@ class PostgresStreamSinkSide(PostgresSinkSide):
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), **STREAM_SINK_TIMEOUTS}
+
+
+class PostgresMultisetSinkSide(PostgresStreamSinkSide):
+    """:class:`PostgresStreamSinkSide` judged as a multiset, identical rows distinct (for
+    :class:`PostgresUnkeyedChangesSource`)."""
+
+    def rows(self) -> list[tuple[Key, Row]]:
+        return cdc_variants.numbered(super().rows())
 
 
 class NatsSinkSide(SinkSide):
@@ -625,6 +678,20 @@ PAIRS: tuple[Pair, ...] = (
         Mode.CONTINUOUS,
         PostgresChangesSource,
         PostgresStreamSinkSide,
+        WritePolicy.APPLY_CHANGES,
+    ),
+    Pair(
+        "cdc-snapshot-postgres",
+        Mode.CONTINUOUS,
+        PostgresSnapshotChangesSource,
+        PostgresStreamSinkSide,
+        WritePolicy.APPLY_CHANGES,
+    ),
+    Pair(
+        "cdc-unkeyed-postgres",
+        Mode.CONTINUOUS,
+        PostgresUnkeyedChangesSource,
+        PostgresMultisetSinkSide,
         WritePolicy.APPLY_CHANGES,
     ),
     Pair("files-postgres-bounded", Mode.BOUNDED, FilesSource, PostgresSinkSide),

@@ -28,6 +28,8 @@ every row of the source table, :func:`~.oracle.judge_state`). Kinds of fault:
               with a SchemaError naming the column until the operator's documented way out.
 ``retention``, ``page_crash``  the source changes under a lagging consumer or between a bounded
               run's crash and its rerun: see :mod:`faucet_dagster.testing.faults.lagging`.
+``snapshot_crash``  a change source with ``snapshot`` killed after the sink committed the snapshot's
+              epoch, rows it read changed at the source, then recovered (:mod:`.cdc_variants`).
 """
 
 import contextlib
@@ -48,6 +50,7 @@ from faucet_dagster.planner import Mechanism, Plan
 from faucet_dagster.protocol import EpochCertificate, Mode
 from faucet_dagster.runner.faults import FAULT_POINT_ENV, Action, Arming, Point
 from faucet_dagster.state import StateStore
+from faucet_dagster.testing.faults.cdc_variants import snapshot_crash
 from faucet_dagster.testing.faults.ddl import run_source_ddl
 from faucet_dagster.testing.faults.oracle import (
     Verdict,
@@ -65,6 +68,8 @@ from faucet_dagster.testing.faults.pairs import (
     NatsSource,
     Pair,
     PostgresChangesSource,
+    PostgresSnapshotChangesSource,
+    PostgresUnkeyedChangesSource,
     Produced,
     Servers,
 )
@@ -92,6 +97,7 @@ class FaultKind(StrEnum):
     DDL = "ddl"
     RETENTION = "retention"
     PAGE_CRASH = "page_crash"
+    SNAPSHOT_CRASH = "snapshot_crash"
 
 
 class Moment(StrEnum):
@@ -165,6 +171,8 @@ class Fault:
             return f"restart {self.server}"
         if self.kind is FaultKind.DDL:
             return "source ddl"
+        if self.kind is FaultKind.SNAPSHOT_CRASH:
+            return "kill@snapshot_commit, source changed"
         return f"{self.kind} source"
 
 
@@ -176,6 +184,14 @@ def point_for(pair: Pair, moment: Moment) -> Point | None:
 
 def named_faults(pair: Pair) -> list[Fault]:
     """Every fault that applies to ``pair``, each once: the suite's battery."""
+    if pair.source is PostgresSnapshotChangesSource:  # its class: see .cdc_variants
+        return [
+            Fault(FaultKind.SNAPSHOT_CRASH),
+            Fault(FaultKind.POINT, Action.KILL, Moment.DURING_TRANSACTION),
+        ]
+    if pair.source is PostgresUnkeyedChangesSource:
+        moments = (Moment.AFTER_COMMIT, Moment.DURING_TRANSACTION)
+        return [Fault(FaultKind.POINT, Action.KILL, moment) for moment in moments]
     faults = [
         Fault(FaultKind.POINT, action, moment)
         for moment in Moment
@@ -706,6 +722,13 @@ def _ddl(case: Case, fault: Fault) -> _Outcome:
     return _Outcome(True, result.halted_correctly, _all(case.produced), _all(case.produced), result.notes)
 
 
+def _snapshot_crash(case: Case, fault: Fault) -> _Outcome:
+    crashed = snapshot_crash(case)
+    return _Outcome(
+        crashed.fired, crashed.recovered, _all(case.produced), _all(case.produced), [*crashed.notes]
+    )
+
+
 _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
     FaultKind.POINT: _point,
     FaultKind.RANDOM: _random,
@@ -714,6 +737,7 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
     FaultKind.RECREATE: _recreate,
     FaultKind.PURGE: _purge,
     FaultKind.DDL: _ddl,
+    FaultKind.SNAPSHOT_CRASH: _snapshot_crash,
 }
 
 
