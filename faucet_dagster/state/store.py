@@ -185,8 +185,12 @@ def default_state_url() -> str:
 def _normalize_url(url: str) -> sa.URL:
     try:
         parsed = sa.make_url(url)
-    except ArgumentError as exc:
-        raise ConfigError(f"the state store URL is not valid: {exc}", where=STATE_URL_ENV) from None
+    except (ArgumentError, ValueError):
+        # Never echo the URL (SQLAlchemy's message does): it might hold a secret.
+        raise ConfigError(
+            "the state store URL is not a SQLAlchemy URL (dialect[+driver]://user@host/database)",
+            where=STATE_URL_ENV,
+        ) from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
@@ -202,7 +206,9 @@ class StateStore:
 
     def __init__(self, url: str | None = None, *, codecs: CodecRegistry | None = None) -> None:
         parsed = _normalize_url(url or default_state_url())
-        self._where = f"state store {parsed.render_as_string(hide_password=True)}"
+        # The store has no auth field: a password may be in the URL (or PGPASSWORD), so every message
+        # shows the URL without it and without the query, where driver options such as sslpassword live.
+        self._where = f"state store {parsed.set(query={}).render_as_string(hide_password=True)}"
         self._codecs = codecs or default_codec_registry()
         self._sqlite = parsed.get_backend_name() == "sqlite"
         if self._sqlite and parsed.database not in (None, "", ":memory:"):
