@@ -19,7 +19,11 @@ SECRET = "S3cr3t-in-the-url"
 @pytest.mark.parametrize(
     ("connector", "role", "config"),
     [
-        ("sql", "source", {"url": f"postgresql+psycopg://app@db.example/shop?password={SECRET}", "table": "t"}),
+        (
+            "sql",
+            "source",
+            {"url": f"postgresql+psycopg://app@db.example/shop?password={SECRET}", "table": "t"},
+        ),
         ("sql", "sink", {"url": f"postgresql://app@db.example/shop?sslpassword={SECRET}", "table": "t"}),
         ("sql", "sink", {"url": f"mysql://app@db.example/shop?passwd={SECRET}", "table": "t"}),
         ("sql", "sink", {"url": f"postgresql://app:{SECRET}@db.example/shop", "table": "t"}),
