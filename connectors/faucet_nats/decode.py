@@ -20,6 +20,7 @@ from faucet_nats.config import HEADER_TYPE, RAW_SCHEMA, NatsSourceConfig
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 _NANOS = pa.timestamp("ns", tz="UTC")
 _STAMP = pa.timestamp("us", tz="UTC")
+_TOO_DEEP = "the payload is JSON nested too deeply to decode"
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,12 @@ class Decoder:
         """The payloads as one batch of the declared schema, or why they are not (one row each)."""
         assert self._schema is not None
         data = b"\n".join(payloads)
+        try:
+            # Arrow's JSON reader copies string bytes without checking them: invalid UTF-8 would reach
+            # the sink inside a string column. One C-speed pass over the run refuses it here.
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"the payload is not UTF-8: {exc.reason}"
         options = self._one_line if data.count(b"\n") == len(payloads) - 1 else self._many_lines
         try:
             table = pa_json.read_json(pa.BufferReader(data), self._read_options, options)
@@ -118,6 +125,8 @@ def _malformed_reason(payload: bytes, arrow_error: str) -> str:
         value = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as exc:
         return f"the payload is not JSON: {exc}"
+    except RecursionError:
+        return _TOO_DEEP
     if type(value) is not dict:
         return f"the payload is JSON {type(value).__name__}, not an object"
     return f"the payload does not fit the declared columns: {arrow_error}"
@@ -134,6 +143,8 @@ def _json_objects(payloads: list[bytes]) -> list[Run]:
             value = loads(payload)
         except (ValueError, UnicodeDecodeError) as exc:
             reason = f"the payload is not JSON: {exc}"
+        except RecursionError:
+            reason = _TOO_DEEP
         else:
             if type(value) is dict:
                 rows.append(value)
