@@ -127,3 +127,19 @@ def test_streaming_sink_names_are_checked_and_63_bytes_still_fit() -> None:
         spec.streaming_sink({"url": "postgresql://app@h/db", "state_schema_name": LONG})
     spec.streaming_sink({"url": "postgresql://app@h/db", "table": LONG[:-1]})  # 63 bytes: kept
     get_connector("sql").sink({"url": "sqlite:///w.db", "table": "s" * 200})  # SQLite has no limit
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_corrupt_sqlite_state_store_is_a_config_error_naming_the_file(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "faucet_state.db"
+    with StateStore(f"sqlite:///{path}") as store:
+        for index in range(200):  # enough rows for several pages, so a truncated file misses some
+            store.acquire_lease(f"stream-{index:04d}-" + "x" * 200, "w1", 30)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a database at all " * 500)
+    with pytest.raises(ConfigError) as caught:
+        with StateStore(f"sqlite:///{path}") as store:
+            store.status()
+    assert not caught.value.retryable
+    assert str(path) in caught.value.message and "corrupt" in caught.value.message
+    assert "backup" in caught.value.message
