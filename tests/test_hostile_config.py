@@ -137,9 +137,8 @@ def test_a_corrupt_sqlite_state_store_is_a_config_error_naming_the_file(tmp_path
             store.acquire_lease(f"stream-{index:04d}-" + "x" * 200, "w1", 30)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a database at all " * 500)
-    with pytest.raises(ConfigError) as caught:
-        with StateStore(f"sqlite:///{path}") as store:
-            store.status()
+    with pytest.raises(ConfigError) as caught, StateStore(f"sqlite:///{path}") as store:
+        store.status()
     assert not caught.value.retryable
     assert str(path) in caught.value.message and "corrupt" in caught.value.message
     assert "backup" in caught.value.message
