@@ -38,6 +38,7 @@ type) raises DataError naming the file and the row it was reading near.
 import asyncio
 import glob
 import inspect
+import io
 import os
 import re
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
@@ -404,16 +405,20 @@ class FilesSource(Source):
 
         pyarrow then reads everything up to the end of the file into that one value, swallowing the
         rows after it without an error. Such a value is exactly the file's tail after the opening
-        quote (its newlines included); a closed quoted value is followed by the quote, an unquoted one
-        by no quote before it."""
+        quote (its newlines included); a closed quoted value is followed by its closing quote (and the
+        row's end), an unquoted one has no quote before it."""
         value = last.column(last.num_columns - 1)[last.num_rows - 1].as_py()
         if not isinstance(value, str | bytes) or not value:
             return
         quote = self.config.csv.quote_char
         text = value.replace(quote, quote * 2) if isinstance(value, str) else value
         encoded = text.encode(self.config.csv.encoding) if isinstance(text, str) else text
-        tail = _tail(entry.path, len(encoded) + 1)
-        if tail == quote.encode(self.config.csv.encoding) + encoded:
+        mark = quote.encode(self.config.csv.encoding)
+        tail = _tail(entry.path, len(encoded) + 4)
+        opened = mark + encoded
+        # The value may itself end like a closing quote and row end (``"\r\n"``): closed is closed.
+        closed = any(tail.endswith(opened + mark + end) for end in (b"", b"\n", b"\r\n", b"\r"))
+        if tail.endswith(opened) and not closed:
             raise DataError(
                 f"{entry.path!r} row {rows}: a quoted value opens and never closes, so every row after "
                 "it would be read into that one value; close the quote",
@@ -441,7 +446,7 @@ class FilesSource(Source):
         if entry.format == "jsonl":
             schema = pa.schema(list(self._types.items())) if self._types else None
             return pa_json.open_json(
-                stream,
+                _NoNullLines(stream, entry.path),
                 read_options=pa_json.ReadOptions(block_size=self.config.block_size),
                 parse_options=pa_json.ParseOptions(explicit_schema=schema),
             )
@@ -526,6 +531,46 @@ def _combine_files(batches: list[pa.RecordBatch], where: str) -> pa.RecordBatch:
             f"the files have schemas that do not combine into one page: {exc}", where=where
         ) from exc
     return table.combine_chunks().to_batches()[0]
+
+
+class _NoNullLines(io.RawIOBase):
+    """A JSON Lines stream passed through to pyarrow, refusing a line that is a bare ``null``.
+
+    pyarrow's JSON reader crashes the process on a leading ``null`` (pyarrow 26) and reads a later one
+    as a row of nulls, so such a line must never reach it: ``read`` raises DataError naming the line.
+    Only complete lines are checked; the unfinished last line of a chunk is carried (reduced to the
+    part that could still be a ``null``) into the next.
+    """
+
+    def __init__(self, stream: Any, path: str) -> None:
+        self._stream = stream
+        self._path = path
+        self._carry = b""
+        self._lines = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self._stream.read(size)
+        text = self._carry + data
+        complete, newline, rest = text.rpartition(b"\n") if data else (text, b"\n", b"")
+        if newline:
+            found = _NULL_LINE.search(complete + b"\n")
+            if found is not None:
+                line = self._lines + complete.count(b"\n", 0, found.start()) + 1
+                raise DataError(
+                    f"{self._path!r} line {line} is JSON null, not an object",
+                    where=f"{self._path} @ line {line}",
+                    details={"file": self._path, "line": str(line)},
+                )
+            self._lines += complete.count(b"\n") + 1
+        stripped = rest.strip(b" \t\r")
+        self._carry = stripped if b"null".startswith(stripped) else b"x"
+        return data
+
+
+_NULL_LINE = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*\n")
 
 
 def _tail(path: str, size: int) -> bytes:

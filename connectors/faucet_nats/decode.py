@@ -20,6 +20,7 @@ from faucet_nats.config import HEADER_TYPE, RAW_SCHEMA, NatsSourceConfig
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 _NANOS = pa.timestamp("ns", tz="UTC")
 _STAMP = pa.timestamp("us", tz="UTC")
+_JSON_SPACE = b" \t\r\n"
 _TOO_DEEP = "the payload is JSON nested too deeply to decode"
 
 
@@ -64,7 +65,14 @@ class Decoder:
         if self._schema is None:
             return _json_objects(payloads)
         runs: list[Run] = []
-        self._parse(payloads, 0, len(payloads), runs)
+        start = 0
+        for index in _null_payloads(payloads):
+            if start < index:
+                self._parse(payloads, start, index, runs)
+            runs.append(Run(index, index + 1, None, "the payload is JSON null, not an object"))
+            start = index + 1
+        if start < len(payloads):
+            self._parse(payloads, start, len(payloads), runs)
         return runs
 
     def _parse(self, payloads: list[bytes], start: int, stop: int, runs: list[Run]) -> None:
@@ -117,6 +125,12 @@ class Decoder:
 
 def _header_items(headers: Mapping[str, str]) -> list[dict[str, str]]:
     return [{"key": key, "value": value} for key, value in headers.items()]
+
+
+def _null_payloads(payloads: list[bytes]) -> list[int]:
+    """The indices of payloads that are a bare JSON ``null``. Arrow's JSON reader must never see one:
+    it crashes the process on a leading ``null`` (pyarrow 26) and reads a later one as a row of nulls."""
+    return [index for index, payload in enumerate(payloads) if payload.strip(_JSON_SPACE) == b"null"]
 
 
 def _malformed_reason(payload: bytes, arrow_error: str) -> str:
