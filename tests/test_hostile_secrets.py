@@ -19,6 +19,7 @@ from test_hostile_nats_auth import NatsServerWithUsers
 
 from faucet_dagster.assets import FaucetSync, faucet_sync_assets
 from faucet_dagster.cli import main
+from faucet_dagster.protocol import FaucetError
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.testing import NatsServer
@@ -172,7 +173,7 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
             try:
                 outcome = sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
                 texts.append(str(outcome.skip_reason))
-            except Exception as exc:
+            except (FaucetError, dg.DagsterError) as exc:  # the tick fails: its error is searched too
                 texts.append(f"{type(exc).__name__}: {exc} {getattr(exc, 'where', '')}")
                 texts.append(repr(exc.__cause__))
             finally:
@@ -185,7 +186,8 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
         plan.write_text(
             "mode: bounded\npolicy: append\n"
             f"source: {{connector: files, config: {{paths: [{data}/a.csv]}}}}\n"
-            f"sink: {{connector: sql, config: {{url: 'sqlite:///x.db?password={SECRETS['SQL_QUERY']}', table: t}}}}\n"
+            "sink: {connector: sql, config: "
+            f"{{url: 'sqlite:///x.db?password={SECRETS['SQL_QUERY']}', table: t}}}}\n"
         )
         main(["plan", "-f", str(plan)])
         main(["streams", "status", "--state-url", state_url])
