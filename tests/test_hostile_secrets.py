@@ -172,7 +172,7 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
             sensor = faucet_stream_sensor(stream, budget_seconds=5)
             try:
                 outcome = sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
-                texts.append(str(outcome.skip_reason))
+                texts.append(str(outcome.skip_message))
             except (FaucetError, dg.DagsterError) as exc:  # the tick fails: its error is searched too
                 texts.append(f"{type(exc).__name__}: {exc} {getattr(exc, 'where', '')}")
                 texts.append(repr(exc.__cause__))
@@ -203,10 +203,10 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
             for record in instance.all_logs(run.run_id)
         ]
         materialized = [
-            str(event.asset_materialization.metadata)
+            str(latest.asset_materialization.metadata)
             for key in instance.get_asset_keys()
-            if (event := instance.get_latest_materialization_event(key)) is not None
-            and event.asset_materialization
+            if (latest := instance.get_latest_materialization_event(key)) is not None
+            and latest.asset_materialization
         ]
         assert materialized  # the token run materialized
     finally:
