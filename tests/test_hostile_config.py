@@ -42,14 +42,20 @@ SECRET = "S3cr3t-in-the-url"
         ),
     ],
 )
-def test_a_credential_in_a_url_is_refused_without_echoing_it(
-    connector: str, role: str, config: dict[str, Any]
-) -> None:
+def refused(connector: str, role: str, config: dict[str, Any]) -> ConfigError:
+    """The ConfigError building the connector's ``role`` from ``config`` raises."""
     spec = get_connector(connector)
     build = spec.source if role == "source" else spec.sink
     with pytest.raises(ConfigError) as caught:
         build(config)
-    text = f"{caught.value} {caught.value.where}"
+    return caught.value
+
+
+def test_a_credential_in_a_url_is_refused_without_echoing_it(
+    connector: str, role: str, config: dict[str, Any]
+) -> None:
+    error = refused(connector, role, config)
+    text = f"{error} {error.where}"
     assert SECRET not in text
     assert "auth" in text
 
@@ -111,12 +117,9 @@ LONG = "t" * 60 + "é" * 2  # 62 characters, 64 bytes: PostgreSQL would cut it t
 def test_a_name_the_database_would_truncate_is_refused_naming_it(
     connector: str, role: str, config: dict[str, Any]
 ) -> None:
-    spec = get_connector(connector)
-    build = spec.source if role == "source" else spec.sink
-    with pytest.raises(ConfigError) as caught:
-        build(config)
-    assert "bytes long" in str(caught.value) or "characters long" in str(caught.value)
-    assert ("'" + (LONG if "m" * 65 not in str(config) else "m" * 65) + "'") in str(caught.value)
+    message = str(refused(connector, role, config))
+    assert "bytes long" in message or "characters long" in message
+    assert ("'" + (LONG if "m" * 65 not in str(config) else "m" * 65) + "'") in message
 
 
 def test_streaming_sink_names_are_checked_and_63_bytes_still_fit() -> None:

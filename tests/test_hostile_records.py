@@ -31,6 +31,7 @@ from faucet_dagster.protocol import (
     Records,
     RejectedRecord,
     StreamRecordSink,
+    StreamSource,
     WorkerIdentity,
     get_connector,
     record_count,
@@ -62,14 +63,19 @@ class Recorder(StreamRecordSink):
         self.rejected.append(record)
 
 
-async def read_kafka(cfg: KafkaSourceConfig) -> Recorder:
-    session = await KafkaStreamSource(cfg).open(list(cfg.topics), [], Membership(), WORKER)
+async def read_once(source: StreamSource, resources: list[str]) -> Recorder:
+    """Open a session from the start, read until idle, close it: what the read handed over."""
+    session = await source.open(resources, [], Membership(), WORKER)
     try:
         sink = Recorder()
         await session.read(sink, FAST, CancelToken())
         return sink
     finally:
         await session.close()
+
+
+async def read_kafka(cfg: KafkaSourceConfig) -> Recorder:
+    return await read_once(KafkaStreamSource(cfg), list(cfg.topics))
 
 
 def test_kafka_json_nested_too_deeply_is_malformed_at_its_offset(
@@ -104,13 +110,7 @@ async def publish_nats(url: str, stream: str, payloads: list[bytes]) -> None:
 
 
 async def read_nats(cfg: NatsSourceConfig) -> Recorder:
-    session = await NatsStreamSource(cfg).open([cfg.stream], [], Membership(), WORKER)
-    try:
-        sink = Recorder()
-        await session.read(sink, FAST, CancelToken())
-        return sink
-    finally:
-        await session.close()
+    return await read_once(NatsStreamSource(cfg), [cfg.stream])
 
 
 @pytest.mark.parametrize("columns", [None, {"id": "int64 not null", "name": "string"}])
