@@ -16,6 +16,15 @@ from faucet_dagster.state import StateStore
 SECRET = "S3cr3t-in-the-url"
 
 
+def refused(connector: str, role: str, config: dict[str, Any]) -> ConfigError:
+    """The ConfigError building the connector's ``role`` from ``config`` raises."""
+    spec = get_connector(connector)
+    build = spec.source if role == "source" else spec.sink
+    with pytest.raises(ConfigError) as caught:
+        build(config)
+    return caught.value
+
+
 @pytest.mark.parametrize(
     ("connector", "role", "config"),
     [
@@ -42,15 +51,6 @@ SECRET = "S3cr3t-in-the-url"
         ),
     ],
 )
-def refused(connector: str, role: str, config: dict[str, Any]) -> ConfigError:
-    """The ConfigError building the connector's ``role`` from ``config`` raises."""
-    spec = get_connector(connector)
-    build = spec.source if role == "source" else spec.sink
-    with pytest.raises(ConfigError) as caught:
-        build(config)
-    return caught.value
-
-
 def test_a_credential_in_a_url_is_refused_without_echoing_it(
     connector: str, role: str, config: dict[str, Any]
 ) -> None:
