@@ -77,6 +77,8 @@ payloads = st.lists(
         deep.map(str.encode),
         column_values.map(lambda row: json.dumps(row).encode()),
         st.binary(min_size=1, max_size=8).map(lambda raw: b'{"id": 1, "name": "' + raw + b'"}'),
+        # A value starting with null crashed Arrow's JSON reader (the process, not the read).
+        st.sampled_from([b"null", b" null\n", b"nullx", b"null,", b"null]", b"nullnull"]),
     ),
     min_size=1,
     max_size=12,
@@ -158,8 +160,14 @@ def read_files(path: Path, **config: Any) -> list[dict[str, Any]]:
 
 
 @settings(FUZZ, max_examples=150)
-@given(rows=st.lists(st.tuples(texts, texts), min_size=1, max_size=10), garbage=st.binary(max_size=80))
-def test_files_fuzz(tmp_path_factory: Any, rows: list[tuple[str, str]], garbage: bytes) -> None:
+@given(
+    rows=st.lists(st.tuples(texts, texts), min_size=1, max_size=10),
+    garbage=st.binary(max_size=80),
+    values_json=st.lists(payloads.map(b"\n".join), max_size=3),
+)
+def test_files_fuzz(
+    tmp_path_factory: Any, rows: list[tuple[str, str]], garbage: bytes, values_json: list[bytes]
+) -> None:
     folder = tmp_path_factory.mktemp("fuzz")
     # A CSV written by a correct writer reads back exactly: every value, every row.
     written = folder / "valid.csv"
@@ -179,6 +187,13 @@ def test_files_fuzz(tmp_path_factory: Any, rows: list[tuple[str, str]], garbage:
             read_files(target)
         except FaucetError as exc:
             assert exc.where is not None and str(target) in exc.where
+    for index, value in enumerate(values_json):
+        shaped = folder / f"shaped{index}.jsonl"
+        shaped.write_bytes(value)
+        try:
+            read_files(shaped)
+        except FaucetError as exc:
+            assert exc.where is not None and str(shaped) in exc.where
     lines = folder / "lines.jsonl"
     values = [json.dumps({"a": a, "b": b}) for a, b in rows]
     lines.write_text("\n".join(values) + "\n")

@@ -119,13 +119,14 @@ def test_nats_deep_json_and_invalid_utf8_are_dead_letters_with_their_sequence(
 ) -> None:
     stream = unique_name("S")
     bad_utf8 = b'{"id": 3, "name": "caf\xe9"}'
-    payloads = [b'{"id": 1, "name": "a"}', DEEP, bad_utf8, b'{"id": 4, "name": "b"}']
+    payloads = [b'{"id": 1, "name": "a"}', DEEP, bad_utf8, b'{"id": 4, "name": "b"}', b"nullx", b" null"]
     asyncio.run(publish_nats(nats_url, stream, payloads))
     cfg = NatsSourceConfig(servers=(nats_url,), stream=stream, columns=columns, on_malformed="dead_letter")
     sink = asyncio.run(read_nats(cfg))
     assert [(position, row["id"]) for position, row in sink.rows] == [("1", 1), ("4", 4)]
     reasons = {record.identity.position: record.reason for record in sink.rejected}
-    assert set(reasons) == {"2", "3"}
+    assert set(reasons) == {"2", "3", "5", "6"}
+    assert "not JSON" in reasons["5"] and "not an object" in reasons["6"]
     assert "nested too deeply" in reasons["2"]
     assert "UTF-8" in reasons["3"] or "utf-8" in reasons["3"]
     halting = NatsSourceConfig(servers=(nats_url,), stream=stream, columns=columns, durable="halting")
@@ -186,3 +187,12 @@ def test_csv_bytes_not_in_its_encoding_are_a_data_error_naming_file_row_and_colu
     # A column declared binary keeps its bytes.
     assert read_files(path, column_types={"name": "binary"})[2]["name"] == b"caf\xe9"
     assert json.dumps(read_files(path, csv={"encoding": "latin-1"}))  # plain text after decoding
+
+
+@pytest.mark.parametrize("first", [b"null", b"  null,", b"nullx"])
+def test_a_jsonl_file_starting_with_null_is_a_data_error_not_a_crash(tmp_path: Path, first: bytes) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"\n\n" + first + b'\n{"id": 1}\n')
+    with pytest.raises(DataError, match="starts with null") as caught:
+        read_files(path)
+    assert caught.value.where == f"{path} @ line 3"

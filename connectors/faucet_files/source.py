@@ -38,7 +38,6 @@ type) raises DataError naming the file and the row it was reading near.
 import asyncio
 import glob
 import inspect
-import io
 import os
 import re
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
@@ -361,6 +360,8 @@ class FilesSource(Source):
                 if entry.format == "csv":
                     self._check_text(batch, entry, seen)
                     last = batch if rows else last
+                elif entry.format == "jsonl":
+                    _check_utf8(batch)
                 if seen + rows <= start_row:
                     seen += rows
                     continue
@@ -445,8 +446,9 @@ class FilesSource(Source):
         """A pyarrow streaming reader (CSV or JSON Lines) over an open input stream."""
         if entry.format == "jsonl":
             schema = pa.schema(list(self._types.items())) if self._types else None
+            _check_first_value(entry.path)
             return pa_json.open_json(
-                _NoNullLines(stream, entry.path),
+                stream,
                 read_options=pa_json.ReadOptions(block_size=self.config.block_size),
                 parse_options=pa_json.ParseOptions(explicit_schema=schema),
             )
@@ -533,44 +535,57 @@ def _combine_files(batches: list[pa.RecordBatch], where: str) -> pa.RecordBatch:
     return table.combine_chunks().to_batches()[0]
 
 
-class _NoNullLines(io.RawIOBase):
-    """A JSON Lines stream passed through to pyarrow, refusing a line that is a bare ``null``.
-
-    pyarrow's JSON reader crashes the process on a leading ``null`` (pyarrow 26) and reads a later one
-    as a row of nulls, so such a line must never reach it: ``read`` raises DataError naming the line.
-    Only complete lines are checked; the unfinished last line of a chunk is carried (reduced to the
-    part that could still be a ``null``) into the next.
-    """
-
-    def __init__(self, stream: Any, path: str) -> None:
-        self._stream = stream
-        self._path = path
-        self._carry = b""
-        self._lines = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        data: bytes = self._stream.read(size)
-        text = self._carry + data
-        complete, newline, rest = text.rpartition(b"\n") if data else (text, b"\n", b"")
-        if newline:
-            found = _NULL_LINE.search(complete + b"\n")
-            if found is not None:
-                line = self._lines + complete.count(b"\n", 0, found.start()) + 1
-                raise DataError(
-                    f"{self._path!r} line {line} is JSON null, not an object",
-                    where=f"{self._path} @ line {line}",
-                    details={"file": self._path, "line": str(line)},
-                )
-            self._lines += complete.count(b"\n") + 1
-        stripped = rest.strip(b" \t\r")
-        self._carry = stripped if b"null".startswith(stripped) else b"x"
-        return data
+_VALIDATED_DEPTH = 64
+"""Columns nested deeper are not checked: Arrow's full validation recurses (and crashes near 10,000)."""
 
 
-_NULL_LINE = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*\n")
+def _check_utf8(batch: pa.RecordBatch) -> None:
+    """ArrowInvalid (a DataError naming the file and row, for the caller) when a string in ``batch``
+    is not UTF-8: Arrow's JSON reader copies string bytes without checking them, so they would reach
+    the sink."""
+    for column in batch.columns:
+        if _has_text(column.type, _VALIDATED_DEPTH):
+            column.validate(full=True)
+
+
+def _has_text(kind: pa.DataType, depth: int) -> bool:
+    """True when ``kind`` holds strings at most ``depth`` levels down."""
+    while depth > 0:
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            return True
+        if pa.types.is_struct(kind):
+            return any(_has_text(kind.field(i).type, depth - 1) for i in range(kind.num_fields))
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            return False
+        kind, depth = kind.value_type, depth - 1
+    return False
+
+
+def _check_first_value(path: str) -> None:
+    """DataError when the first value of a JSON Lines file starts with ``null`` (``null``, ``null,``,
+    ``nullx``...): pyarrow's JSON reader crashes the process on one (pyarrow 26). (A later bare
+    ``null`` line reads as an empty object.)"""
+    text = b""
+    with pa.input_stream(path, compression="detect") as stream:
+        while True:
+            chunk = stream.read(1 << 16)
+            text += chunk
+            start = len(text) - len(text.lstrip(_JSON_SPACE))
+            if chunk and len(text) - start < 4:
+                # Only whitespace so far (or too little to tell): read on, keeping its newlines.
+                text = b"\n" * text.count(b"\n", 0, start) + text[start:]
+                continue
+            break
+    if text[start : start + 4] == b"null":
+        line = text.count(b"\n", 0, start) + 1
+        raise DataError(
+            f"{path!r} line {line} starts with null: not a JSON object",
+            where=f"{path} @ line {line}",
+            details={"file": path, "line": str(line)},
+        )
+
+
+_JSON_SPACE = b" \t\r\n"
 
 
 def _tail(path: str, size: int) -> bytes:

@@ -69,7 +69,7 @@ class Decoder:
         for index in _null_payloads(payloads):
             if start < index:
                 self._parse(payloads, start, index, runs)
-            runs.append(Run(index, index + 1, None, "the payload is JSON null, not an object"))
+            runs.append(Run(index, index + 1, None, _malformed_reason(payloads[index], "not an object")))
             start = index + 1
         if start < len(payloads):
             self._parse(payloads, start, len(payloads), runs)
@@ -128,9 +128,14 @@ def _header_items(headers: Mapping[str, str]) -> list[dict[str, str]]:
 
 
 def _null_payloads(payloads: list[bytes]) -> list[int]:
-    """The indices of payloads that are a bare JSON ``null``. Arrow's JSON reader must never see one:
-    it crashes the process on a leading ``null`` (pyarrow 26) and reads a later one as a row of nulls."""
-    return [index for index, payload in enumerate(payloads) if payload.strip(_JSON_SPACE) == b"null"]
+    """The indices of payloads whose value starts with ``null`` (``null``, ``null,``, ``nullx``...).
+    Arrow's JSON reader must never see one: it crashes the process on a leading one (pyarrow 26) and
+    reads a later bare ``null`` as a row of nulls."""
+    return [
+        index
+        for index, payload in enumerate(payloads)
+        if not payload.startswith(b"{") and payload.lstrip(_JSON_SPACE).startswith(b"null")
+    ]
 
 
 def _malformed_reason(payload: bytes, arrow_error: str) -> str:
