@@ -145,4 +145,3 @@ def test_a_corrupt_sqlite_state_store_is_a_config_error_naming_the_file(tmp_path
     assert not caught.value.retryable
     assert str(path) in caught.value.message and "corrupt" in caught.value.message
     assert "backup" in caught.value.message
-
