@@ -19,7 +19,7 @@ from test_hostile_nats_auth import NatsServerWithUsers
 
 from faucet_dagster.assets import FaucetSync, faucet_sync_assets
 from faucet_dagster.cli import main
-from faucet_dagster.protocol import FaucetError
+from faucet_dagster.protocol import ConfigError, FaucetError
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.testing import NatsServer
@@ -107,7 +107,12 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
     instance = dg.DagsterInstance.get()
     try:
         for name, sink in syncs.items():
-            assets = faucet_sync_assets([FaucetSync(name, source=files, sink=sink)])
+            try:
+                assets = faucet_sync_assets([FaucetSync(name, source=files, sink=sink)])
+            except ConfigError as exc:  # refused when the definitions load (a URL credential)
+                assert name in ("query", "pg_query", "sslpassword"), name
+                texts.append(f"{exc} {exc.where}")
+                continue
             result = dg.materialize(assets, instance=instance, raise_on_error=False)
             assert result.success is (name == "token"), name
             for event in result.all_events:
