@@ -8,6 +8,7 @@ or described by their capabilities directly, from flags or a YAML file. Exit cod
 import argparse
 import importlib
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -187,10 +188,24 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}", where=str(path)) from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}", where=str(path)) from exc
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}", where=str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping", where=str(path))
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong with a YAML text and where (line and column), never the text itself: PyYAML's
+    own message quotes the offending line, which may hold a secret."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        # A problem may quote content (an undefined alias, an unknown tag): keep only quoted tokens of
+        # one character or PyYAML's <token names>.
+        problem = re.sub(r"'(?!<)[^']{2,}'", "'...'", exc.problem or exc.context or "malformed")
+        if mark is not None:
+            return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+        return problem
+    return type(exc).__name__
 
 
 def _merge_flags(pair: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -206,7 +221,7 @@ def _merge_flags(pair: Mapping[str, Any], args: argparse.Namespace) -> dict[str,
         for assignment in getattr(args, f"set_{side}"):
             field, sep, value = assignment.partition("=")
             if not sep:
-                raise ConfigError(f"--set-{side} takes FIELD=VALUE, got {assignment!r}")
+                raise ConfigError(f"--set-{side} takes FIELD=VALUE, got no '=' in it")
             spec.setdefault("capabilities", {})[field.strip()] = _parse_flag_value(value)
         merged[side] = spec
     for option in ("mode", "policy", "delivery"):
@@ -220,7 +235,10 @@ def _merge_flags(pair: Mapping[str, Any], args: argparse.Namespace) -> dict[str,
 
 
 def _parse_flag_value(value: str) -> Any:
-    parsed = yaml.safe_load(value) if value else ""
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"a --set value is not valid YAML: {yaml_problem(exc)}") from None
     if isinstance(parsed, str) and "," in parsed:
         return [part.strip() for part in parsed.split(",") if part.strip()]
     return parsed

@@ -62,6 +62,14 @@ class KafkaSourceConfig(ConnectorConfig):
     client_properties: dict[str, str] = Field(default_factory=dict)
     """Extra librdkafka properties (``fetch.max.bytes``...); the enforced ones cannot be overridden."""
 
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _no_credentials(cls, servers: str) -> str:
+        # host:port pairs never carry credentials; a user:password@ would be printed in every `where`.
+        if "@" in servers:
+            raise ValueError("bootstrap servers must not carry credentials: put them in auth")
+        return servers
+
     @field_validator("topics")
     @classmethod
     def _distinct_topics(cls, topics: tuple[str, ...]) -> tuple[str, ...]:

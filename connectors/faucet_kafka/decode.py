@@ -80,6 +80,9 @@ def _decode_json(messages: Sequence[Message]) -> Decoded:
         except (ValueError, UnicodeDecodeError) as exc:
             malformed.append(Malformed(index, f"the value is not JSON: {exc}"))
             continue
+        except RecursionError:
+            malformed.append(Malformed(index, "the value is JSON nested too deeply to decode"))
+            continue
         if type(row) is not dict:
             malformed.append(Malformed(index, f"the value is JSON {type(row).__name__}, not an object"))
             continue

@@ -20,6 +20,8 @@ from faucet_nats.config import HEADER_TYPE, RAW_SCHEMA, NatsSourceConfig
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 _NANOS = pa.timestamp("ns", tz="UTC")
 _STAMP = pa.timestamp("us", tz="UTC")
+_JSON_SPACE = b" \t\r\n"
+_TOO_DEEP = "the payload is JSON nested too deeply to decode"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,14 @@ class Decoder:
         if self._schema is None:
             return _json_objects(payloads)
         runs: list[Run] = []
-        self._parse(payloads, 0, len(payloads), runs)
+        start = 0
+        for index in _null_payloads(payloads):
+            if start < index:
+                self._parse(payloads, start, index, runs)
+            runs.append(Run(index, index + 1, None, _malformed_reason(payloads[index], "not an object")))
+            start = index + 1
+        if start < len(payloads):
+            self._parse(payloads, start, len(payloads), runs)
         return runs
 
     def _parse(self, payloads: list[bytes], start: int, stop: int, runs: list[Run]) -> None:
@@ -83,6 +92,12 @@ class Decoder:
         """The payloads as one batch of the declared schema, or why they are not (one row each)."""
         assert self._schema is not None
         data = b"\n".join(payloads)
+        try:
+            # Arrow's JSON reader copies string bytes without checking them: invalid UTF-8 would reach
+            # the sink inside a string column. One C-speed pass over the run refuses it here.
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"the payload is not UTF-8: {exc.reason}"
         options = self._one_line if data.count(b"\n") == len(payloads) - 1 else self._many_lines
         try:
             table = pa_json.read_json(pa.BufferReader(data), self._read_options, options)
@@ -112,12 +127,25 @@ def _header_items(headers: Mapping[str, str]) -> list[dict[str, str]]:
     return [{"key": key, "value": value} for key, value in headers.items()]
 
 
+def _null_payloads(payloads: list[bytes]) -> list[int]:
+    """The indices of payloads whose value starts with ``null`` (``null``, ``null,``, ``nullx``...).
+    Arrow's JSON reader must never see one: it crashes the process on a leading one (pyarrow 26) and
+    reads a later bare ``null`` as a row of nulls."""
+    return [
+        index
+        for index, payload in enumerate(payloads)
+        if not payload.startswith(b"{") and payload.lstrip(_JSON_SPACE).startswith(b"null")
+    ]
+
+
 def _malformed_reason(payload: bytes, arrow_error: str) -> str:
     """Why one payload is not a row of the declared columns, in the words a user acts on."""
     try:
         value = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as exc:
         return f"the payload is not JSON: {exc}"
+    except RecursionError:
+        return _TOO_DEEP
     if type(value) is not dict:
         return f"the payload is JSON {type(value).__name__}, not an object"
     return f"the payload does not fit the declared columns: {arrow_error}"
@@ -134,6 +162,8 @@ def _json_objects(payloads: list[bytes]) -> list[Run]:
             value = loads(payload)
         except (ValueError, UnicodeDecodeError) as exc:
             reason = f"the payload is not JSON: {exc}"
+        except RecursionError:
+            reason = _TOO_DEEP
         else:
             if type(value) is dict:
                 rows.append(value)

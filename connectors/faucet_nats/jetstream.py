@@ -94,10 +94,15 @@ def describe_servers(config: NatsConnectionConfig) -> str:
 async def connect(config: NatsConnectionConfig, *, where: str) -> Client:
     """Connect to the configured servers; AuthError or ConnectionFailed name the servers, not secrets."""
 
-    async def quiet(_: Exception) -> None:
+    refused: list[bool] = []
+
+    async def quiet(exc: Exception) -> None:
         # Asynchronous client errors (a dropped connection it then re-establishes) are seen by the
-        # callers as request failures or delivery gaps; the default callback would only log them.
-        return None
+        # callers as request failures or delivery gaps; the default callback would only log them. One
+        # kind is remembered: the server's "Authorization Violation", which nats-py reports here and
+        # then, after its retries, hides behind NoServersError.
+        if not refused and _is_authorization_violation(exc):
+            refused.append(True)
 
     options: dict[str, Any] = {}
     auth = config.auth
@@ -122,10 +127,27 @@ async def connect(config: NatsConnectionConfig, *, where: str) -> Client:
     except nats.errors.AuthorizationError as exc:
         raise AuthError(f"NATS refused the credentials at {describe_servers(config)}", where=where) from exc
     except (nats.errors.Error, OSError, TimeoutError) as exc:
+        if refused:
+            raise AuthError(
+                f"NATS refused the credentials at {describe_servers(config)} (Authorization Violation): "
+                "check auth",
+                where=where,
+            ) from exc
         raise ConnectionFailed(
             f"cannot connect to NATS at {describe_servers(config)}: {type(exc).__name__}", where=where
         ) from exc
     return client
+
+
+def _is_authorization_violation(exc: Exception) -> bool:
+    """True for the server refusing the credentials (nats-py raises it as a plain ``nats.errors.Error``
+    carrying the server's ``-ERR 'Authorization Violation'`` while connecting)."""
+    if isinstance(exc, nats.errors.AuthorizationError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.Error) and (
+        "authorization violation" in text or "authentication expired" in text
+    )
 
 
 class JetStreamApi:

@@ -39,6 +39,7 @@ from faucet_dagster.protocol import (
     DataError,
     FaucetError,
     SchemaError,
+    postgres_identifier_problem,
 )
 from faucet_postgres.config import PostgresConnection
 
@@ -153,8 +154,25 @@ def row_error_reason(exc: BaseException) -> str:
 
 
 def table_name(schema: str, table: str) -> "sql.Identifier":
-    """``"schema"."table"``, quoted by psycopg whatever characters the names hold."""
+    """``"schema"."table"``, quoted by psycopg whatever characters the names hold.
+
+    A name PostgreSQL would truncate (more than 63 bytes: a table named after a long topic) raises
+    ConfigError: the truncated name could be another table."""
+    for name in (schema, table):
+        problem = postgres_identifier_problem(name)
+        if problem:
+            raise ConfigError(problem, where=f"{schema}.{table}")
     return sql.Identifier(schema, table)
+
+
+def column_identifiers(fields: Sequence[pa.Field], *, where: str) -> list["sql.Identifier"]:
+    """The quoted names of columns created from data; SchemaError for a name PostgreSQL would
+    truncate (more than 63 bytes), which would then not match the data's column."""
+    for field in fields:
+        problem = postgres_identifier_problem(field.name)
+        if problem:
+            raise SchemaError(f"a column of the data cannot be created: {problem}", where=where)
+    return [sql.Identifier(field.name) for field in fields]
 
 
 @dataclass(frozen=True)
@@ -230,8 +248,10 @@ async def create_table(
     key: Sequence[str] = (),
 ) -> dict[str, PgColumn]:
     """``CREATE TABLE IF NOT EXISTS`` from an Arrow schema (``key`` as primary key); returns its columns."""
+    names = column_identifiers(list(arrow_schema), where=f"{schema}.{table}")
     columns = [
-        sql.SQL("{} {}").format(sql.Identifier(field.name), pg_type(field.type)) for field in arrow_schema
+        sql.SQL("{} {}").format(name, pg_type(field.type))
+        for name, field in zip(names, arrow_schema, strict=True)
     ]
     if key:
         columns.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key))))
@@ -249,10 +269,11 @@ async def add_columns(
     conn: "psycopg.AsyncConnection[Any]", schema: str, table: str, fields: Sequence[pa.Field]
 ) -> dict[str, PgColumn]:
     """``ALTER TABLE ... ADD COLUMN IF NOT EXISTS`` for every field (idempotent); returns the columns."""
-    for field in fields:
+    names = column_identifiers(fields, where=f"{schema}.{table}")
+    for name, field in zip(names, fields, strict=True):
         await conn.execute(
             sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
-                table_name(schema, table), sql.Identifier(field.name), pg_type(field.type)
+                table_name(schema, table), name, pg_type(field.type)
             )
         )
     columns = await table_columns(conn, schema, table)

@@ -8,10 +8,19 @@ from urllib.parse import quote
 
 from pydantic import Field, field_validator, model_validator
 
-from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth, TokenAuth, UserPasswordAuth
+from faucet_dagster.protocol import (
+    Auth,
+    ConnectorConfig,
+    NoAuth,
+    TokenAuth,
+    UserPasswordAuth,
+    postgres_identifier_problem,
+)
 
 SSLMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
 PostgresWriteMode = Literal["append", "upsert", "replace", "delete", "apply_changes"]
+_SECRET_PARAMETERS = ("password", "sslpassword")
+"""libpq parameters whose value is a secret (sslpassword: the client key's passphrase)."""
 _MAX_TIMEOUT = 2_147_483.0
 """The largest server timeout in seconds (the server keeps milliseconds in an int32)."""
 
@@ -19,6 +28,14 @@ _MAX_TIMEOUT = 2_147_483.0
 def _milliseconds(seconds: float) -> str:
     """A timeout in whole milliseconds for the server: a positive one never rounds down to 0 (off)."""
     return str(max(1, round(seconds * 1000)) if seconds > 0 else 0)
+
+
+def refuse_truncated(names: list[str]) -> None:
+    """ValueError naming the first of ``names`` PostgreSQL would truncate (more than 63 bytes)."""
+    for name in names:
+        problem = postgres_identifier_problem(name)
+        if problem:
+            raise ValueError(problem)
 
 
 class PostgresConnection(ConnectorConfig):
@@ -55,8 +72,12 @@ class PostgresConnection(ConnectorConfig):
         except ProgrammingError:
             # Never echo the URL: it might hold a secret.
             raise ValueError("not a PostgreSQL connection URL") from None
-        if parts.get("password"):
-            raise ValueError("the URL holds a password; put credentials in auth (user_password)")
+        secrets = [name for name in _SECRET_PARAMETERS if parts.get(name)]
+        if secrets:
+            raise ValueError(
+                f"the URL holds a secret ({', '.join(secrets)}); put credentials in auth (user_password "
+                "or token), whose secrets never reach logs, errors or metadata"
+            )
         return url
 
     @model_validator(mode="after")
@@ -110,6 +131,16 @@ class PostgresTable(PostgresConnection):
     table: str = Field(min_length=1)
     schema_name: str | None = None
 
+    def configured_names(self) -> list[str]:
+        """Every identifier this config names (tables, schemas, columns), checked against PostgreSQL's
+        63-byte limit at validation: a longer one would silently name another table or column."""
+        return [self.table, *([self.schema_name] if self.schema_name else [])]
+
+    @model_validator(mode="after")
+    def _names_kept(self) -> Self:
+        refuse_truncated(self.configured_names())
+        return self
+
     def table_uri(self) -> str:
         """``postgresql://user@host:port/database/schema.table`` (schema when configured), no secret."""
         schema = f"{self.schema_name}." if self.schema_name else ""
@@ -132,6 +163,14 @@ class PostgresSourceConfig(PostgresTable):
         default=50_000, ge=1, description="Rows fetched from the server-side cursor per round trip."
     )
 
+    def configured_names(self) -> list[str]:
+        return [
+            *super().configured_names(),
+            *([self.cursor] if self.cursor else []),
+            *self.key,
+            *(self.columns or []),
+        ]
+
 
 class PostgresSinkConfig(PostgresTable):
     """A table written by ``mode``: append (COPY), upsert or delete (by ``key``, through a staging
@@ -153,6 +192,9 @@ class PostgresSinkConfig(PostgresTable):
     sync_id: str | None = Field(default=None, min_length=1)
     watermark_table: str = Field(default="_faucet_watermarks", min_length=1)
     copy_format: Literal["auto", "csv"] = "auto"
+
+    def configured_names(self) -> list[str]:
+        return [*super().configured_names(), *self.key, self.watermark_table]
 
     @model_validator(mode="after")
     def _key_for_keyed_modes(self) -> Self:
@@ -211,6 +253,19 @@ class PostgresStreamingSinkConfig(PostgresConnection):
             "sink's statements inside an epoch."
         ),
     )
+
+    @model_validator(mode="after")
+    def _names_kept(self) -> Self:
+        refuse_truncated(
+            [
+                *([self.table] if self.table else []),
+                *self.tables.values(),
+                *(name for name in (self.schema_name, self.state_schema_name, self.version_column) if name),
+                self.epochs_table,
+                self.watermarks_table,
+            ]
+        )
+        return self
 
     def timeout_settings(self) -> dict[str, str]:
         """The session settings of the two timeouts, in milliseconds (``"0"``: off)."""

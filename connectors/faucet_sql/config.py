@@ -1,24 +1,59 @@
 """Configs of the SQL (SQLAlchemy) source and sink. Only pydantic and the protocol are imported here.
 
-The database is a SQLAlchemy URL without a password (``sqlite:///data/warehouse.db``,
-``postgresql://app@db.example.com/shop``); credentials go in ``auth`` (``user_password``), so the
-password is a ``SecretStr`` that never reaches logs, metadata or errors. A ``postgresql://`` URL
-without a driver uses psycopg 3.
+The database is a SQLAlchemy URL without credentials (``sqlite:///data/warehouse.db``,
+``postgresql://app@db.example.com/shop``): neither a password in it nor a query parameter carrying one
+(``?password=``, ``?sslpassword=``...); credentials go in ``auth`` (``user_password``), so the password
+is a ``SecretStr`` that never reaches logs, metadata or errors. A ``postgresql://`` URL without a
+driver uses psycopg 3. Table, schema and column names the database would truncate (PostgreSQL: more
+than 63 bytes; others: SQLAlchemy's dialect limit) are refused here, naming them.
 """
 
+import functools
 from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth, UserPasswordAuth
+from faucet_dagster.protocol import (
+    POSTGRES_MAX_IDENTIFIER_BYTES,
+    Auth,
+    ConnectorConfig,
+    NoAuth,
+    UserPasswordAuth,
+    identifier_too_long,
+    refuse_url_credentials,
+)
 
 SqlWriteMode = Literal["append", "upsert", "replace"]
+
+
+_KNOWN_CHARACTER_LIMITS = {"mysql": 64, "mariadb": 64, "mssql": 128, "oracle": 128}
+"""Servers' identifier limits where SQLAlchemy's dialect class states a looser one until it connects."""
+
+
+@functools.lru_cache(maxsize=64)
+def _identifier_limit(url: str) -> tuple[int | None, int | None, str]:
+    """``(max_bytes, max_chars, database)`` of the identifiers of ``url``'s dialect: PostgreSQL counts
+    bytes (63); others SQLAlchemy's dialect limit in characters (none for an unknown dialect)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import NoSuchModuleError
+
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        return POSTGRES_MAX_IDENTIFIER_BYTES, None, "PostgreSQL"
+    if backend in _KNOWN_CHARACTER_LIMITS:
+        return None, _KNOWN_CHARACTER_LIMITS[backend], backend
+    try:
+        limit = parsed.get_dialect().max_identifier_length
+    except NoSuchModuleError:
+        return None, None, backend  # create_engine reports the unknown dialect, with the URL's safe form
+    return None, int(limit) if limit else None, backend
 
 
 class SqlConnection(ConnectorConfig):
     """Where the database is: a SQLAlchemy URL without a password, plus the adjacently tagged auth."""
 
-    url: str = Field(min_length=1, description="SQLAlchemy URL without a password.")
+    url: str = Field(min_length=1, description="SQLAlchemy URL without credentials.")
     auth: Auth = Field(default_factory=NoAuth, description="none or user_password.")
 
     @field_validator("url")
@@ -29,7 +64,7 @@ class SqlConnection(ConnectorConfig):
 
         try:
             parsed = make_url(url)
-        except ArgumentError:
+        except (ArgumentError, ValueError):
             # Never echo the URL: it might hold a secret.
             raise ValueError("not a SQLAlchemy URL (dialect[+driver]://user@host/database)") from None
         if parsed.password is not None:
@@ -41,7 +76,7 @@ class SqlConnection(ConnectorConfig):
             raise ValueError(
                 f"no SQLAlchemy dialect {parsed.drivername!r} is installed (sqlite, postgresql+psycopg, ...)"
             ) from None
-        return url
+        return refuse_url_credentials(url, auth_hint="auth (user_password)")
 
     @model_validator(mode="after")
     def _supported_auth(self) -> Self:
@@ -55,6 +90,23 @@ class SqlTable(SqlConnection):
 
     table: str = Field(min_length=1)
     schema_name: str | None = None
+
+    def identifier_problem(self, name: str) -> str | None:
+        """Why the database would not keep ``name`` as written (too long), or None."""
+        max_bytes, max_chars, database = _identifier_limit(self.url)
+        return identifier_too_long(name, max_bytes=max_bytes, max_chars=max_chars, database=database)
+
+    def configured_names(self) -> list[str]:
+        """Every identifier this config names (tables, schema, columns)."""
+        return [self.table, *([self.schema_name] if self.schema_name else [])]
+
+    @model_validator(mode="after")
+    def _names_kept(self) -> Self:
+        for name in self.configured_names():
+            problem = self.identifier_problem(name)
+            if problem:
+                raise ValueError(problem)
+        return self
 
 
 class SqlSourceConfig(SqlTable):
@@ -73,6 +125,14 @@ class SqlSourceConfig(SqlTable):
     key: list[str] = Field(default_factory=list)
     columns: list[str] | None = None
     row_values: Literal["auto", "native", "expanded"] = "auto"
+
+    def configured_names(self) -> list[str]:
+        return [
+            *super().configured_names(),
+            *([self.cursor] if self.cursor else []),
+            *self.key,
+            *(self.columns or []),
+        ]
 
 
 class SqlSinkConfig(SqlTable):
@@ -98,6 +158,9 @@ class SqlSinkConfig(SqlTable):
         if any(not column for column in self.key):
             raise ValueError("key columns must not be empty")
         return self
+
+    def configured_names(self) -> list[str]:
+        return [*super().configured_names(), *self.key, self.watermark_table]
 
     def watermark_scope(self) -> str:
         """The ``sync_id`` keying this sink's watermark row."""

@@ -54,8 +54,8 @@ class Database:
 
     @property
     def safe_url(self) -> str:
-        """The URL without credentials, for messages and dataset URIs."""
-        shown = make_url(self.config.url)
+        """The URL without credentials nor query (driver options), for messages and dataset URIs."""
+        shown = make_url(self.config.url).set(query={})
         if isinstance(self.config.auth, UserPasswordAuth):
             shown = shown.set(username=self.config.auth.config.username)
         return shown.render_as_string(hide_password=True)

@@ -269,6 +269,7 @@ class SqlSink(Sink):
 
     def _prepare(self, conn: sa.Connection, schema: pa.Schema) -> sa.Table:
         """The table ``schema``'s rows go to, created or evolved inside the caller's transaction."""
+        self._check_column_names(schema.names)
         if self.mode is WritePolicy.REPLACE and not self._staged:
             table = self._create_stage(conn, schema)
         else:
@@ -350,7 +351,17 @@ class SqlSink(Sink):
             return None
         return self._create(conn, self._stage, [(f.name, sql_type(f.type)) for f in schema])
 
+    def _check_column_names(self, names: Sequence[str]) -> None:
+        """SchemaError for a column of the data the database would not keep as named (too long)."""
+        for name in names:
+            problem = self.config.identifier_problem(name)
+            if problem:
+                raise SchemaError(
+                    f"a column of the records cannot be created: {problem}", where=self.dataset_uri()
+                )
+
     def _add_columns(self, conn: sa.Connection, table: sa.Table, changes: Sequence[AddColumn]) -> sa.Table:
+        self._check_column_names([change.name for change in changes])
         preparer = conn.dialect.identifier_preparer
         for change in changes:
             if change.name in table.c:
@@ -504,9 +515,12 @@ def _column_indexes(conn: sa.Connection, table: sa.Table, where: str) -> list[tu
 
 
 def _ddl(conn: sa.Connection, statement: str) -> None:
-    """Run DDL text built from quoted identifiers. ``sa.DDL`` %-formats its text, so a ``%`` in an
-    identifier is escaped first; the dialect then escapes it again for its driver."""
-    conn.execute(sa.DDL(statement.replace("%", "%%")))  # type: ignore[no-untyped-call]
+    """Run DDL text built from identifiers quoted by the dialect's preparer.
+
+    The preparer already doubles a ``%`` in a name for drivers whose paramstyle is %-based (psycopg,
+    mysqlclient), and those drivers undo it on execution; the text goes to the driver as it is, so a
+    ``%`` is neither lost nor doubled on any driver (``sa.DDL`` would %-format it once more)."""
+    conn.exec_driver_sql(statement)
 
 
 def _last_row_per_key(batch: pa.RecordBatch, key: Sequence[str]) -> pa.RecordBatch:

@@ -21,7 +21,17 @@ import pyarrow.compute as pc
 
 from faucet_dagster.protocol import ConfigError, DataError, schema_from_columns
 
-_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError)
+_ARROW_ERRORS = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    pa.ArrowNotImplementedError,
+    TypeError,
+    ValueError,
+    # An integer beyond int64/uint64, a value nested deeper than the interpreter's stack: a row that
+    # does not fit, named like any other (never an exception that halts the stream without a position).
+    OverflowError,
+    RecursionError,
+)
 
 
 class BadRowPolicy(StrEnum):
@@ -108,8 +118,16 @@ class RowConverter:
         return frozenset(self.spec.key) | {item.name for item in self.schema if not item.nullable}
 
     def convert_rows(self, rows: Sequence[Mapping[str, Any]]) -> Converted:
-        """Convert JSON objects; every row that does not fit is named in ``bad``."""
+        """Convert JSON objects; every row that does not fit is named in ``bad``.
+
+        Without a schema yet, the first row that converts decides it; when none does, every row is
+        named in ``bad`` and the schema stays to be inferred from a later chunk."""
         schema = self.schema if self.schema is not None else self._infer(rows)
+        if schema is None:
+            reason = "no schema can be inferred from it (a value Arrow cannot hold)"
+            return Converted(
+                _empty(pa.schema([])), [], tuple(BadRow(index, reason) for index in range(len(rows)))
+            )
         names = frozenset(schema.names)
         # One C-level pass over the rows: a field outside the schema makes a row not fit.
         if all(map(names.issuperset, rows)):
@@ -170,17 +188,21 @@ class RowConverter:
             kept.append(index)
         return self._then_check_nulls(pa.concat_batches(parts) if parts else _empty(schema), kept, bad)
 
-    def _infer(self, rows: Sequence[Mapping[str, Any]]) -> pa.Schema:
+    def _infer(self, rows: Sequence[Mapping[str, Any]]) -> pa.Schema | None:
+        """The schema of ``rows`` (fixed from now on), or None when no row converts on its own."""
         try:
             inferred = pa.RecordBatch.from_pylist(list(rows)).schema
         except _ARROW_ERRORS:
-            # The chunk disagrees with itself: the first row decides, the others are checked against it.
-            try:
-                inferred = pa.RecordBatch.from_pylist([dict(rows[0])]).schema
-            except _ARROW_ERRORS as exc:
-                raise DataError(
-                    f"cannot infer a schema from the first row: {exc}", where=self.resource
-                ) from exc
+            # The chunk disagrees with itself: the first row that converts decides, the others are
+            # checked against it (and the ones that do not fit are named as bad rows).
+            for row in rows:
+                try:
+                    inferred = pa.RecordBatch.from_pylist([dict(row)]).schema
+                    break
+                except _ARROW_ERRORS:
+                    continue
+            else:
+                return None
         missing = [column for column in self.spec.key if column not in inferred.names]
         if missing:
             raise DataError(

@@ -60,6 +60,11 @@ from faucet_dagster.protocol.errors import (
     UnsupportedOperation,
     Violation,
 )
+from faucet_dagster.protocol.identifiers import (
+    POSTGRES_MAX_IDENTIFIER_BYTES,
+    identifier_too_long,
+    postgres_identifier_problem,
+)
 from faucet_dagster.protocol.keyset import KeysetBookmark, KeysetSource, decode_scalar, encode_scalar
 from faucet_dagster.protocol.paging import PageBuilder
 from faucet_dagster.protocol.positions import (
@@ -117,10 +122,12 @@ from faucet_dagster.protocol.streaming import (
     TransactionEnd,
     WorkerIdentity,
 )
+from faucet_dagster.protocol.urls import refuse_url_credentials, url_credentials
 
 __all__ = [
     "DEFAULT_POLICY_OPERATIONS",
     "OPERATION_COLUMN",
+    "POSTGRES_MAX_IDENTIFIER_BYTES",
     "REDACTED",
     "UNCHANGED_COLUMN",
     "AddColumn",
@@ -213,9 +220,13 @@ __all__ = [
     "default_codec_registry",
     "encode_scalar",
     "get_connector",
+    "identifier_too_long",
     "load_connectors",
+    "postgres_identifier_problem",
     "record_count",
+    "refuse_url_credentials",
     "schema_from_columns",
     "sink_capabilities_from",
     "source_capabilities_from",
+    "url_credentials",
 ]

@@ -35,7 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DatabaseError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
@@ -185,8 +185,12 @@ def default_state_url() -> str:
 def _normalize_url(url: str) -> sa.URL:
     try:
         parsed = sa.make_url(url)
-    except ArgumentError as exc:
-        raise ConfigError(f"the state store URL is not valid: {exc}", where=STATE_URL_ENV) from None
+    except (ArgumentError, ValueError):
+        # Never echo the URL (SQLAlchemy's message does): it might hold a secret.
+        raise ConfigError(
+            "the state store URL is not a SQLAlchemy URL (dialect[+driver]://user@host/database)",
+            where=STATE_URL_ENV,
+        ) from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
@@ -197,14 +201,25 @@ def _normalize_url(url: str) -> sa.URL:
     return parsed
 
 
+_CORRUPT = ("file is not a database", "database disk image is malformed")
+"""How SQLite reports a file that is not (or no longer) a database."""
+
+
+def _corrupt(exc: SQLAlchemyError) -> bool:
+    return isinstance(exc, DatabaseError) and any(text in str(exc) for text in _CORRUPT)
+
+
 class StateStore:
     """Certificates, leases, report marks and dead letters of continuous streams, in one database."""
 
     def __init__(self, url: str | None = None, *, codecs: CodecRegistry | None = None) -> None:
         parsed = _normalize_url(url or default_state_url())
-        self._where = f"state store {parsed.render_as_string(hide_password=True)}"
+        # The store has no auth field: a password may be in the URL (or PGPASSWORD), so every message
+        # shows the URL without it and without the query, where driver options such as sslpassword live.
+        self._where = f"state store {parsed.set(query={}).render_as_string(hide_password=True)}"
         self._codecs = codecs or default_codec_registry()
         self._sqlite = parsed.get_backend_name() == "sqlite"
+        self._path = parsed.database or ""
         if self._sqlite and parsed.database not in (None, "", ":memory:"):
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         self._engine: Engine = sa.create_engine(parsed, pool_pre_ping=not self._sqlite)
@@ -488,6 +503,13 @@ class StateStore:
         try:
             yield
         except SQLAlchemyError as exc:
+            if self._sqlite and _corrupt(exc):
+                raise ConfigError(
+                    f"could not {action}: the state store file {self._path} is corrupt or not a SQLite "
+                    "database; restore it from a backup, or move it aside to start an empty store (the "
+                    "streams' certificates, leases and dead letters would then be gone)",
+                    where=self._where,
+                ) from exc
             raise ConnectionFailed(f"could not {action}: {type(exc).__name__}", where=self._where) from exc
 
     @contextmanager

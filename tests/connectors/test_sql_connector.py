@@ -329,6 +329,31 @@ def test_hostile_table_and_column_names_create_nothing_else(db_url: str, engine:
     assert [page.records.column(column).to_pylist() for page in pages] == [["x"], ["z"]]
 
 
+@pytest.mark.parametrize("mode", ["append", "replace"])
+def test_a_percent_in_table_and_column_names_is_kept_as_written(
+    db_url: str, engine: sa.Engine, mode: str
+) -> None:
+    # psycopg's paramstyle is %-based: SQLAlchemy's preparer doubles a `%` in a name, the driver undoes
+    # it; escaping once more made ADD COLUMN and RENAME create `%%` names (and REPLACE fail).
+    asyncio.run(sync_batches(sink(db_url, table="50%_off", mode=mode), pa.record_batch({"id%": [1]})))
+    wider = pa.record_batch({"id%": [2], "rate%": [0.5]})  # ADD COLUMN, then (replace) the swap
+    asyncio.run(sync_batches(sink(db_url, table="50%_off", mode=mode), wider))
+    assert table_names(engine) == {"50%_off", "_faucet_watermarks"} - (
+        {"_faucet_watermarks"} - table_names(engine)
+    )
+    columns = [column["name"] for column in sa.inspect(engine).get_columns("50%_off")]
+    assert columns == ["id%", "rate%"]
+    expected = [(2, 0.5)] if mode == "replace" else [(1, None), (2, 0.5)]
+    assert rows_of(engine, "50%_off", order_by="id%") == expected
+
+
+async def sync_batches(dst: Sink, *batches: pa.RecordBatch) -> None:
+    for batch in batches:
+        await dst.write_batch(batch)
+    await dst.flush()
+    await dst.finish()
+
+
 async def _collect(src: Source, batch_size: int) -> list[Any]:
     return [page async for page in src.stream_pages({}, batch_size)]
 
