@@ -25,6 +25,16 @@ Failures and interruptions:
 * a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
   lease until an operator runs ``faucet streams release``.
 
+Leases (DESIGN.md section 5): the lease is short (``lease_seconds``, 15 s by default) and a keeper task
+on the runner's event loop renews it every third of that while the runner holds it, between calls
+too, so a worker that dies (kill -9) is taken over within seconds. The keeper also answers a
+hand-over request (a newer worker found the lease live): it interrupts a running read, waits for the
+epoch in progress to end, closes the sessions (everything certified is acknowledged; the rest is
+replayed by the next owner) and releases the lease. A worker that tries to take a live lease asks for
+a hand-over when it started after the holder, and waits a few seconds for it (or for a lease about to
+expire). Fencing tokens only grow, so a holder that lost its lease can neither certify nor
+acknowledge.
+
 A :class:`StreamRunner` keeps its sessions open across calls (sensor ticks), always on one event loop.
 
 The ``fault_point(...)`` lines mark where the fault harness (:mod:`faucet_dagster.testing.faults`)
@@ -32,13 +42,14 @@ crashes or stops a worker; they do nothing unless a fault worker process armed o
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TypeVar
@@ -88,6 +99,13 @@ T = TypeVar("T")
 LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
 DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
+DEFAULT_LEASE_SECONDS = 15.0
+HANDOVER_WAIT_SECONDS = 5.0
+"""How long an epoch waits for a live holder to hand over, or for a lease about to expire."""
+LEASE_POLL_SECONDS = 0.5
+"""How often the keeper looks for a hand-over request (it renews every third of the lease)."""
+MIN_FINISH_RESERVE = 0.5
+"""Seconds of a budget always kept for sealing, committing, certifying and acknowledging."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +114,8 @@ class StreamSpec:
 
     ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
     ``key``). ``limits`` are the per-epoch read targets. ``lease_seconds`` is how long a lease lives
-    without renewal: longer than the gap between two sensor ticks.
+    without renewal (the runner renews it in the background every third of that): how long a
+    worker that died without releasing it holds the stream up.
     """
 
     name: str
@@ -110,7 +129,7 @@ class StreamSpec:
     delivery: Delivery | None = None
     limits: ReadLimits = DEFAULT_EPOCH_LIMITS
     membership: Membership = field(default_factory=Membership)
-    lease_seconds: float = 120.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
 
     @property
@@ -161,6 +180,9 @@ class StreamRunner:
 
     Not thread-safe: one caller at a time, always on the same event loop (the sessions' clients are
     bound to it). ``cancel`` is the exception: any thread may call it to interrupt the current read.
+    Epochs and :meth:`close` are serialized on the loop with the lease keeper, which hands the stream
+    over between two epochs. ``started`` (seconds since 1970, default: now) orders workers for
+    hand-overs: a runner created later takes a stream over from a live earlier one.
     """
 
     def __init__(
@@ -170,10 +192,12 @@ class StreamRunner:
         *,
         worker_id: str | None = None,
         dead_letters: DeadLetterRoute | None = None,
+        started: float | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
         self.worker_id = worker_id or default_worker_id()
+        self.started = time.time() if started is None else started
         self.plan: Plan = plan(
             spec.source.capabilities(),
             spec.sink.capabilities(),
@@ -207,6 +231,10 @@ class StreamRunner:
         self.cut_short: CutShort | None = None
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
         (None: no epoch of that call was cut short)."""
+        self._keeper: asyncio.Task[None] | None = None
+        self._serial: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._finish_seconds = 0.0
+        """The slowest recent seal-to-acknowledgement time (decaying): what a budget keeps for it."""
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
@@ -221,12 +249,16 @@ class StreamRunner:
     async def run_epochs(self, budget_seconds: float) -> list[EpochCertificate]:
         """Run epochs until ``budget_seconds`` are spent or the source has nothing new.
 
-        Each epoch's read targets end early enough to commit within the budget; a read still going
-        at the budget's end is cancelled (that epoch is aborted). Returns the certificates, in order.
-        Raises the first failure (certificates persisted before it stay persisted).
+        Reads end early enough for the seal, commit, certificate and acknowledgement to fit in the
+        budget too: the time kept for them is twice the slowest recent one (at least
+        ``MIN_FINISH_RESERVE``, at most half the budget). A read still going when its time is up is
+        cancelled (that epoch is aborted and :attr:`cut_short` says so if it had read rows). Returns
+        the certificates, in order. Raises the first failure (certificates persisted before it stay
+        persisted).
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget_seconds
+        reserve = min(budget_seconds / 2, max(MIN_FINISH_RESERVE, 2 * self._finish_seconds))
+        deadline = loop.time() + budget_seconds - reserve
         certificates: list[EpochCertificate] = []
         self.cut_short = None
         while True:
@@ -251,16 +283,21 @@ class StreamRunner:
     ) -> EpochCertificate | None:
         """Run one epoch in the commit order; return its certificate, or None when nothing was certified.
 
-        None means the source had nothing new, or the read was cancelled (``cancel`` or ``deadline``,
-        a time on the running loop's clock), and the epoch was aborted. Every failure is raised after
-        the epoch was aborted and rewound (before the commit) or the sessions dropped (after it).
+        None means the source had nothing new, or the read was cancelled (``cancel``, ``deadline``, a
+        time on the running loop's clock, or a hand-over), and the epoch was aborted. Every failure
+        is raised after the epoch was aborted and rewound (before the commit) or the sessions dropped
+        (after it). ``deadline`` also bounds the wait for a hand-over.
         """
-        limits = limits or self.spec.limits
+        async with self._serialized():
+            return await self._run_epoch(limits or self.spec.limits, deadline)
+
+    async def _run_epoch(self, limits: ReadLimits, deadline: float | None) -> EpochCertificate | None:
+        """:meth:`run_epoch`, serialized: the one commit order."""
         timings = _Stopwatch()
         started = time.perf_counter()
 
         # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
-        lease = await self._hold_lease()
+        lease = await self._hold_lease(deadline)
         source_session, sink_session = await self._open_sessions(lease)
         epoch = EpochId(self.spec.name, self._next_sequence, lease.fencing_token)
         timings.lap("lease")
@@ -279,6 +316,7 @@ class StreamRunner:
                 self.cut_short = CutShort(epoch, pipeline.rows_written, time.perf_counter() - started)
             await self._abort(epoch, pipeline, rewind=pipeline.has_evidence)
             return None
+        read_end = time.perf_counter()
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
         timings.lap("read_and_seal")
         lag = await self._source_lag(source_session)
@@ -336,6 +374,8 @@ class StreamRunner:
             raise
 
         # 7. Report: the caller reports certificates from the store (never a precondition of step 6).
+        finish = time.perf_counter() - read_end
+        self._finish_seconds = max(finish, self._finish_seconds * 0.8)
         logger.info(
             "stream %s: certified %s (%s rows)", self.spec.name, epoch, sum(sealed.row_counts.values())
         )
@@ -344,23 +384,40 @@ class StreamRunner:
     async def close(self, *, release: bool = True) -> None:
         """Close the sessions (joining outstanding reads and acknowledgements) and give the lease up.
 
-        A sink close that cannot promise no later effect raises :class:`UncertainOutcome` after the
-        stream was marked uncertain in the store (no automatic takeover); the lease is then kept.
+        Waits for an epoch in progress to end first (interrupt it with :meth:`cancel`). A sink close
+        that cannot promise no later effect raises :class:`UncertainOutcome` after the stream was
+        marked uncertain in the store (no automatic takeover); the lease is then kept.
         """
+        async with self._serialized():
+            await self._close(release=release)
+
+    async def _close(self, *, release: bool) -> None:
         self._cancel_requested = False
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and keeper is not asyncio.current_task():
+            keeper.cancel()
         await self._drop_sessions(None)
         lease, self._lease = self._lease, None
         if release and lease is not None:
             await asyncio.to_thread(self.store.release_lease, lease)
 
-    # -- the steps ------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _serialized(self) -> AsyncIterator[None]:
+        """One epoch, close or hand-over at a time, on the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._serial is None or self._serial[0] is not loop:
+            self._serial = (loop, asyncio.Lock())
+        async with self._serial[1]:
+            yield
 
-    async def _hold_lease(self) -> Lease:
+    # -- the lease --------------------------------------------------------------------------------
+
+    async def _hold_lease(self, deadline: float | None) -> Lease:
+        """The renewed lease, or a new one: taken over from a holder that hands over or whose lease
+        ends before ``deadline`` (at most ``HANDOVER_WAIT_SECONDS`` from now)."""
         try:
             if self._lease is None:
-                self._lease = await asyncio.to_thread(
-                    self.store.acquire_lease, self.spec.name, self.worker_id, self.spec.lease_seconds
-                )
+                self._lease = await self._take_lease(deadline)
             else:
                 self._lease = await asyncio.to_thread(
                     self.store.renew_lease, self._lease, self.spec.lease_seconds
@@ -369,7 +426,84 @@ class StreamRunner:
             self._lease = None
             await self._drop_sessions(exc)
             raise
+        loop = asyncio.get_running_loop()
+        if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
+            self._keeper = loop.create_task(self._keep_lease(), name=f"faucet-lease-{self.spec.name}")
         return self._lease
+
+    async def _take_lease(self, deadline: float | None) -> Lease:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + HANDOVER_WAIT_SECONDS
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while True:
+            result = await asyncio.to_thread(
+                self.store.try_acquire_lease,
+                self.spec.name,
+                self.worker_id,
+                self.spec.lease_seconds,
+                started=self.started,
+            )
+            if isinstance(result, Lease):
+                return result
+            now = loop.time()
+            if not (result.handover_requested or now + result.seconds_left <= give_up) or now >= give_up:
+                raise OwnershipLost(result.describe(), where=self.spec.name)
+            await asyncio.sleep(min(LEASE_POLL_SECONDS, max(0.0, give_up - now)))
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease every third of its time while it is held; answer a hand-over request.
+
+        Runs as a task on the runner's loop from the first lease on. A renewal refused (the lease was
+        lost) interrupts a running read and ends the keeper; the next epoch finds out and drops the
+        sessions. A store that cannot be reached is retried: fencing covers a lease that expires.
+        """
+        renew_every = self.spec.lease_seconds / 3
+        poll = min(LEASE_POLL_SECONDS, renew_every)
+        renewed = time.monotonic()
+        while self._lease is not None:
+            await asyncio.sleep(poll)
+            lease = self._lease
+            if lease is None:
+                return
+            try:
+                requester = await asyncio.to_thread(self.store.handover_requested, lease)
+                if requester is not None:
+                    await self._hand_over(lease, requester)
+                    return
+                if time.monotonic() - renewed >= renew_every and lease is self._lease:
+                    self._lease = await asyncio.to_thread(
+                        self.store.renew_lease, lease, self.spec.lease_seconds
+                    )
+                    renewed = time.monotonic()
+            except OwnershipLost as exc:
+                logger.warning("stream %s: %s", self.spec.name, exc)
+                self._interrupt_read()
+                return
+            except FaucetError as exc:
+                logger.warning("stream %s: the lease could not be renewed, retrying: %s", self.spec.name, exc)
+
+    async def _hand_over(self, lease: Lease, requester: str) -> None:
+        """Stop at a certified position and release ``lease`` for ``requester``."""
+        logger.info("stream %s: handing the stream over to %s", self.spec.name, requester)
+        self._interrupt_read()
+        async with self._serialized():
+            if self._lease is None or self._lease.fencing_token != lease.fencing_token:
+                return
+            self._keeper = None  # this task: _close must not cancel it
+            try:
+                await self._close(release=True)
+            except FaucetError as exc:
+                logger.error("stream %s: closing for the hand-over failed: %s", self.spec.name, exc)
+
+    def _interrupt_read(self) -> None:
+        """Cancel the read in progress, if any (unlike :meth:`cancel`, never the next one)."""
+        with self._cancel_lock:
+            token, loop = self._cancel, self._loop
+            if token is not None and loop is not None:
+                loop.call_soon_threadsafe(token.cancel)
+
+    # -- the steps ------------------------------------------------------------------------------
 
     async def _open_sessions(self, lease: Lease) -> tuple[StreamSession, StreamingSinkSession]:
         """The open sessions for ``lease``'s token; (re)opened at the certified positions if needed.
