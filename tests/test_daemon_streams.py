@@ -282,3 +282,43 @@ def test_a_stream_under_the_daemon_survives_code_server_and_daemon_kills(
         f"longest gaps {[round(g, 1) for g in gaps[:5]]}; latency p50 {p50:.1f}s p95 {p95:.1f}s "
         f"max {latencies[-1]:.1f}s"
     )
+
+
+TICK_THEN_EXIT = PROJECT + '''
+import sys
+
+from faucet_dagster.state import StateStore
+
+with dg.instance_for_test() as instance:
+    sensor = defs.resolve_sensor_def(f"{stream.name}_stream")
+    result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
+    assert result.asset_events, result.skip_reason
+with StateStore(stream.state_url) as store:
+    assert store.status(stream.name)[0].owner is not None  # the cached runner holds the lease
+if sys.argv[1] == "sigterm":  # as `dagster api grpc` treats SIGTERM: an interrupt of the main thread
+    import os, signal, time
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+'''
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigterm"])
+def test_a_process_that_ends_releases_its_leases(
+    deployment: Deployment, nats_url: str, ending: str
+) -> None:
+    publisher = Publisher(nats_url, deployment.stream)
+    publisher.start()
+    deployment.wait_for("published", lambda: len(publisher.sent) > 10, bound=30)
+    script = deployment.dir / "tick_then_exit.py"
+    script.write_text(textwrap.dedent(TICK_THEN_EXIT))
+    done = subprocess.run(
+        [sys.executable, str(script), ending], env=deployment.env, capture_output=True, timeout=BOUND
+    )
+    publisher.stopped.set()
+    publisher.join(30)
+    output = (done.stdout + done.stderr).decode(errors="replace")
+    assert "cannot schedule new futures" not in output, output
+    assert "Traceback" not in output or ending == "sigterm", output
+    status = deployment.store.status(deployment.stream)[0]
+    assert status.owner is None, f"the lease of the ended process is held: {status}\n{output}"
