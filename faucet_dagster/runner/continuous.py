@@ -25,15 +25,11 @@ Failures and interruptions:
 * a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
   lease until an operator runs ``faucet streams release``.
 
-Leases (DESIGN.md section 5): the lease is short (``lease_seconds``, 15 s by default) and a keeper task
-on the runner's event loop renews it every third of that while the runner holds it, between calls
-too, so a worker that dies (kill -9) is taken over within seconds. The keeper also answers a
-hand-over request (a newer worker found the lease live): it interrupts a running read, waits for the
-epoch in progress to end, closes the sessions (everything certified is acknowledged; the rest is
-replayed by the next owner) and releases the lease. A worker that tries to take a live lease asks for
-a hand-over when it started after the holder, and waits a few seconds for it (or for a lease about to
-expire). Fencing tokens only grow, so a holder that lost its lease can neither certify nor
-acknowledge.
+Leases (DESIGN.md section 5, :mod:`.lease`): the lease is short (``lease_seconds``, 15 s by default)
+and renewed in the background while the runner holds it, between calls too, so a worker that dies
+(kill -9) is taken over within seconds. A hand-over request (a newer worker found the lease live)
+interrupts a running read; once the epoch in progress has ended, the sessions are closed (everything
+certified is acknowledged; the rest is replayed by the next owner) and the lease released.
 
 A :class:`StreamRunner` keeps its sessions open across calls (sensor ticks), always on one event loop.
 
@@ -90,6 +86,7 @@ from faucet_dagster.protocol import (
     compare_positions,
 )
 from faucet_dagster.runner.faults import Point, fault_point
+from faucet_dagster.runner.lease import StreamLease
 from faucet_dagster.state import Lease, StateStore
 
 logger = logging.getLogger(__name__)
@@ -100,10 +97,6 @@ LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
 DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
 DEFAULT_LEASE_SECONDS = 15.0
-HANDOVER_WAIT_SECONDS = 5.0
-"""How long an epoch waits for a live holder to hand over, or for a lease about to expire."""
-LEASE_POLL_SECONDS = 0.5
-"""How often the keeper looks for a hand-over request (it renews every third of the lease)."""
 MIN_FINISH_RESERVE = 0.5
 """Seconds of a budget always kept for sealing, committing, certifying and acknowledging."""
 
@@ -217,7 +210,15 @@ class StreamRunner:
             dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
             options=spec.pipeline,
         )
-        self._lease: Lease | None = None
+        self._lease = StreamLease(
+            store,
+            spec.name,
+            self.worker_id,
+            spec.lease_seconds,
+            self.started,
+            on_handover=self._hand_over,
+            on_lost=self._interrupt_read,
+        )
         self._source_session: StreamSession | None = None
         self._sink_session: StreamingSinkSession | None = None
         self._sessions_token: int | None = None
@@ -231,7 +232,6 @@ class StreamRunner:
         self.cut_short: CutShort | None = None
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
         (None: no epoch of that call was cut short)."""
-        self._keeper: asyncio.Task[None] | None = None
         self._serial: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._finish_seconds = 0.0
         """The slowest recent seal-to-acknowledgement time (decaying): what a budget keeps for it."""
@@ -297,7 +297,11 @@ class StreamRunner:
         started = time.perf_counter()
 
         # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
-        lease = await self._hold_lease(deadline)
+        try:
+            lease = await self._lease.hold(deadline)
+        except OwnershipLost as exc:
+            await self._drop_sessions(exc)
+            raise
         source_session, sink_session = await self._open_sessions(lease)
         epoch = EpochId(self.spec.name, self._next_sequence, lease.fencing_token)
         timings.lap("lease")
@@ -393,13 +397,11 @@ class StreamRunner:
 
     async def _close(self, *, release: bool) -> None:
         self._cancel_requested = False
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None and keeper is not asyncio.current_task():
-            keeper.cancel()
         await self._drop_sessions(None)
-        lease, self._lease = self._lease, None
-        if release and lease is not None:
-            await asyncio.to_thread(self.store.release_lease, lease)
+        if release:
+            await self._lease.release()
+        else:
+            self._lease.forget()
 
     @contextlib.asynccontextmanager
     async def _serialized(self) -> AsyncIterator[None]:
@@ -410,87 +412,14 @@ class StreamRunner:
         async with self._serial[1]:
             yield
 
-    # -- the lease --------------------------------------------------------------------------------
-
-    async def _hold_lease(self, deadline: float | None) -> Lease:
-        """The renewed lease, or a new one: taken over from a holder that hands over or whose lease
-        ends before ``deadline`` (at most ``HANDOVER_WAIT_SECONDS`` from now)."""
-        try:
-            if self._lease is None:
-                self._lease = await self._take_lease(deadline)
-            else:
-                self._lease = await asyncio.to_thread(
-                    self.store.renew_lease, self._lease, self.spec.lease_seconds
-                )
-        except OwnershipLost as exc:
-            self._lease = None
-            await self._drop_sessions(exc)
-            raise
-        loop = asyncio.get_running_loop()
-        if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
-            self._keeper = loop.create_task(self._keep_lease(), name=f"faucet-lease-{self.spec.name}")
-        return self._lease
-
-    async def _take_lease(self, deadline: float | None) -> Lease:
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + HANDOVER_WAIT_SECONDS
-        if deadline is not None:
-            give_up = min(give_up, deadline)
-        while True:
-            result = await asyncio.to_thread(
-                self.store.try_acquire_lease,
-                self.spec.name,
-                self.worker_id,
-                self.spec.lease_seconds,
-                started=self.started,
-            )
-            if isinstance(result, Lease):
-                return result
-            now = loop.time()
-            if not (result.handover_requested or now + result.seconds_left <= give_up) or now >= give_up:
-                raise OwnershipLost(result.describe(), where=self.spec.name)
-            await asyncio.sleep(min(LEASE_POLL_SECONDS, max(0.0, give_up - now)))
-
-    async def _keep_lease(self) -> None:
-        """Renew the lease every third of its time while it is held; answer a hand-over request.
-
-        Runs as a task on the runner's loop from the first lease on. A renewal refused (the lease was
-        lost) interrupts a running read and ends the keeper; the next epoch finds out and drops the
-        sessions. A store that cannot be reached is retried: fencing covers a lease that expires.
-        """
-        renew_every = self.spec.lease_seconds / 3
-        poll = min(LEASE_POLL_SECONDS, renew_every)
-        renewed = time.monotonic()
-        while self._lease is not None:
-            await asyncio.sleep(poll)
-            lease = self._lease
-            if lease is None:
-                return
-            try:
-                requester = await asyncio.to_thread(self.store.handover_requested, lease)
-                if requester is not None:
-                    await self._hand_over(lease, requester)
-                    return
-                if time.monotonic() - renewed >= renew_every and lease is self._lease:
-                    self._lease = await asyncio.to_thread(
-                        self.store.renew_lease, lease, self.spec.lease_seconds
-                    )
-                    renewed = time.monotonic()
-            except OwnershipLost as exc:
-                logger.warning("stream %s: %s", self.spec.name, exc)
-                self._interrupt_read()
-                return
-            except FaucetError as exc:
-                logger.warning("stream %s: the lease could not be renewed, retrying: %s", self.spec.name, exc)
-
     async def _hand_over(self, lease: Lease, requester: str) -> None:
-        """Stop at a certified position and release ``lease`` for ``requester``."""
+        """Answer a hand-over request: stop at a certified position and release ``lease``."""
         logger.info("stream %s: handing the stream over to %s", self.spec.name, requester)
         self._interrupt_read()
         async with self._serialized():
-            if self._lease is None or self._lease.fencing_token != lease.fencing_token:
+            current = self._lease.current
+            if current is None or current.fencing_token != lease.fencing_token:
                 return
-            self._keeper = None  # this task: _close must not cancel it
             try:
                 await self._close(release=True)
             except FaucetError as exc:
@@ -622,12 +551,7 @@ class StreamRunner:
 
     async def _authority(self) -> None:
         """The authority a source checks before every provider acknowledgement: the live lease."""
-        lease = self._lease
-        if lease is None:
-            raise OwnershipLost(
-                f"{self.worker_id} holds no lease on {self.spec.name!r}", where=self.spec.name
-            )
-        await asyncio.to_thread(self.store.check_lease, lease)
+        await self._lease.check()
         fault_point(Point.DURING_ACK)
 
     # -- failure handling -----------------------------------------------------------------------
