@@ -204,7 +204,7 @@ def test_the_default_store_is_a_sqlite_file_under_dagster_home(
 
 
 def test_a_newer_worker_asks_the_live_holder_to_hand_over_and_an_older_one_does_not(
-    store: StateStore,
+    store: StateStore, store_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     held = store.acquire_lease("s", "old", 30, started=100.0)
     assert store.handover_requested(held) is None
@@ -217,6 +217,9 @@ def test_a_newer_worker_asks_the_live_holder_to_hand_over_and_an_older_one_does_
     assert isinstance(busy, LeaseBusy) and busy.handover_requested and 29 < busy.seconds_left <= 30
     assert store.handover_requested(held) == "new"
     assert store.status("s")[0].handover_to == "new"
+    capsys.readouterr()
+    assert main(["streams", "status", "s", "--state-url", store_url]) == 0
+    assert "asked to hand over to new" in capsys.readouterr().out
     with pytest.raises(OwnershipLost, match="asked to hand the stream over"):
         store.acquire_lease("s", "new", 30, started=200.0)
     # The holder renews while it closes, then releases; the newer worker takes over, fenced.
