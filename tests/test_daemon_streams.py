@@ -9,9 +9,11 @@ measured (the gaps between certificates, publish -> certified latency) is printe
 """
 
 import asyncio
+import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -36,7 +38,7 @@ CERTIFIED_AGAIN = 30.0
 BOUND = 120.0
 """Generous bound for waiting on any condition (a loaded machine)."""
 
-PROJECT = '''
+PROJECT = """
 import os
 
 import dagster as dg
@@ -65,7 +67,7 @@ stream = FaucetStream(
 defs = build_stream_defs(
     [stream], minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING
 )
-'''
+"""
 
 
 class Publisher(threading.Thread):
@@ -81,7 +83,7 @@ class Publisher(threading.Thread):
     def run(self) -> None:
         try:
             asyncio.run(self._publish())
-        except BaseException as exc:  # reported by the test
+        except BaseException as exc:  # noqa: BLE001 - reported by the test (finish)
             self.error = exc
 
     async def _publish(self) -> None:
@@ -108,16 +110,38 @@ class Deployment:
         self.dir = tmp_path
         self.env = env
         self.daemon: subprocess.Popen[bytes] | None = None
+        self.servers: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         self.store = StateStore(env["T_STATE"])
         self.stream = env["T_STREAM"]
 
-    def start_daemon(self) -> None:
-        log = self.dir / f"daemon{len(self.logs)}.log"
+    def start_daemon(self, *target: str) -> None:
+        """``dagster-daemon run`` on ``target`` (default: ``-f streams.py``, its own code servers)."""
+        self.daemon = self._start("daemon", "dagster-daemon", "run", *(target or ("-f", "streams.py")))
+
+    def start_code_server(self, port: int) -> subprocess.Popen[bytes]:
+        """One separate code server, as ``dagster dev`` and production deployments run it; returns
+        once it accepts connections."""
+        server = self._start("server", "dagster", "api", "grpc", "-f", "streams.py", "-p", str(port))
+        self.servers.append(server)
+
+        def listening() -> bool:
+            assert server.poll() is None, f"the code server exited: {self.tail()}"
+            try:
+                socket.create_connection(("localhost", port), timeout=1).close()
+            except OSError:
+                return False
+            return True
+
+        self.wait_for("the code server listening", listening)
+        return server
+
+    def _start(self, name: str, command: str, *args: str) -> subprocess.Popen[bytes]:
+        log = self.dir / f"{name}{len(self.logs)}.log"
         self.logs.append(log)
         with log.open("wb") as out:
-            self.daemon = subprocess.Popen(
-                [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-f", "streams.py"],
+            return subprocess.Popen(
+                [str(Path(sys.executable).parent / command), *args],
                 cwd=self.dir,
                 env=self.env,
                 stdout=out,
@@ -158,16 +182,54 @@ class Deployment:
         return min(found)
 
     def tail(self) -> str:
-        return "\n".join(log.read_text(errors="replace")[-4000:] for log in self.logs[-1:])
+        return "\n".join(f"{log.name}: {log.read_text(errors='replace')[-3000:]}" for log in self.logs[-2:])
 
     def stop(self) -> None:
-        if self.daemon is not None and self.daemon.poll() is None:
-            self.daemon.send_signal(signal.SIGTERM)
-            try:
-                self.daemon.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.daemon.pid, signal.SIGKILL)
-                self.daemon.wait()
+        """SIGTERM to the daemon, then to the separate code servers (each given a minute)."""
+        for process in [self.daemon, *self.servers]:
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+    def finish(self, publisher: "Publisher", postgres_url: str, figures: str) -> None:
+        """Stop publishing, wait until everything is certified, stop the deployment (SIGTERM), and
+        check: the lease released, every published message in the destination exactly once. Prints
+        ``figures`` with the gaps between certificates and the publish -> certified latency."""
+        publisher.stopped.set()
+        publisher.join(30)
+        assert publisher.error is None, publisher.error
+        last = max(publisher.sent)
+
+        def all_certified() -> bool:
+            certificates = self.certificates()
+            return bool(certificates) and int(certificates[-1].coverage[-1].end) >= last + 1
+
+        self.wait_for("every published message certified", all_certified)
+        self.stop()
+        self.wait_for("the lease released", lambda: self.store.status(self.stream)[0].owner is None, bound=60)
+
+        with psycopg.connect(postgres_url) as conn:
+            ids = [row[0] for row in conn.execute("SELECT id FROM events")]
+        assert len(ids) == len(set(ids)), "duplicates in the destination"
+        assert sorted(ids) == list(range(last + 1)), "messages lost"
+
+        certificates = self.certificates()
+        times = [_created(c) for c in certificates]
+        gaps = sorted((b - a for a, b in itertools.pairwise(times)), reverse=True)
+        ends = [(int(c.coverage[-1].end), _created(c)) for c in certificates]
+        latencies = sorted(
+            next(at for end, at in ends if end >= n + 1) - sent for n, sent in publisher.sent.items()
+        )
+        p50, p95 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.95)]
+        print(
+            f"\n{figures}; {len(ids)} messages, {len(certificates)} certificates; longest gaps "
+            f"{[round(g, 1) for g in gaps[:5]]} s; latency p50 {p50:.1f} s, p95 {p95:.1f} s, "
+            f"max {latencies[-1]:.1f} s"
+        )
 
 
 def _is_code_server(process: psutil.Process) -> bool:
@@ -241,50 +303,64 @@ def test_a_stream_under_the_daemon_survives_code_server_and_daemon_kills(
     daemon_gap = again - killed
     assert daemon_gap <= CERTIFIED_AGAIN, f"certified {daemon_gap:.1f}s after the daemon was killed"
 
-    # Past one replacement of the code server by the daemon (every 60 s), then stop publishing.
+    # Past one replacement of the code server by the daemon (every 60 s): the new server asks the
+    # live old one to hand over.
     deployment.wait_for("a code-server replacement", lambda: time.time() - again > 65, bound=90)
-    publisher.stopped.set()
-    publisher.join(30)
-    assert publisher.error is None, publisher.error
-    last = max(publisher.sent)
-
-    def all_certified() -> bool:
-        certificates = deployment.certificates()
-        return bool(certificates) and int(certificates[-1].coverage[-1].end) >= last + 1
-
-    deployment.wait_for("every published message certified", all_certified)
-
-    # SIGTERM: the daemon stops its code server, which closes the stream and releases the lease.
-    deployment.stop()
-    deployment.wait_for(
-        "the lease released",
-        lambda: deployment.store.status(deployment.stream)[0].owner is None,
-        bound=60,
-    )
-
-    with psycopg.connect(postgres_url) as conn:
-        ids = [row[0] for row in conn.execute("SELECT id FROM events")]
-    assert len(ids) == len(set(ids)), "duplicates in the destination"
-    assert sorted(ids) == list(range(last + 1)), "messages lost"
-
-    certificates = deployment.certificates()
-    times = [_created(c) for c in certificates]
-    gaps = sorted((b - a for a, b in zip(times, times[1:], strict=False)), reverse=True)
-    ends = [(int(c.coverage[-1].end), _created(c)) for c in certificates]
-    latencies = sorted(
-        next(at for end, at in ends if end >= n + 1) - sent for n, sent in publisher.sent.items()
-    )
-    p50, p95 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.95)]
-    print(
-        f"\ndaemon stream: {len(ids)} messages, {len(certificates)} certificates; "
-        f"kill -9 code server -> certified after {code_server_gap:.1f}s "
-        f"(a new code server after {server_back:.1f}s); kill -9 daemon -> {daemon_gap:.1f}s; "
-        f"longest gaps {[round(g, 1) for g in gaps[:5]]}; latency p50 {p50:.1f}s p95 {p95:.1f}s "
-        f"max {latencies[-1]:.1f}s"
+    deployment.finish(
+        publisher,
+        postgres_url,
+        f"daemon with its own code servers: kill -9 of the code server -> a new one after "
+        f"{server_back:.1f} s, certified {code_server_gap:.1f} s after the kill; kill -9 of the daemon -> "
+        f"certified after {daemon_gap:.1f} s",
     )
 
 
-TICK_THEN_EXIT = PROJECT + '''
+def test_a_stream_under_the_daemon_with_one_code_server_survives_a_redeploy_and_a_kill(
+    deployment: Deployment, nats_url: str, postgres_url: str
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    (deployment.dir / "workspace.yaml").write_text(
+        f"load_from:\n  - grpc_server: {{host: localhost, port: {port}, location_name: streams}}\n"
+    )
+    server = deployment.start_code_server(port)
+    publisher = Publisher(nats_url, deployment.stream)
+    publisher.start()
+    deployment.start_daemon("-w", "workspace.yaml")
+    deployment.wait_for("a first certificate", lambda: bool(deployment.certificates()))
+
+    # A redeploy: the code server is stopped (SIGTERM: it closes the stream and releases the lease)
+    # and a new one started in its place.
+    stopped = time.time()
+    server.send_signal(signal.SIGTERM)
+    server.wait(60)
+    released = deployment.store.status(deployment.stream)[0].owner is None
+    server = deployment.start_code_server(port)
+    redeploy_gap = deployment.certified_by_a_new_worker() - stopped
+    assert released, "the stopped code server did not release the lease"
+    assert redeploy_gap <= CERTIFIED_AGAIN, f"certified {redeploy_gap:.1f}s after the redeploy"
+
+    # kill -9 of the code server, restarted at once (a supervisor): the dead holder's lease expires
+    # within seconds.
+    killed = time.time()
+    server.kill()
+    server.wait()
+    server = deployment.start_code_server(port)
+    kill_gap = deployment.certified_by_a_new_worker() - killed
+    assert kill_gap <= CERTIFIED_AGAIN, f"certified {kill_gap:.1f}s after the kill"
+
+    deployment.finish(
+        publisher,
+        postgres_url,
+        f"daemon with one code server: SIGTERM + new server -> certified after {redeploy_gap:.1f} s; "
+        f"kill -9 + new server -> certified after {kill_gap:.1f} s",
+    )
+
+
+TICK_THEN_EXIT = (
+    PROJECT
+    + """
 import sys
 
 from faucet_dagster.state import StateStore
@@ -300,13 +376,12 @@ if sys.argv[1] == "sigterm":  # as `dagster api grpc` treats SIGTERM: an interru
     signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
-'''
+"""
+)
 
 
 @pytest.mark.parametrize("ending", ["exit", "sigterm"])
-def test_a_process_that_ends_releases_its_leases(
-    deployment: Deployment, nats_url: str, ending: str
-) -> None:
+def test_a_process_that_ends_releases_its_leases(deployment: Deployment, nats_url: str, ending: str) -> None:
     publisher = Publisher(nats_url, deployment.stream)
     publisher.start()
     deployment.wait_for("published", lambda: len(publisher.sent) > 10, bound=30)

@@ -222,9 +222,13 @@ def test_a_newer_worker_asks_the_live_holder_to_hand_over_and_an_older_one_does_
     assert "asked to hand over to new" in capsys.readouterr().out
     with pytest.raises(OwnershipLost, match="asked to hand the stream over"):
         store.acquire_lease("s", "new", 30, started=200.0)
-    # The holder renews while it closes, then releases; the newer worker takes over, fenced.
+    # The holder renews while it closes, then passes the lease on: the stream cannot fall back to it
+    # (or to any other worker); the newer worker takes it, fenced.
     held = store.renew_lease(held, 30)
-    assert store.release_lease(held)
+    assert store.hand_over(held, 30) == "new"
+    assert store.hand_over(held, 30) is None and not store.release_lease(held)  # no longer held
+    for other in ("old", "older"):
+        assert isinstance(store.try_acquire_lease("s", other, 30, started=50.0), LeaseBusy)
     taken = store.try_acquire_lease("s", "new", 30, started=200.0)
     assert isinstance(taken, Lease) and taken.fencing_token == held.fencing_token + 1
     assert store.handover_requested(taken) is None and store.status("s")[0].handover_to is None

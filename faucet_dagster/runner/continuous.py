@@ -395,11 +395,11 @@ class StreamRunner:
         async with self._serialized():
             await self._close(release=release)
 
-    async def _close(self, *, release: bool) -> None:
+    async def _close(self, *, release: bool, hand_over: bool = False) -> None:
         self._cancel_requested = False
         await self._drop_sessions(None)
         if release:
-            await self._lease.release()
+            await self._lease.release(hand_over=hand_over)
         else:
             self._lease.forget()
 
@@ -421,7 +421,7 @@ class StreamRunner:
             if current is None or current.fencing_token != lease.fencing_token:
                 return
             try:
-                await self._close(release=True)
+                await self._close(release=True, hand_over=True)
             except FaucetError as exc:
                 logger.error("stream %s: closing for the hand-over failed: %s", self.spec.name, exc)
 

@@ -4,7 +4,8 @@ The lease is short (``ttl`` seconds, 15 by default for a stream) and a keeper ta
 that took it renews it every third of that while it is held, between epochs too, so a worker that
 dies without releasing it (kill -9) holds the stream up for seconds only. The keeper also answers a
 hand-over request (a newer worker found the lease live, :meth:`StateStore.try_acquire_lease`) through
-the holder's ``on_handover`` callback, which stops at a certified position and releases. A worker that
+the holder's ``on_handover`` callback, which stops at a certified position and passes the lease on
+(:meth:`StreamLease.release` with ``hand_over``). A worker that
 finds a live lease waits a few seconds for a hand-over it asked for, or for a lease about to expire.
 Fencing tokens only grow, so a holder that lost its lease can neither certify nor acknowledge.
 """
@@ -84,11 +85,15 @@ class StreamLease:
             raise OwnershipLost(f"{self._owner} holds no lease on {self._stream!r}", where=self._stream)
         await asyncio.to_thread(self._store.check_lease, lease)
 
-    async def release(self) -> None:
-        """Stop the keeper and give the lease up."""
+    async def release(self, *, hand_over: bool = False) -> None:
+        """Stop the keeper and give the lease up; with ``hand_over``, to the worker that asked for
+        it (released for anyone if that request is gone)."""
         lease = self.forget()
-        if lease is not None:
-            await asyncio.to_thread(self._store.release_lease, lease)
+        if lease is None:
+            return
+        if hand_over and await asyncio.to_thread(self._store.hand_over, lease, self._ttl) is not None:
+            return
+        await asyncio.to_thread(self._store.release_lease, lease)
 
     def forget(self) -> Lease | None:
         """Stop the keeper and drop the lease without releasing it (it expires); returns it."""

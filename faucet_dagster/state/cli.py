@@ -2,10 +2,11 @@
 
 ``status`` prints each stream's lease (owner, fencing token, time left, a pending hand-over request to
 a newer worker), whether it is marked uncertain and why, its last certified epoch, how far Dagster
-received reports, its certified positions and its dead-letter count. ``release`` is the operator's answer to an uncertain close: it
-clears the uncertain flag and the lease so the stream can be taken over (the fencing token is kept,
-so the next owner still fences every earlier one). Both take ``--state-url`` (default:
-``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and ``--json``.
+received reports, its certified positions and its dead-letter count. ``release`` is the operator's
+answer to an uncertain close: it clears the uncertain flag and the lease so the stream can be taken
+over (the fencing token is kept, so the next owner still fences every earlier one). Both take
+``--state-url`` (default: ``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and
+``--json``.
 """
 
 import argparse

@@ -18,8 +18,9 @@ What holds:
   uncertain is not leased to anyone until an operator clears it (``faucet streams release``).
 * **Hand-over requests**: a worker that finds a live lease held by a worker that started before it
   (the process a deployment is replacing) records a request on the stream; the holder sees it,
-  closes at a certified position and releases, and the requester takes over without waiting out the
-  lease. A request from an older worker is not recorded, so two live workers never take turns.
+  closes at a certified position and passes the lease to the requester under the next fencing
+  token, so the requester takes over without waiting out the lease. A request from an older worker
+  is not recorded, so two live workers never take turns.
 * **Report marks** record up to which certificate Dagster confirmed receiving the reports, so a
   report lost with a timed-out tick is sent again.
 * **Dead letters** are keyed by event identity, so a replayed epoch does not store a row twice.
@@ -311,6 +312,37 @@ class StateStore:
                 values.update(lease_started=started, handover_to=None, handover_started=None)
             conn.execute(streams_table.update().where(streams_table.c.stream == stream).values(**values))
             return Lease(stream, owner, token, expires)
+
+    def hand_over(self, lease: Lease, ttl: float) -> str | None:
+        """Pass ``lease`` to the worker that asked for it (:meth:`handover_requested`), for ``ttl``
+        seconds under the next fencing token; returns that worker, or None (nothing changed) when no
+        request is pending or ``lease`` is no longer held.
+
+        The requester finds the lease its own when it next tries to take it, while every other
+        worker finds it held: the stream cannot fall back to the holder that is stopping.
+        """
+        with self._transaction("hand a lease over") as conn:
+            row, now = self._locked_stream(conn, lease.stream)
+            held = (
+                row.lease_owner == lease.owner
+                and row.fencing_token == lease.fencing_token
+                and not row.uncertain
+            )
+            if not held or row.handover_to is None:
+                return None
+            conn.execute(
+                streams_table.update()
+                .where(streams_table.c.stream == lease.stream)
+                .values(
+                    lease_owner=row.handover_to,
+                    fencing_token=row.fencing_token + 1,
+                    lease_expires=now + ttl,
+                    lease_started=row.handover_started,
+                    handover_to=None,
+                    handover_started=None,
+                )
+            )
+            return str(row.handover_to)
 
     def handover_requested(self, lease: Lease) -> str | None:
         """The worker that asked ``lease``'s holder to hand the stream over, or None (also when the
