@@ -251,13 +251,13 @@ class StreamRunner:
 
         Reads end early enough for the seal, commit, certificate and acknowledgement to fit in the
         budget too: the time kept for them is twice the slowest recent one (at least
-        ``MIN_FINISH_RESERVE``, at most half the budget). A read still going when its time is up is
+        ``MIN_FINISH_RESERVE``, at most a quarter of the budget). A read still going when its time is up is
         cancelled (that epoch is aborted and :attr:`cut_short` says so if it had read rows). Returns
         the certificates, in order. Raises the first failure (certificates persisted before it stay
         persisted).
         """
         loop = asyncio.get_running_loop()
-        reserve = min(budget_seconds / 2, max(MIN_FINISH_RESERVE, 2 * self._finish_seconds))
+        reserve = min(budget_seconds / 4, max(MIN_FINISH_RESERVE, 2 * self._finish_seconds))
         deadline = loop.time() + budget_seconds - reserve
         certificates: list[EpochCertificate] = []
         self.cut_short = None
