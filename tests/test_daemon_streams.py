@@ -333,7 +333,7 @@ def test_a_stream_under_the_daemon_survives_code_server_replacements_and_kills(
         postgres_url,
         f"daemon with its own code servers: replacement -> certified by the new server "
         f"{handover_gap:.1f} s after it; kill -9 code server -> {server_kill}; "
-        f"kill -9 daemon -> certified {daemon_kill}",
+        f"kill -9 daemon -> {daemon_kill}",
     )
 
 
