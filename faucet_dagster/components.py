@@ -329,6 +329,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         are the YAML lines that declared them, by index (their code references)."""
         connections = self._connections()
         defs = []
+        enabled = sum(1 for model in self.streams if model.enabled)
         for index, model in enumerate(self.streams):
             if not model.enabled:
                 continue
@@ -346,6 +347,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
                     minimum_interval_seconds=model.minimum_interval_seconds,
                     budget_seconds=model.budget_seconds,
                     default_status=status,
+                    streams_sharing=enabled,
                 )
             )
         return dg.Definitions.merge(*defs) if defs else dg.Definitions()

@@ -155,7 +155,7 @@ def tick_budget(requested: float | None = None, *, interval: float = 30.0, strea
     more than half the sensor gRPC timeout (``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS``).
 
     The daemon evaluates a code location's sensors one at a time by default, so the default shares
-    the sensor's ``interval`` between the ``streams`` this process runs: each of them still ticks
+    the sensor's ``interval`` between the ``streams`` of the code location: each of them still ticks
     about every ``interval`` seconds.
     """
     raw = os.environ.get(SENSOR_TIMEOUT_ENV)
@@ -180,11 +180,13 @@ def faucet_stream_sensor(
     minimum_interval_seconds: int = 30,
     budget_seconds: float | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+    streams_sharing: int = 1,
 ) -> dg.SensorDefinition:
     """A sensor running ``stream``'s epochs on each tick and reporting each certificate once.
 
     ``budget_seconds`` caps the time a tick spends running epochs, commits included (default: see
-    :func:`tick_budget`). Endpoints given by resource key become the sensor's required resources.
+    :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
+    code location). Endpoints given by resource key become the sensor's required resources.
     """
     key = stream.asset_spec(asset_key).key
     resource_keys = {
@@ -199,7 +201,7 @@ def faucet_stream_sensor(
         description=f"Runs the epochs of faucet stream {stream.name} and reports their certificates.",
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=_stream_count())
+        budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=streams_sharing)
         return _tick(context, stream, key, budget)
 
     return _sensor
@@ -241,9 +243,11 @@ def build_stream_defs(
     minimum_interval_seconds: int = 30,
     budget_seconds: float | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+    streams_sharing: int | None = None,
 ) -> dg.Definitions:
     """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
-    certificate and health checks and its sensor."""
+    certificate and health checks and its sensor. The sensors' default budget shares the interval
+    between ``streams_sharing`` stream sensors (default: these streams; see :func:`tick_budget`)."""
     specs = dict(asset_specs or {})
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []
@@ -259,6 +263,7 @@ def build_stream_defs(
                 minimum_interval_seconds=minimum_interval_seconds,
                 budget_seconds=budget_seconds,
                 default_status=default_status,
+                streams_sharing=len(streams) if streams_sharing is None else streams_sharing,
             )
         )
     return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors)
@@ -421,12 +426,6 @@ class _StreamHandle:
 _handles: dict[tuple[str, str | None], _StreamHandle] = {}
 _handles_lock = threading.Lock()
 _background: BackgroundLoop | None = None
-
-
-def _stream_count() -> int:
-    """How many streams this process runs (their sensors share the daemon's serial evaluation)."""
-    with _handles_lock:
-        return max(1, len(_handles))
 
 
 def _loop() -> BackgroundLoop:

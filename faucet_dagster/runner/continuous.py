@@ -233,7 +233,7 @@ class StreamRunner:
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
         (None: no epoch of that call was cut short)."""
         self._serial: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
-        self._finish_seconds = 0.0
+        self._finish_seconds = 1.0  # until measured: a fresh process's first tick keeps room too
         """The slowest recent seal-to-acknowledgement time (decaying): what a budget keeps for it."""
 
     def cancel(self) -> None:
