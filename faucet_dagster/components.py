@@ -218,7 +218,7 @@ class StreamModel(dg.Model, dg.Resolvable):
     ] = None
     minimum_interval_seconds: Annotated[int, _field("Seconds between two sensor ticks.")] = 30
     budget_seconds: Annotated[
-        float | None, _field("Seconds a tick may run epochs for, commits included (default: shared interval).")
+        float | None, _field("Seconds a tick may run epochs for, commits included (default: shared).")
     ] = None
     running: Annotated[bool, _field("Start the sensor without a click in the UI.")] = False
     description: Annotated[str | None, _field("The sink asset's description.")] = None
