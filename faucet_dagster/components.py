@@ -60,7 +60,7 @@ from faucet_dagster.preflight import PairCheck, check_pairs
 from faucet_dagster.protocol import ConfigError, Delivery, Mode, ReadLimits, WritePolicy
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.bounded import DEFAULT_BATCH_SIZE
-from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS
+from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, DEFAULT_LEASE_SECONDS
 from faucet_dagster.schedules import faucet_schedule
 from faucet_dagster.sensors import FaucetStream, build_stream_defs
 
@@ -210,12 +210,16 @@ class StreamModel(dg.Model, dg.Resolvable):
     ] = None
     schemas: Annotated[dict[str, StreamSchemaModel], _field("Declared schemas, by resource.")] = {}
     epoch: Annotated[StreamEpochModel, _field("Where an epoch ends.")] = StreamEpochModel()
-    lease_seconds: Annotated[float, _field("How long the stream's lease lives without renewal.")] = 120.0
+    lease_seconds: Annotated[
+        float, _field("How long a stopped holder's lease lives without renewal (renewed while it lives).")
+    ] = DEFAULT_LEASE_SECONDS
     state_url: Annotated[
         str | None, _field("The state store (default: $FAUCET_STATE_URL, else SQLite under $DAGSTER_HOME).")
     ] = None
     minimum_interval_seconds: Annotated[int, _field("Seconds between two sensor ticks.")] = 30
-    budget_seconds: Annotated[float | None, _field("Seconds a tick may run epochs for.")] = None
+    budget_seconds: Annotated[
+        float | None, _field("Seconds a tick may run epochs for, commits included (default: shared).")
+    ] = None
     running: Annotated[bool, _field("Start the sensor without a click in the UI.")] = False
     description: Annotated[str | None, _field("The sink asset's description.")] = None
     asset: AssetAttributes = {}
@@ -325,6 +329,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         are the YAML lines that declared them, by index (their code references)."""
         connections = self._connections()
         defs = []
+        enabled = sum(1 for model in self.streams if model.enabled)
         for index, model in enumerate(self.streams):
             if not model.enabled:
                 continue
@@ -342,6 +347,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
                     minimum_interval_seconds=model.minimum_interval_seconds,
                     budget_seconds=model.budget_seconds,
                     default_status=status,
+                    streams_sharing=enabled,
                 )
             )
         return dg.Definitions.merge(*defs) if defs else dg.Definitions()

@@ -9,8 +9,8 @@ A tick:
 1. reads the cursor (``{"reported_through": N}``): Dagster received the reports of certificates up
    to ``N``; the state store's report mark is moved there (a fresh cursor starts from that mark);
 2. runs epochs (:meth:`~faucet_dagster.runner.continuous.StreamRunner.run_epochs`) within a budget
-   safely below ``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS`` (half of it, 30 s by default): each epoch is
-   committed, certified in the state store and acknowledged before the next begins;
+   (:func:`tick_budget`): each epoch is committed, certified in the state store and acknowledged
+   before the next begins, all inside the budget;
 3. returns one ``AssetMaterialization`` of the sink asset per certificate after ``N`` (the ones
    certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
@@ -23,8 +23,13 @@ behind a lock per stream: ticks run on different threads, and a tick that finds 
 still running reports what is certified and skips running epochs. The cache is an optimisation: all
 positions, sequences and leases are read from the state store when a runner opens its sessions.
 
-Another worker holding the stream's live lease makes a tick skip (that worker runs the stream). A
-stream marked uncertain fails every tick until an operator runs ``faucet streams release``.
+The runner's lease is short (15 s by default) and renewed in the background on the process's event
+loop while the process lives. A process that stops (the daemon replacing its code server, a reload,
+SIGTERM, Ctrl-C, a normal exit) closes its runners before the interpreter's thread pools shut down, so
+each lease is released; a newer process that finds a live lease asks its holder to hand over and takes
+the stream within seconds. Another worker holding the stream's live lease otherwise makes a tick skip
+(that worker runs the stream). A stream marked uncertain fails every tick until an operator runs
+``faucet streams release``.
 """
 
 import atexit
@@ -32,7 +37,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +57,12 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.protocol.positions import Position
 from faucet_dagster.resources import FaucetEndpoint
-from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, StreamRunner, StreamSpec
+from faucet_dagster.runner.continuous import (
+    DEFAULT_EPOCH_LIMITS,
+    DEFAULT_LEASE_SECONDS,
+    StreamRunner,
+    StreamSpec,
+)
 from faucet_dagster.runner.loop import BackgroundLoop
 from faucet_dagster.state import StateStore
 from faucet_dagster.stream_health import (
@@ -69,6 +80,10 @@ logger = logging.getLogger(__name__)
 
 SENSOR_TIMEOUT_ENV = "DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS"
 DEFAULT_SENSOR_TIMEOUT = 60.0
+MAX_TICK_BUDGET = 10.0
+MIN_TICK_BUDGET = 2.0
+EXIT_CLOSE_SECONDS = 10.0
+"""How long a stopping process waits for its streams to close before it exits anyway."""
 CERTIFICATE_CHECK = "faucet_epoch_certificate"
 MAX_REPORTS_PER_TICK = 500
 CURSOR_VERSION = 1
@@ -84,7 +99,8 @@ class FaucetStream:
     ``schemas`` declares resources' schemas (others are inferred). ``limits`` are each epoch's read
     targets (by default an epoch ends at the first safe boundary after 50,000 records, 1 s idle or
     10 s). ``state_url`` selects the state store (default: ``$FAUCET_STATE_URL``, else a SQLite file
-    under ``$DAGSTER_HOME``). ``lease_seconds`` must exceed the gap between two ticks.
+    under ``$DAGSTER_HOME``). ``lease_seconds`` is how long a worker that died without releasing
+    the stream holds it up (a live one renews its lease in the background).
     """
 
     name: str
@@ -96,7 +112,7 @@ class FaucetStream:
     delivery: Delivery | None = None
     schemas: Mapping[str, ResourceSchema] = field(default_factory=dict)
     limits: ReadLimits = DEFAULT_EPOCH_LIMITS
-    lease_seconds: float = 120.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     state_url: str | None = None
     description: str | None = None
 
@@ -133,8 +149,15 @@ class FaucetStream:
         )
 
 
-def tick_budget(requested: float | None = None) -> float:
-    """Seconds a tick may spend running epochs: half the sensor gRPC timeout, or less if requested."""
+def tick_budget(requested: float | None = None, *, interval: float = 30.0, streams: int = 1) -> float:
+    """Seconds a tick may spend, its commits included: ``requested``, or by default
+    ``0.8 * interval / streams`` between ``MIN_TICK_BUDGET`` and ``MAX_TICK_BUDGET`` (2 and 10 s); never
+    more than half the sensor gRPC timeout (``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS``).
+
+    The daemon evaluates a code location's sensors one at a time by default, so the default shares
+    the sensor's ``interval`` between the ``streams`` of the code location: each of them still ticks
+    about every ``interval`` seconds.
+    """
     raw = os.environ.get(SENSOR_TIMEOUT_ENV)
     try:
         timeout = float(raw) if raw else DEFAULT_SENSOR_TIMEOUT
@@ -143,7 +166,10 @@ def tick_budget(requested: float | None = None) -> float:
             f"{SENSOR_TIMEOUT_ENV} is not a number: {raw!r}", where=SENSOR_TIMEOUT_ENV
         ) from None
     ceiling = timeout / 2
-    return ceiling if requested is None else max(0.0, min(requested, ceiling))
+    if requested is None:
+        shared = 0.8 * interval / max(1, streams)
+        requested = max(MIN_TICK_BUDGET, min(MAX_TICK_BUDGET, shared))
+    return max(0.0, min(requested, ceiling))
 
 
 def faucet_stream_sensor(
@@ -154,11 +180,13 @@ def faucet_stream_sensor(
     minimum_interval_seconds: int = 30,
     budget_seconds: float | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+    streams_sharing: int = 1,
 ) -> dg.SensorDefinition:
     """A sensor running ``stream``'s epochs on each tick and reporting each certificate once.
 
-    ``budget_seconds`` caps the time a tick spends running epochs (never more than half the sensor
-    gRPC timeout). Endpoints given by resource key become the sensor's required resources.
+    ``budget_seconds`` caps the time a tick spends running epochs, commits included (default: see
+    :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
+    code location). Endpoints given by resource key become the sensor's required resources.
     """
     key = stream.asset_spec(asset_key).key
     resource_keys = {
@@ -173,7 +201,8 @@ def faucet_stream_sensor(
         description=f"Runs the epochs of faucet stream {stream.name} and reports their certificates.",
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        return _tick(context, stream, key, tick_budget(budget_seconds))
+        budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=streams_sharing)
+        return _tick(context, stream, key, budget)
 
     return _sensor
 
@@ -214,9 +243,11 @@ def build_stream_defs(
     minimum_interval_seconds: int = 30,
     budget_seconds: float | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+    streams_sharing: int | None = None,
 ) -> dg.Definitions:
     """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
-    certificate and health checks and its sensor."""
+    certificate and health checks and its sensor. The sensors' default budget shares the interval
+    between ``streams_sharing`` stream sensors (default: these streams; see :func:`tick_budget`)."""
     specs = dict(asset_specs or {})
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []
@@ -232,6 +263,7 @@ def build_stream_defs(
                 minimum_interval_seconds=minimum_interval_seconds,
                 budget_seconds=budget_seconds,
                 default_status=default_status,
+                streams_sharing=len(streams) if streams_sharing is None else streams_sharing,
             )
         )
     return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors)
@@ -413,8 +445,25 @@ def _loop() -> BackgroundLoop:
     with _handles_lock:
         if _background is None:
             _background = BackgroundLoop("faucet-streams")
-            atexit.register(_close_at_exit)
+            _at_interpreter_exit(_close_at_exit)
         return _background
+
+
+def _at_interpreter_exit(callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the interpreter begins to exit, before its thread pools shut down.
+
+    ``atexit`` runs too late: by then ``concurrent.futures`` refuses new work ("cannot schedule new
+    futures after interpreter shutdown"), and every close needs the loop's executor for the state
+    store. ``threading._register_atexit`` callbacks run first, newest first, before non-daemon threads
+    (a code server's gRPC pool) are joined; ``atexit`` is the fallback where it does not exist.
+    """
+    register: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(callback)
+    except RuntimeError:  # missing, or the interpreter is exiting already
+        atexit.register(callback)
 
 
 def _handle(stream: FaucetStream, resources: Any) -> _StreamHandle:
@@ -429,36 +478,48 @@ def _handle(stream: FaucetStream, resources: Any) -> _StreamHandle:
         return handle
 
 
-def close_cached_streams() -> None:
+def close_cached_streams(timeout: float | None = None) -> None:
     """Close every runner cached in this process and forget it (tests, shutdown).
 
-    Each close joins its sessions and gives its lease up, so another worker takes the stream over
-    at once. Every runner is closed even when one close fails (each failure is logged with its
-    stream); then the first failure is raised (an :class:`UncertainOutcome` has marked its stream
-    uncertain by then).
+    Each close interrupts a running read, waits for the epoch in progress, joins its sessions and
+    gives its lease up, so another worker takes the stream over at once. Every runner is closed even
+    when one close fails (each failure is logged with its stream); then the first failure is raised
+    (an :class:`UncertainOutcome` has marked its stream uncertain by then). With ``timeout``, the
+    closes that have not finished by then are abandoned and logged (their leases expire).
     """
     loop = _background
     with _handles_lock:
         handles = list(_handles.items())
         _handles.clear()
+    for _, handle in handles:
+        handle.runner.cancel()
+    ends = None if timeout is None else time.monotonic() + timeout
     failures: list[FaucetError] = []
     for (name, _), handle in handles:
-        with handle.lock:
-            try:
-                if loop is not None:
-                    loop.run(handle.runner.close())
-            except FaucetError as exc:
-                logger.error("closing faucet stream %s failed: %s", name, exc)
-                failures.append(exc)
-            finally:
-                handle.store.close()
+        left = None if ends is None else max(0.0, ends - time.monotonic())
+        if not handle.lock.acquire(timeout=-1 if left is None else left):
+            logger.error("faucet stream %s: a tick still runs; not closed (its lease expires)", name)
+            continue
+        try:
+            if loop is not None:
+                left = None if ends is None else max(0.0, ends - time.monotonic())
+                loop.run(handle.runner.close(), timeout=left)
+        except FaucetError as exc:
+            logger.error("closing faucet stream %s failed: %s", name, exc)
+            failures.append(exc)
+        except TimeoutError:
+            logger.error("faucet stream %s did not close in %.0fs; its lease expires", name, timeout)
+            handle.lock.release()
+            continue  # the abandoned close may still use the store
+        handle.lock.release()
+        handle.store.close()
     if failures:
         raise failures[0]
 
 
 def _close_at_exit() -> None:
     try:
-        close_cached_streams()
+        close_cached_streams(timeout=EXIT_CLOSE_SECONDS)
     except FaucetError:
         pass  # logged with its stream by close_cached_streams; at exit there is no caller to tell
     finally:

@@ -5,6 +5,7 @@ End-to-end delivery against NATS and PostgreSQL is in ``test_stream_nats_postgre
 """
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -26,6 +27,7 @@ from faucet_dagster.protocol import (
     UncertainOutcome,
 )
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
+from faucet_dagster.runner.loop import BackgroundLoop
 from faucet_dagster.state import StateStore
 
 T = TypeVar("T")
@@ -293,3 +295,49 @@ def test_a_pair_the_planner_refuses_never_runs(store: StateStore) -> None:
     spec = StreamSpec("s", MemorySource(MemoryLog()), MemorySink(), ("items",), policy=WritePolicy.UPSERT)
     with pytest.raises(PlanError):
         StreamRunner(spec, store)
+
+
+def test_the_lease_is_renewed_in_the_background_between_epochs(store: StateStore) -> None:
+    log = MemoryLog()
+    log.append(10)
+    stream = runner(store, MemorySource(log), MemorySink(), lease_seconds=0.6)
+
+    async def scenario() -> None:
+        assert await stream.run_epoch() is not None
+        await asyncio.sleep(1.5)  # two and a half leases without an epoch: the keeper renews
+        with pytest.raises(OwnershipLost, match="leased to w1"):
+            store.acquire_lease("s", "other", 30)
+        await stream.close()
+        assert store.status("s")[0].owner is None
+
+    run(scenario)
+
+
+def test_a_newer_worker_takes_the_stream_over_from_a_live_holder_in_seconds(store: StateStore) -> None:
+    log = MemoryLog()
+    log.append(30)
+    destination = MemoryDestination()
+    old_source = MemorySource(log)
+    old = runner(store, old_source, MemorySink(destination), worker="old")
+    loop = BackgroundLoop("old-worker")  # the old process: its keeper runs while it is not ticked
+    try:
+        assert loop.run(old.run_epoch()) is not None
+        log.append(20)
+        new = runner(store, MemorySource(log), MemorySink(destination), worker="new")
+        started = time.monotonic()
+        certificate = run(new.run_epoch)
+        took = time.monotonic() - started
+        assert certificate is not None and certificate.worker == "new" and certificate.fencing_token == 2
+        assert certificate.coverage[0].start == "30" and certificate.coverage[0].end == "50"
+        assert took < 5, f"the hand-over took {took:.1f}s"
+        assert store.status("s")[0].owner == "new"
+        # The old holder closed its sessions and cannot certify or acknowledge any more.
+        assert all(session.closed for session in old_source.sessions)
+        log.append(5)
+        with pytest.raises(OwnershipLost):
+            loop.run(old.run_epoch())
+        run(new.close)
+    finally:
+        loop.close()
+    assert ids_of(destination) == list(range(1, 51))
+    assert log.acknowledgements == [30, 50]

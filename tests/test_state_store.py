@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from faucet_dagster.cli import main
 from faucet_dagster.protocol import (
@@ -21,7 +22,7 @@ from faucet_dagster.protocol import (
     Receipt,
     UncertainOutcome,
 )
-from faucet_dagster.state import Lease, StateStore, default_state_url
+from faucet_dagster.state import Lease, LeaseBusy, StateStore, default_state_url
 
 DOMAIN = OrderingDomain("nats", "orders", "0", "2024-01-01T00:00:00Z/1", "nats.stream_sequence")
 
@@ -200,3 +201,58 @@ def test_the_default_store_is_a_sqlite_file_under_dagster_home(
     assert (tmp_path / "dagster" / "faucet_state.db").is_file()
     with pytest.raises(ConfigError, match="SQLite and PostgreSQL"):
         StateStore("mysql://localhost/x")
+
+
+def test_a_newer_worker_asks_the_live_holder_to_hand_over_and_an_older_one_does_not(
+    store: StateStore, store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    held = store.acquire_lease("s", "old", 30, started=100.0)
+    assert store.handover_requested(held) is None
+    # An older worker (a second live process that started earlier) neither takes nor asks.
+    busy = store.try_acquire_lease("s", "older", 30, started=50.0)
+    assert isinstance(busy, LeaseBusy) and busy.owner == "old" and not busy.handover_requested
+    assert store.handover_requested(held) is None
+    # A newer one (the process a deployment replaces the holder with) asks; the holder sees it.
+    busy = store.try_acquire_lease("s", "new", 30, started=200.0)
+    assert isinstance(busy, LeaseBusy) and busy.handover_requested and 29 < busy.seconds_left <= 30
+    assert store.handover_requested(held) == "new"
+    assert store.status("s")[0].handover_to == "new"
+    capsys.readouterr()
+    assert main(["streams", "status", "s", "--state-url", store_url]) == 0
+    assert "asked to hand over to new" in capsys.readouterr().out
+    with pytest.raises(OwnershipLost, match="asked to hand the stream over"):
+        store.acquire_lease("s", "new", 30, started=200.0)
+    # The holder renews while it closes, then passes the lease on: the stream cannot fall back to it
+    # (or to any other worker); the newer worker takes it, fenced.
+    held = store.renew_lease(held, 30)
+    assert store.hand_over(held, 30) == "new"
+    assert store.hand_over(held, 30) is None and not store.release_lease(held)  # no longer held
+    for other in ("old", "older"):
+        assert isinstance(store.try_acquire_lease("s", other, 30, started=50.0), LeaseBusy)
+    taken = store.try_acquire_lease("s", "new", 30, started=200.0)
+    assert isinstance(taken, Lease) and taken.fencing_token == held.fencing_token + 1
+    assert store.handover_requested(taken) is None and store.status("s")[0].handover_to is None
+    with pytest.raises(OwnershipLost):
+        store.check_lease(held)
+
+
+def test_a_store_of_an_earlier_version_gets_the_new_lease_columns(store_url: str) -> None:
+    url = store_url
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:  # faucet_streams as the first release created it, with a lease
+        conn.exec_driver_sql(
+            "CREATE TABLE faucet_streams (stream VARCHAR(255) PRIMARY KEY, lease_owner VARCHAR(255), "
+            "fencing_token BIGINT NOT NULL, lease_expires FLOAT, uncertain BOOLEAN NOT NULL, "
+            "uncertain_reason TEXT, reported_through BIGINT NOT NULL)"
+        )
+        conn.exec_driver_sql("INSERT INTO faucet_streams VALUES ('s', 'old', 4, 0, false, NULL, 7)")
+    engine.dispose()
+    with StateStore(url) as store:
+        status = store.status("s")[0]
+        assert (status.owner, status.fencing_token, status.reported_through) == ("old", 4, 7)
+        lease = store.acquire_lease("s", "new", 30, started=1.0)  # the old lease has expired
+        assert lease.fencing_token == 5
+    with StateStore(url) as again:  # opening a migrated store changes nothing
+        assert again.status("s")[0].owner == "new"

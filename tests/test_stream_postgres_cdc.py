@@ -369,7 +369,8 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         state_url=replication.state_url,
         epoch_records=1,
         batch_rows=500,
-        lease_seconds=5,
+        # Longer than a tick waits for a lease about to expire (runner.lease.HANDOVER_WAIT_SECONDS).
+        lease_seconds=12,
     )
     report = tmp_path / "fault-report.jsonl"
     worker = WorkerProcess(

@@ -649,6 +649,13 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn = self._conn
         if conn is None or conn.broken or conn.closed:
             return
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+            # An apply cancelled while its COPY was starting (a tick's deadline) leaves the connection
+            # in COPY IN mode: no ROLLBACK can be sent on it ("another command is already in
+            # progress"). Ending the connection ends the transaction on the server; the next epoch
+            # reconnects.
+            await conn.close()
+            return
         try:
             await conn.rollback()
         except psycopg.Error as exc:

@@ -28,6 +28,12 @@ Failures and interruptions:
 * a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
   lease until an operator runs ``faucet streams release``.
 
+Leases (DESIGN.md section 5, :mod:`.lease`): the lease is short (``lease_seconds``, 15 s by default)
+and renewed in the background while the runner holds it, between calls too, so a worker that dies
+(kill -9) is taken over within seconds. A hand-over request (a newer worker found the lease live)
+interrupts a running read; once the epoch in progress has ended, the sessions are closed (everything
+certified is acknowledged; the rest is replayed by the next owner) and the lease released.
+
 A :class:`StreamRunner` keeps its sessions open across calls (sensor ticks), always on one event loop.
 
 The ``fault_point(...)`` lines mark where the fault harness (:mod:`faucet_dagster.testing.faults`)
@@ -35,13 +41,14 @@ crashes or stops a worker; they do nothing unless a fault worker process armed o
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TypeVar
@@ -82,6 +89,7 @@ from faucet_dagster.protocol import (
     compare_positions,
 )
 from faucet_dagster.runner.faults import Point, fault_point
+from faucet_dagster.runner.lease import StreamLease
 from faucet_dagster.state import Lease, StateStore
 
 logger = logging.getLogger(__name__)
@@ -91,6 +99,9 @@ T = TypeVar("T")
 LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
 DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
+DEFAULT_LEASE_SECONDS = 15.0
+MIN_FINISH_RESERVE = 0.5
+"""Seconds of a budget always kept for sealing, committing, certifying and acknowledging."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,8 @@ class StreamSpec:
 
     ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
     ``key``). ``limits`` are the per-epoch read targets. ``lease_seconds`` is how long a lease lives
-    without renewal: longer than the gap between two sensor ticks.
+    without renewal (the runner renews it in the background every third of that): how long a
+    worker that died without releasing it holds the stream up.
     """
 
     name: str
@@ -113,7 +125,7 @@ class StreamSpec:
     delivery: Delivery | None = None
     limits: ReadLimits = DEFAULT_EPOCH_LIMITS
     membership: Membership = field(default_factory=Membership)
-    lease_seconds: float = 120.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
 
     @property
@@ -164,6 +176,9 @@ class StreamRunner:
 
     Not thread-safe: one caller at a time, always on the same event loop (the sessions' clients are
     bound to it). ``cancel`` is the exception: any thread may call it to interrupt the current read.
+    Epochs and :meth:`close` are serialized on the loop with the lease keeper, which hands the stream
+    over between two epochs. ``started`` (seconds since 1970, default: now) orders workers for
+    hand-overs: a runner created later takes a stream over from a live earlier one.
     """
 
     def __init__(
@@ -173,10 +188,12 @@ class StreamRunner:
         *,
         worker_id: str | None = None,
         dead_letters: DeadLetterRoute | None = None,
+        started: float | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
         self.worker_id = worker_id or default_worker_id()
+        self.started = time.time() if started is None else started
         self.plan: Plan = plan(
             spec.source.capabilities(),
             spec.sink.capabilities(),
@@ -196,7 +213,15 @@ class StreamRunner:
             dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
             options=spec.pipeline,
         )
-        self._lease: Lease | None = None
+        self._lease = StreamLease(
+            store,
+            spec.name,
+            self.worker_id,
+            spec.lease_seconds,
+            self.started,
+            on_handover=self._hand_over,
+            on_lost=self._interrupt_read,
+        )
         self._source_session: StreamSession | None = None
         self._sink_session: StreamingSinkSession | None = None
         self._sessions_token: int | None = None
@@ -216,6 +241,9 @@ class StreamRunner:
         self.cut_short: CutShort | None = None
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
         (None: no epoch of that call was cut short)."""
+        self._serial: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._finish_seconds = 1.0  # until measured: a fresh process's first tick keeps room too
+        """The slowest recent seal-to-acknowledgement time (decaying): what a budget keeps for it."""
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
@@ -230,12 +258,16 @@ class StreamRunner:
     async def run_epochs(self, budget_seconds: float) -> list[EpochCertificate]:
         """Run epochs until ``budget_seconds`` are spent or the source has nothing new.
 
-        Each epoch's read targets end early enough to commit within the budget; a read still going
-        at the budget's end is cancelled (that epoch is aborted). Returns the certificates, in order.
-        Raises the first failure (certificates persisted before it stay persisted).
+        Reads end early enough for the seal, commit, certificate and acknowledgement to fit in the
+        budget too: the time kept for them is twice the slowest recent one (at least
+        ``MIN_FINISH_RESERVE``, at most a quarter of the budget). A read still going when its time is up is
+        cancelled (that epoch is aborted and :attr:`cut_short` says so if it had read rows). Returns
+        the certificates, in order. Raises the first failure (certificates persisted before it stay
+        persisted).
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget_seconds
+        reserve = min(budget_seconds / 4, max(MIN_FINISH_RESERVE, 2 * self._finish_seconds))
+        deadline = loop.time() + budget_seconds - reserve
         certificates: list[EpochCertificate] = []
         self.cut_short = None
         while True:
@@ -260,16 +292,25 @@ class StreamRunner:
     ) -> EpochCertificate | None:
         """Run one epoch in the commit order; return its certificate, or None when nothing was certified.
 
-        None means the source had nothing new, or the read was cancelled (``cancel`` or ``deadline``,
-        a time on the running loop's clock), and the epoch was aborted. Every failure is raised after
-        the epoch was aborted and rewound (before the commit) or the sessions dropped (after it).
+        None means the source had nothing new, or the read was cancelled (``cancel``, ``deadline``, a
+        time on the running loop's clock, or a hand-over), and the epoch was aborted. Every failure
+        is raised after the epoch was aborted and rewound (before the commit) or the sessions dropped
+        (after it). ``deadline`` also bounds the wait for a hand-over.
         """
-        limits = limits or self.spec.limits
+        async with self._serialized():
+            return await self._run_epoch(limits or self.spec.limits, deadline)
+
+    async def _run_epoch(self, limits: ReadLimits, deadline: float | None) -> EpochCertificate | None:
+        """:meth:`run_epoch`, serialized: the one commit order."""
         timings = _Stopwatch()
         started = time.perf_counter()
 
         # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
-        lease = await self._hold_lease()
+        try:
+            lease = await self._lease.hold(deadline)
+        except OwnershipLost as exc:
+            await self._drop_sessions(exc)
+            raise
         source_session, sink_session = await self._open_sessions(lease)
         epoch = EpochId(self.spec.name, self._next_sequence, lease.fencing_token)
         timings.lap("lease")
@@ -315,6 +356,7 @@ class StreamRunner:
                 self.cut_short = CutShort(epoch, pipeline.rows_written, time.perf_counter() - started)
             await self._abort(epoch, pipeline, rewind=pipeline.has_evidence)
             return None
+        read_end = time.perf_counter()
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
         timings.lap("read_and_seal")
         lag = await self._source_lag(source_session)
@@ -372,6 +414,8 @@ class StreamRunner:
             raise
 
         # 7. Report: the caller reports certificates from the store (never a precondition of step 6).
+        finish = time.perf_counter() - read_end
+        self._finish_seconds = max(finish, self._finish_seconds * 0.8)
         logger.info(
             "stream %s: certified %s (%s rows)", self.spec.name, epoch, sum(sealed.row_counts.values())
         )
@@ -380,32 +424,51 @@ class StreamRunner:
     async def close(self, *, release: bool = True) -> None:
         """Close the sessions (joining outstanding reads and acknowledgements) and give the lease up.
 
-        A sink close that cannot promise no later effect raises :class:`UncertainOutcome` after the
-        stream was marked uncertain in the store (no automatic takeover); the lease is then kept.
+        Waits for an epoch in progress to end first (interrupt it with :meth:`cancel`). A sink close
+        that cannot promise no later effect raises :class:`UncertainOutcome` after the stream was
+        marked uncertain in the store (no automatic takeover); the lease is then kept.
         """
+        async with self._serialized():
+            await self._close(release=release)
+
+    async def _close(self, *, release: bool, hand_over: bool = False) -> None:
         self._cancel_requested = False
         await self._drop_sessions(None)
-        lease, self._lease = self._lease, None
-        if release and lease is not None:
-            await asyncio.to_thread(self.store.release_lease, lease)
+        if release:
+            await self._lease.release(hand_over=hand_over)
+        else:
+            self._lease.forget()
+
+    @contextlib.asynccontextmanager
+    async def _serialized(self) -> AsyncIterator[None]:
+        """One epoch, close or hand-over at a time, on the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._serial is None or self._serial[0] is not loop:
+            self._serial = (loop, asyncio.Lock())
+        async with self._serial[1]:
+            yield
+
+    async def _hand_over(self, lease: Lease, requester: str) -> None:
+        """Answer a hand-over request: stop at a certified position and release ``lease``."""
+        logger.info("stream %s: handing the stream over to %s", self.spec.name, requester)
+        self._interrupt_read()
+        async with self._serialized():
+            current = self._lease.current
+            if current is None or current.fencing_token != lease.fencing_token:
+                return
+            try:
+                await self._close(release=True, hand_over=True)
+            except FaucetError as exc:
+                logger.error("stream %s: closing for the hand-over failed: %s", self.spec.name, exc)
+
+    def _interrupt_read(self) -> None:
+        """Cancel the read in progress, if any (unlike :meth:`cancel`, never the next one)."""
+        with self._cancel_lock:
+            token, loop = self._cancel, self._loop
+            if token is not None and loop is not None:
+                loop.call_soon_threadsafe(token.cancel)
 
     # -- the steps ------------------------------------------------------------------------------
-
-    async def _hold_lease(self) -> Lease:
-        try:
-            if self._lease is None:
-                self._lease = await asyncio.to_thread(
-                    self.store.acquire_lease, self.spec.name, self.worker_id, self.spec.lease_seconds
-                )
-            else:
-                self._lease = await asyncio.to_thread(
-                    self.store.renew_lease, self._lease, self.spec.lease_seconds
-                )
-        except OwnershipLost as exc:
-            self._lease = None
-            await self._drop_sessions(exc)
-            raise
-        return self._lease
 
     async def _open_sessions(self, lease: Lease) -> tuple[StreamSession, StreamingSinkSession]:
         """The open sessions for ``lease``'s token; (re)opened at the certified positions if needed.
@@ -536,12 +599,7 @@ class StreamRunner:
 
     async def _authority(self) -> None:
         """The authority a source checks before every provider acknowledgement: the live lease."""
-        lease = self._lease
-        if lease is None:
-            raise OwnershipLost(
-                f"{self.worker_id} holds no lease on {self.spec.name!r}", where=self.spec.name
-            )
-        await asyncio.to_thread(self.store.check_lease, lease)
+        await self._lease.check()
         fault_point(Point.DURING_ACK)
 
     # -- failure handling -----------------------------------------------------------------------

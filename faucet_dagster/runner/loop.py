@@ -22,15 +22,21 @@ class BackgroundLoop:
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], *, timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and block the calling thread until it finishes (result or raise).
 
+        With ``timeout``, raises :class:`TimeoutError` after that many seconds and cancels ``coro``.
         Must not be called from the loop's own thread (it would wait for itself).
         """
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("BackgroundLoop.run was called from its own loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def close(self) -> None:
         """Stop the loop, join its thread and close it. Coroutines still running are abandoned."""

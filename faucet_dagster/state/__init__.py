@@ -7,9 +7,18 @@ from faucet_dagster.state.store import (
     STATE_FILE_NAME,
     STATE_URL_ENV,
     Lease,
+    LeaseBusy,
     StateStore,
     StreamStatus,
     default_state_url,
 )
 
-__all__ = ["STATE_FILE_NAME", "STATE_URL_ENV", "Lease", "StateStore", "StreamStatus", "default_state_url"]
+__all__ = [
+    "STATE_FILE_NAME",
+    "STATE_URL_ENV",
+    "Lease",
+    "LeaseBusy",
+    "StateStore",
+    "StreamStatus",
+    "default_state_url",
+]

@@ -1,11 +1,12 @@
 """``faucet streams status`` and ``faucet streams release STREAM``: the state store from a terminal.
 
-``status`` prints each stream's lease (owner, fencing token, time left), whether it is marked
-uncertain and why, its last certified epoch, how far Dagster received reports, its certified
-positions and its dead-letter count. ``release`` is the operator's answer to an uncertain close: it
-clears the uncertain flag and the lease so the stream can be taken over (the fencing token is kept,
-so the next owner still fences every earlier one). Both take ``--state-url`` (default:
-``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and ``--json``.
+``status`` prints each stream's lease (owner, fencing token, time left, a pending hand-over request to
+a newer worker), whether it is marked uncertain and why, its last certified epoch, how far Dagster
+received reports, its certified positions and its dead-letter count. ``release`` is the operator's
+answer to an uncertain close: it clears the uncertain flag and the lease so the stream can be taken
+over (the fencing token is kept, so the next owner still fences every earlier one). Both take
+``--state-url`` (default: ``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and
+``--json``.
 """
 
 import argparse
@@ -103,6 +104,8 @@ def _describe(status: StreamStatus) -> str:
         )
     else:
         lease = f"lease of {status.owner} expired (token {status.fencing_token})"
+    if status.handover_to is not None and status.lease_live:
+        lease += f"; asked to hand over to {status.handover_to}"
     lines = [
         f"{status.stream}: {lease}",
         f"  uncertain: {'yes: ' + (status.uncertain_reason or '') if status.uncertain else 'no'}",

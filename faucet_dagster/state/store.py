@@ -16,6 +16,11 @@ What holds:
 * **Leases** are compare-and-set on the database clock: an owner, a fencing token that only grows
   (each takeover adds one; a renewal keeps it) and an expiry. A stream whose last close was
   uncertain is not leased to anyone until an operator clears it (``faucet streams release``).
+* **Hand-over requests**: a worker that finds a live lease held by a worker that started before it
+  (the process a deployment is replacing) records a request on the stream; the holder sees it,
+  closes at a certified position and passes the lease to the requester under the next fencing
+  token, so the requester takes over without waiting out the lease. A request from an older worker
+  is not recorded, so two live workers never take turns.
 * **Report marks** record up to which certificate Dagster confirmed receiving the reports, so a
   report lost with a timed-out tick is sent again.
 * **Dead letters** are keyed by event identity, so a replayed epoch does not store a row twice.
@@ -71,7 +76,14 @@ streams_table = sa.Table(
     sa.Column("uncertain", sa.Boolean, nullable=False),
     sa.Column("uncertain_reason", sa.Text, nullable=True),
     sa.Column("reported_through", sa.BigInteger, nullable=False),
+    # Added after the first release: _add_missing_columns adds them to an existing store.
+    sa.Column("lease_started", sa.Float, nullable=True),
+    sa.Column("handover_to", sa.String(255), nullable=True),
+    sa.Column("handover_started", sa.Float, nullable=True),
 )
+
+ADDED_STREAM_COLUMNS = ("lease_started", "handover_to", "handover_started")
+"""Columns of ``faucet_streams`` a store created by an earlier version lacks: all nullable."""
 
 certificates_table = sa.Table(
     "faucet_certificates",
@@ -141,6 +153,21 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class LeaseBusy:
+    """Another worker's live lease: who holds it, for how many seconds more (database clock), and
+    whether it was asked to hand the stream over to the worker that tried to take it."""
+
+    stream: str
+    owner: str
+    seconds_left: float
+    handover_requested: bool
+
+    def describe(self) -> str:
+        asked = "; it was asked to hand the stream over" if self.handover_requested else ""
+        return f"stream {self.stream!r} is leased to {self.owner} for {self.seconds_left:.1f}s{asked}"
+
+
+@dataclass(frozen=True)
 class StreamStatus:
     """What the store knows about one stream (for ``faucet streams status``)."""
 
@@ -149,6 +176,7 @@ class StreamStatus:
     fencing_token: int
     lease_expires: float | None
     lease_seconds_left: float | None
+    handover_to: str | None
     uncertain: bool
     uncertain_reason: str | None
     last_sequence: int
@@ -227,6 +255,7 @@ class StateStore:
             _configure_sqlite(self._engine)
         with self._translate("create the tables"):
             metadata.create_all(self._engine)
+            _add_missing_columns(self._engine)
 
     @property
     def where(self) -> str:
@@ -245,12 +274,28 @@ class StateStore:
 
     # -- leases ---------------------------------------------------------------------------------
 
-    def acquire_lease(self, stream: str, owner: str, ttl: float) -> Lease:
-        """Take (or renew) ``stream``'s lease for ``ttl`` seconds.
+    def acquire_lease(self, stream: str, owner: str, ttl: float, *, started: float | None = None) -> Lease:
+        """Take (or renew) ``stream``'s lease for ``ttl`` seconds (see :meth:`try_acquire_lease`).
+
+        Raises :class:`OwnershipLost` while another owner's lease is live, and
+        :class:`UncertainOutcome` while the stream is marked uncertain.
+        """
+        result = self.try_acquire_lease(stream, owner, ttl, started=started)
+        if isinstance(result, LeaseBusy):
+            raise OwnershipLost(result.describe(), where=stream)
+        return result
+
+    def try_acquire_lease(
+        self, stream: str, owner: str, ttl: float, *, started: float | None = None
+    ) -> Lease | LeaseBusy:
+        """Take (or renew) ``stream``'s lease for ``ttl`` seconds, or say who holds it.
 
         A free or expired lease is taken over with the fencing token plus one; a lease ``owner``
-        already holds is renewed with its token. Raises :class:`OwnershipLost` while another owner's
-        lease is live, and :class:`UncertainOutcome` while the stream is marked uncertain.
+        already holds is renewed with its token. ``started`` is when the owner's process started
+        (seconds since 1970): while another owner's lease is live, an owner that started after the
+        holder records a hand-over request the holder answers (:meth:`handover_requested`); the
+        returned :class:`LeaseBusy` says whether one was recorded. Raises :class:`UncertainOutcome`
+        while the stream is marked uncertain.
         """
         with self._transaction("acquire a lease") as conn:
             row, now = self._locked_stream(conn, stream)
@@ -263,18 +308,65 @@ class StateStore:
                 )
             live = row.lease_owner is not None and row.lease_expires is not None and row.lease_expires > now
             if live and row.lease_owner != owner:
-                raise OwnershipLost(
-                    f"stream {stream!r} is leased to {row.lease_owner} for {row.lease_expires - now:.1f}s",
-                    where=stream,
-                )
-            token = row.fencing_token if row.lease_owner == owner else row.fencing_token + 1
+                # Only a newer process asks: the holder a deployment replaces hands over, while two
+                # live workers of one age never take the stream from each other in turns.
+                newer = started is not None and (row.lease_started is None or started > row.lease_started)
+                if newer and (row.handover_started is None or started >= row.handover_started):
+                    conn.execute(
+                        streams_table.update()
+                        .where(streams_table.c.stream == stream)
+                        .values(handover_to=owner, handover_started=started)
+                    )
+                asked = row.handover_to == owner or newer
+                return LeaseBusy(stream, row.lease_owner, row.lease_expires - now, asked)
+            renewal = row.lease_owner == owner
+            token = row.fencing_token if renewal else row.fencing_token + 1
             expires = now + ttl
+            values: dict[str, Any] = {"lease_owner": owner, "fencing_token": token, "lease_expires": expires}
+            if not renewal:
+                values.update(lease_started=started, handover_to=None, handover_started=None)
+            conn.execute(streams_table.update().where(streams_table.c.stream == stream).values(**values))
+            return Lease(stream, owner, token, expires)
+
+    def hand_over(self, lease: Lease, ttl: float) -> str | None:
+        """Pass ``lease`` to the worker that asked for it (:meth:`handover_requested`), for ``ttl``
+        seconds under the next fencing token; returns that worker, or None (nothing changed) when no
+        request is pending or ``lease`` is no longer held.
+
+        The requester finds the lease its own when it next tries to take it, while every other
+        worker finds it held: the stream cannot fall back to the holder that is stopping.
+        """
+        with self._transaction("hand a lease over") as conn:
+            row, now = self._locked_stream(conn, lease.stream)
+            held = (
+                row.lease_owner == lease.owner
+                and row.fencing_token == lease.fencing_token
+                and not row.uncertain
+            )
+            if not held or row.handover_to is None:
+                return None
             conn.execute(
                 streams_table.update()
-                .where(streams_table.c.stream == stream)
-                .values(lease_owner=owner, fencing_token=token, lease_expires=expires)
+                .where(streams_table.c.stream == lease.stream)
+                .values(
+                    lease_owner=row.handover_to,
+                    fencing_token=row.fencing_token + 1,
+                    lease_expires=now + ttl,
+                    lease_started=row.handover_started,
+                    handover_to=None,
+                    handover_started=None,
+                )
             )
-            return Lease(stream, owner, token, expires)
+            return str(row.handover_to)
+
+    def handover_requested(self, lease: Lease) -> str | None:
+        """The worker that asked ``lease``'s holder to hand the stream over, or None (also when the
+        lease is no longer held)."""
+        with self._transaction("read hand-over requests") as conn:
+            requester = conn.execute(
+                sa.select(streams_table.c.handover_to).where(*self._holds(lease))
+            ).scalar_one_or_none()
+            return None if requester is None else str(requester)
 
     def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         """Extend a live lease by ``ttl`` seconds from now; :class:`OwnershipLost` if it is not held."""
@@ -305,7 +397,9 @@ class StateStore:
         """Give ``lease`` up (a clean shutdown); False when it was no longer held (nothing changed)."""
         with self._transaction("release a lease") as conn:
             updated = conn.execute(
-                streams_table.update().where(*self._holds(lease)).values(lease_owner=None, lease_expires=None)
+                streams_table.update()
+                .where(*self._holds(lease))
+                .values(lease_owner=None, lease_expires=None, lease_started=None)
             )
             return bool(updated.rowcount)
 
@@ -666,6 +760,7 @@ class StateStore:
             fencing_token=row.fencing_token,
             lease_expires=row.lease_expires,
             lease_seconds_left=None if row.lease_expires is None else row.lease_expires - row.now,
+            handover_to=row.handover_to,
             uncertain=bool(row.uncertain),
             uncertain_reason=row.uncertain_reason,
             last_sequence=self._last_sequence(conn, stream),
@@ -673,6 +768,29 @@ class StateStore:
             positions=self._positions(conn, stream),
             dead_letters=int(dead),
         )
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Add the columns of :data:`ADDED_STREAM_COLUMNS` a store of an earlier version lacks.
+
+    All are nullable, so ``ALTER TABLE ... ADD COLUMN`` works on SQLite and PostgreSQL alike; a
+    process adding them at the same moment as this one makes the statement fail, and the columns
+    are there when it is inspected again.
+    """
+    for attempt in range(2):
+        present = {column["name"] for column in sa.inspect(engine).get_columns(streams_table.name)}
+        missing = [name for name in ADDED_STREAM_COLUMNS if name not in present]
+        if not missing:
+            return
+        try:
+            with engine.begin() as conn:
+                for name in missing:
+                    column = streams_table.c[name]
+                    kind = column.type.compile(dialect=engine.dialect)
+                    conn.exec_driver_sql(f"ALTER TABLE {streams_table.name} ADD COLUMN {name} {kind}")
+        except SQLAlchemyError:
+            if attempt:
+                raise
 
 
 def _configure_sqlite(engine: Engine) -> None:
