@@ -40,6 +40,7 @@ from faucet_dagster.protocol import (
 from faucet_dagster.runner.faults import Action
 from faucet_dagster.state import Lease, StateStore
 from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
+from faucet_dagster.testing.faults.harness import random_schedule
 from faucet_dagster.testing.faults.oracle import Verdict, judge_state
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers, pair_named
 from faucet_dagster.testing.faults.scenarios import (
@@ -214,3 +215,19 @@ def test_a_certificate_of_a_worker_that_lost_its_lease_is_refused_as_ownership_l
         with pytest.raises(OwnershipLost, match="leased to new"):
             store.append_certificate(certificate(old, 3, "15", "20"), old)
         assert [(c.sequence, c.worker) for c in store.certificates("s")] == [(1, "old"), (2, "new")]
+
+
+def test_a_zombie_apply_changes_epoch_is_fenced_before_it_is_judged_for_divergence(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Found by the randomized schedule (seed 2026, case 192: cdc-postgres zombie@before_commit): the
+    resumed owner's APPLY_CHANGES epoch was applied before the sink checked its fence, so the rows its
+    successor had replicated meanwhile made the sink refuse it as a diverged replica (IntegrityError)
+    instead of as fenced (OwnershipLost). Nothing was committed either way, but a zombie must be told
+    it lost the stream, not that the replica diverged."""
+    (case,) = [case for case in random_schedule(2026, 200, list(PAIRS)) if case.index == 192]
+    assert (case.pair.name, case.fault.kind) == ("cdc-postgres", FaultKind.ZOMBIE)
+    result = run_case(servers, tmp_path, case.pair, case.fault, case.params)
+    assert result.fired, result.notes
+    assert result.halted_correctly and result.passed, result.notes
+    assert result.verdict.lost == 0 and result.verdict.duplicated == 0, result.verdict

@@ -7,9 +7,10 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
   the table (APPEND), or into a temporary staging table merged with ``INSERT ... ON CONFLICT``
   (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row), or
   stages change rows (APPLY_CHANGES) in a temporary table per destination table;
-* ``commit_epoch`` applies the staged changes (APPLY_CHANGES, below), checks the owner fence (the
-  stream's row in the epochs table: the commit fails with :class:`OwnershipLost` if a higher fencing
-  token claimed the stream), records the epoch and moves the watermarks, all in the same transaction,
+* ``commit_epoch`` checks the owner fence first (the stream's row in the epochs table: the commit
+  fails with :class:`OwnershipLost` if a higher fencing token claimed the stream), then applies the
+  staged changes (APPLY_CHANGES, below), records the epoch and moves the watermarks, all in the same
+  transaction,
   then commits. A commit whose answer is lost (the connection dropped) is resolved: the old backend is
   made to exit (``pg_terminate_backend``) so its transaction can no longer finish, and the epoch row is
   read back, compared by a random commit id. Unresolvable means :class:`UncertainOutcome`;
@@ -449,7 +450,6 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn = self._live()
         commit_id = uuid.uuid4().hex
         marks = self._next_watermarks(state, coverage)
-        await self._apply_changes(conn, state)
         try:
             cursor = await conn.execute(
                 sql.SQL(
@@ -474,6 +474,9 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                     "was rolled back",
                     where=self._where,
                 )
+            # After the fence: a zombie's epoch is refused as fenced, never judged against rows its
+            # successor already applied (which would look like divergence).
+            await self._apply_changes(conn, state)
             if marks:
                 async with conn.cursor() as many:
                     await many.executemany(
