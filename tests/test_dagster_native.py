@@ -17,6 +17,7 @@ from faucet_dagster.components import FaucetComponent
 
 DG = str(Path(sys.executable).with_name("dg"))
 FAUCET = str(Path(sys.executable).with_name("faucet"))
+DAGSTER = str(Path(sys.executable).with_name("dagster"))
 
 
 def run(cwd: Path, env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
@@ -173,12 +174,15 @@ def test_every_field_of_the_component_schema_has_a_description() -> None:
     assert FaucetComponent.__doc__ is not None and "\n" not in FaucetComponent.__doc__.strip()
 
 
-def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path) -> None:
+def launch_project(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """A dg project with one partitioned sync (a CSV file a partition) into SQLite, its partitions
+    added as the sensor would: the project, the data directory and the environment to run it in."""
     root = tmp_path / "launch"
     data = tmp_path / "data"
     data.mkdir()
     (data / "2024-01.csv").write_text("id\n1\n2\n")
     (data / "2024-02.csv").write_text("id\n3\n")
+    (data / "2024-03.csv").write_text("id\n4\n5\n6\n")
     package = root / "launched"
     (package / "defs" / "shop").mkdir(parents=True)
     (root / "pyproject.toml").write_text(
@@ -210,13 +214,86 @@ def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path)
     # The sensor's work, once, from a shell (the daemon runs the sensor instead).
     refreshed = run(root, env, FAUCET, "partitions", "refresh", "-m", "launched.definitions")
     assert refreshed.returncode == 0, refreshed.stdout + refreshed.stderr
-    assert refreshed.stdout == "faucet_orders_shards: added 2 partition(s): 2024-01.csv, 2024-02.csv\n"
-    launched = run(root, env, DG, "launch", "--assets", "orders", "--partition", "2024-02.csv")
-    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert refreshed.stdout == (
+        "faucet_orders_shards: added 3 partition(s): 2024-01.csv, 2024-02.csv, 2024-03.csv\n"
+    )
+    return root, data, env
+
+
+def warehouse_ids(tmp_path: Path) -> list[int]:
     engine = sa.create_engine(f"sqlite:///{tmp_path}/w.db")
     try:
         with engine.connect() as connection:
-            ids = [row[0] for row in connection.execute(sa.text("SELECT id FROM orders"))]
+            return [row[0] for row in connection.execute(sa.text("SELECT id FROM orders ORDER BY id"))]
     finally:
         engine.dispose()
-    assert ids == [3]
+
+
+def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path) -> None:
+    root, _, env = launch_project(tmp_path)
+    launched = run(root, env, DG, "launch", "--assets", "orders", "--partition", "2024-02.csv")
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert warehouse_ids(tmp_path) == [3]
+
+
+def test_a_launch_without_a_partition_says_what_to_do(tmp_path: Path) -> None:
+    root, _, env = launch_project(tmp_path)
+    for command in (
+        (DG, "launch", "--assets", "orders"),
+        (DAGSTER, "asset", "materialize", "--select", "orders", "-m", "launched.definitions"),
+    ):
+        refused = run(root, env, *command)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "Traceback" not in refused.stderr and "CheckError" not in refused.stderr, refused.stderr
+        assert "a partitioned faucet sync needs a partition (orders:" in refused.stderr
+        assert "`dg launch --assets orders --partition KEY`" in refused.stderr
+        assert "--partition-range FIRST...LAST" in refused.stderr
+    assert not (tmp_path / "w.db").exists()
+
+
+def partition_records(home: Path, partition: str) -> list[dg.AssetMaterialization]:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("orders"), asset_partitions=[partition]), limit=10
+        ).records
+    return [record.asset_materialization for record in records if record.asset_materialization]
+
+
+def test_a_partition_range_moves_each_partition_from_its_own_bookmark(tmp_path: Path) -> None:
+    root, data, env = launch_project(tmp_path)
+    home = Path(env["DAGSTER_HOME"])
+    # A range whose second partition fails (its file is gone): the first one is recorded.
+    (data / "2024-02.csv").rename(tmp_path / "held.csv")
+    failed = run(root, env, DG, "launch", "--assets", "orders", "--partition-range", "2024-01.csv...2024-03.csv")
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0, output
+    assert "partition '2024-02.csv' names no shard the source lists now" in output
+    assert warehouse_ids(tmp_path) == [1, 2]
+    [first] = partition_records(home, "2024-01.csv")
+    assert first.metadata["faucet/rows_written"] == dg.IntMetadataValue(2)
+    assert partition_records(home, "2024-02.csv") == partition_records(home, "2024-03.csv") == []
+    # The same range again, the file back: the first partition resumes from its own bookmark.
+    (tmp_path / "held.csv").rename(data / "2024-02.csv")
+    ranged = run(
+        root,
+        env,
+        DAGSTER,
+        "asset",
+        "materialize",
+        "--select",
+        "orders",
+        "--partition-range",
+        "2024-01.csv...2024-03.csv",
+        "-m",
+        "launched.definitions",
+    )
+    assert ranged.returncode == 0, ranged.stdout + ranged.stderr
+    assert warehouse_ids(tmp_path) == [1, 2, 3, 4, 5, 6]
+    for partition, written, rows in (("2024-01.csv", 0, 2), ("2024-02.csv", 1, 1), ("2024-03.csv", 3, 3)):
+        latest = partition_records(home, partition)[0]
+        assert latest.metadata["faucet/rows_written"] == dg.IntMetadataValue(written), partition
+        assert latest.metadata["dagster/partition_row_count"] == dg.IntMetadataValue(rows), partition
+        bookmark = latest.metadata["faucet/bookmark"]
+        assert isinstance(bookmark, dg.JsonMetadataValue)
+        assert isinstance(bookmark.data, dict)
+        assert list(bookmark.data["completed"]) == [str(data / partition)], partition
