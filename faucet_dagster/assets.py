@@ -162,8 +162,8 @@ class FaucetTranslator:
             description=sync.description
             or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}."
             + (
-                " One partition a shard of the source, one partition a run: `dg launch --assets "
-                f"{sync.name} --partition KEY`, or a backfill for many."
+                " One partition a shard of the source, each from its own bookmark: `dg launch "
+                f"--assets {sync.name} --partition KEY`, or `--partition-range FIRST...LAST` (one run)."
                 if data.partitioned
                 else ""
             ),

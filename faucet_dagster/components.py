@@ -21,7 +21,10 @@
           asset: {key: raw/orders, group_name: raw, owners: [team:data], tags: {tier: bronze}}
 
 An endpoint (``source``, ``sink``, ``dead_letter``) names a ``connection`` of this component, or an
-installed ``connector`` directly; its ``config`` is merged over the connection's. Secrets are written
+installed ``connector`` directly; its ``config`` is merged over the connection's. Each connection is
+also a resource of the code location under its name (a ``FaucetConnection``: ``dg list defs`` lists
+it, and a Python sync can name it by key); two components may declare the same connection only with
+the same config. Secrets are written
 ``{env: NAME}`` and read from the environment only when a run builds the connector; a
 ``{{ env.NAME }}`` template would instead be rendered into the definitions when they load.
 
@@ -38,6 +41,7 @@ continuous ``streams``, sit beside ``syncs`` and share the same ``connections``:
           resources: [EVENTS]
 """
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -259,7 +263,11 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
     """Faucet syncs and streams in YAML: an asset per sync; a sink asset, check and sensor per stream."""
 
     connections: Annotated[
-        dict[str, ConnectionModel], _field("Connector configs shared by endpoints, by name.")
+        dict[str, ConnectionModel],
+        _field(
+            "Connector configs shared by endpoints, by name; each is also a resource of the code location "
+            "under its name (a FaucetConnection, listed by `dg list defs`)."
+        ),
     ] = {}
     syncs: Annotated[list[SyncModel], _field("Bounded syncs: an asset each.")] = []
     streams: Annotated[
@@ -297,7 +305,9 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         where = _declared_in(context)
         self.check(where)
         return dg.Definitions.merge(
-            self.build_sync_defs(self._lines.get("syncs")), self.build_stream_defs(self._lines.get("streams"))
+            self.build_sync_defs(self._lines.get("syncs")),
+            self.build_stream_defs(self._lines.get("streams")),
+            dg.Definitions(resources=self._connections()),
         )
 
     def check(self, where: str = "FaucetComponent") -> None:
@@ -319,10 +329,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         check_pairs(checks, where=where, problems=problems)
 
     def _connections(self) -> dict[str, FaucetConnection]:
-        return {
-            name: FaucetConnection(connector=model.connector, config=dict(model.config))
-            for name, model in self.connections.items()
-        }
+        return {name: _shared_connection(model) for name, model in self.connections.items()}
 
     def build_stream_defs(self, lines: Mapping[int, tuple[str, int]] | None = None) -> dg.Definitions:
         """The sink asset, certificate check and sensor of each enabled one of ``streams``; ``lines``
@@ -389,6 +396,21 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             else _endpoint(model.dead_letter, connections, f"{where} dead_letter"),
             description=model.description,
         )
+
+
+_SHARED_CONNECTIONS: dict[str, FaucetConnection] = {}
+"""One ``FaucetConnection`` object per distinct declaration, so that components declaring the same
+connection under the same name merge as one resource (Dagster merges a resource key only when the
+objects are the same)."""
+
+
+def _shared_connection(model: ConnectionModel) -> FaucetConnection:
+    identity = json.dumps([model.connector, model.config], sort_keys=True, default=repr)
+    connection = _SHARED_CONNECTIONS.get(identity)
+    if connection is None:
+        connection = FaucetConnection(connector=model.connector, config=dict(model.config))
+        _SHARED_CONNECTIONS[identity] = connection
+    return connection
 
 
 def _declared_in(context: dg.ComponentLoadContext) -> str:

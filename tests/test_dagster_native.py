@@ -1,6 +1,7 @@
 """Faucet declarations through Dagster's own tooling: `dg check defs` on a project with mistakes,
 definitions that load without a broker, and automation conditions on a sync's asset."""
 
+import json
 import os
 import subprocess
 import sys
@@ -177,36 +178,20 @@ def test_every_field_of_the_component_schema_has_a_description() -> None:
 def launch_project(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     """A dg project with one partitioned sync (a CSV file a partition) into SQLite, its partitions
     added as the sensor would: the project, the data directory and the environment to run it in."""
-    root = tmp_path / "launch"
     data = tmp_path / "data"
     data.mkdir()
     (data / "2024-01.csv").write_text("id\n1\n2\n")
     (data / "2024-02.csv").write_text("id\n3\n")
     (data / "2024-03.csv").write_text("id\n4\n5\n6\n")
-    package = root / "launched"
-    (package / "defs" / "shop").mkdir(parents=True)
-    (root / "pyproject.toml").write_text(
-        '[project]\nname = "launched"\nversion = "0.0.0"\n'
-        '[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "launched"\n'
-    )
-    (package / "__init__.py").write_text("")
-    (package / "defs" / "__init__.py").write_text("")
-    (package / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n"
-        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
-    )
-    (package / "defs" / "shop" / "defs.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            type: faucet_dagster.components.FaucetComponent
-            attributes:
-              syncs:
-                - name: orders
-                  source: {{connector: files, config: {{paths: ["{data}/*.csv"], shard_by_file: true}}}}
-                  sink: {{connector: sql, config: {{url: "sqlite:///{tmp_path}/w.db", table: orders}}}}
-            """
-        )
-    )
+    component = f"""\
+        type: faucet_dagster.components.FaucetComponent
+        attributes:
+          syncs:
+            - name: orders
+              source: {{connector: files, config: {{paths: ["{data}/*.csv"], shard_by_file: true}}}}
+              sink: {{connector: sql, config: {{url: "sqlite:///{tmp_path}/w.db", table: orders}}}}
+        """
+    root = write_project(tmp_path / "launch", "launched", {"shop": component})
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -264,7 +249,8 @@ def test_a_partition_range_moves_each_partition_from_its_own_bookmark(tmp_path: 
     home = Path(env["DAGSTER_HOME"])
     # A range whose second partition fails (its file is gone): the first one is recorded.
     (data / "2024-02.csv").rename(tmp_path / "held.csv")
-    failed = run(root, env, DG, "launch", "--assets", "orders", "--partition-range", "2024-01.csv...2024-03.csv")
+    whole_range = ("--partition-range", "2024-01.csv...2024-03.csv")
+    failed = run(root, env, DG, "launch", "--assets", "orders", *whole_range)
     output = failed.stdout + failed.stderr
     assert failed.returncode != 0, output
     assert "partition '2024-02.csv' names no shard the source lists now" in output
@@ -282,8 +268,7 @@ def test_a_partition_range_moves_each_partition_from_its_own_bookmark(tmp_path: 
         "materialize",
         "--select",
         "orders",
-        "--partition-range",
-        "2024-01.csv...2024-03.csv",
+        *whole_range,
         "-m",
         "launched.definitions",
     )
@@ -297,3 +282,72 @@ def test_a_partition_range_moves_each_partition_from_its_own_bookmark(tmp_path: 
         assert isinstance(bookmark, dg.JsonMetadataValue)
         assert isinstance(bookmark.data, dict)
         assert list(bookmark.data["completed"]) == [str(data / partition)], partition
+
+
+def write_project(root: Path, module: str, components: dict[str, str]) -> Path:
+    """A dg project ``module`` under ``root`` with a component (its defs.yaml text) per folder."""
+    package = root / module
+    (package / "defs").mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "{module}"\nversion = "0.0.0"\n'
+        f'[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "{module}"\n'
+    )
+    (package / "__init__.py").write_text("")
+    (package / "defs" / "__init__.py").write_text("")
+    (package / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n"
+        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
+    )
+    for folder, text in components.items():
+        (package / "defs" / folder).mkdir()
+        (package / "defs" / folder / "defs.yaml").write_text(textwrap.dedent(text))
+    return root
+
+
+CONNECTIONS = """\
+type: faucet_dagster.components.FaucetComponent
+attributes:
+  connections:
+    lake: {{connector: files}}
+    warehouse: {{connector: sql, config: {{url: "sqlite:///{db}"}}}}
+    {extra}
+  syncs:
+    - name: {sync}
+      source: {{connection: lake, config: {{paths: [x/*.csv]}}}}
+      sink: {{connection: warehouse, config: {{table: {sync}}}}}
+"""
+
+
+def test_yaml_connections_are_resources_in_dg_list_defs(tmp_path: Path) -> None:
+    db = tmp_path / "w.db"
+    extra = "events: {connector: postgres, config: {url: {env: FAUCET_TEST_EVENTS_URL}}}"
+    root = write_project(
+        tmp_path / "listed",
+        "listed",
+        {
+            "shop": CONNECTIONS.format(db=db, extra=extra, sync="orders"),
+            # The same connections declared again by a second component: the same resources.
+            "more": CONNECTIONS.format(db=db, extra="", sync="customers"),
+        },
+    )
+    secret = "postgresql://faucet:s3cr3t-in-env@127.0.0.1:9/db"
+    env = {**os.environ, "FAUCET_TEST_EVENTS_URL": secret}
+    listed = run(root, env, DG, "list", "defs", "--json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    resources = json.loads(listed.stdout)["resources"]
+    assert sorted((r["name"], r["type"]) for r in resources) == [
+        (name, "faucet_dagster.resources.FaucetConnection") for name in ("events", "lake", "warehouse")
+    ]
+    assert "s3cr3t" not in listed.stdout + listed.stderr
+    # One name, two configs: Dagster refuses to merge them, naming the key.
+    clash = write_project(
+        tmp_path / "clash",
+        "clash",
+        {
+            "shop": CONNECTIONS.format(db=db, extra="", sync="orders"),
+            "more": CONNECTIONS.format(db=tmp_path / "other.db", extra="", sync="customers"),
+        },
+    )
+    checked = run(clash, env, DG, "check", "defs")
+    assert checked.returncode != 0
+    assert "different resources with same key 'warehouse'" in checked.stdout + checked.stderr
