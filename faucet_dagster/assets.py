@@ -31,8 +31,6 @@ after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualifie
 """
 
 import json
-import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -43,7 +41,7 @@ import dagster as dg
 import pyarrow as pa
 from dagster._core.definitions.metadata import TableMetadataSet
 
-from faucet_dagster.declared import DECLARED
+from faucet_dagster.declared import DECLARED, declaring_line
 from faucet_dagster.launch_hint import install_launch_hint
 from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.protocol import (
@@ -544,25 +542,11 @@ def faucet_sync_assets(
         @faucet_assets(syncs=[sync], translator=translator, name=_op_name(sync.name))
         def _sync(
             context: dg.AssetExecutionContext, faucet: FaucetSyncs
-        ) -> Iterator[dg.MaterializeResult[Any]]:
+        ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
             yield from faucet.run(context)
 
         assets.append(_sync)
     return assets
-
-
-def declaring_line() -> tuple[str, int] | None:
-    """The file and line of the first caller outside faucet-dagster and Dagster: where a sync was
-    declared in Python (``None`` when Dagster's own loader is the caller, as for a component)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module.split(".")[0] in ("dagster", "dagster_shared", "dagster_dg_cli"):
-            return None
-        if module.split(".")[0] != "faucet_dagster":
-            return os.path.abspath(frame.f_code.co_filename), frame.f_lineno
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 def with_code_reference(spec: dg.AssetSpec, line: tuple[str, int] | None) -> dg.AssetSpec:

@@ -57,11 +57,10 @@ from faucet_dagster.assets import (
     faucet_sync_assets,
     with_code_reference,
 )
-from faucet_dagster.declared import DECLARED
 from faucet_dagster.partitions import faucet_partitions_sensor
-from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
-from faucet_dagster.preflight import PairCheck, check_pairs
-from faucet_dagster.protocol import ConfigError, Delivery, Mode, ReadLimits, WritePolicy
+from faucet_dagster.pipeline import ResourceSchema
+from faucet_dagster.preflight import PairCheck, check_pairs, stream_check
+from faucet_dagster.protocol import ConfigError, Delivery, ReadLimits, WritePolicy
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.bounded import DEFAULT_BATCH_SIZE
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, DEFAULT_LEASE_SECONDS
@@ -323,7 +322,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
                 problems.append(f"sync {sync.name}: {exc.message}")
         for model in (model for model in self.streams if model.enabled):
             try:
-                checks.append(_stream_check(_stream(model, connections)))
+                checks.append(stream_check(_stream(model, connections)))
             except ConfigError as exc:
                 problems.append(f"stream {model.name}: {exc.message}")
         check_pairs(checks, where=where, problems=problems)
@@ -341,7 +340,6 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             if not model.enabled:
                 continue
             stream = _stream(model, connections)
-            DECLARED.streams[stream.name] = stream
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
             spec = with_code_reference(
                 apply_asset_attributes(stream.asset_spec(), model.asset),
@@ -436,21 +434,6 @@ def _declaration_lines(context: dg.ComponentLoadContext) -> dict[str, dict[int, 
             if isinstance(index, int):
                 found.setdefault(kind, {})[index] = (child.position.filename, child.position.start.line)
     return found
-
-
-def _stream_check(stream: FaucetStream) -> PairCheck:
-    return PairCheck(
-        where=f"stream {stream.name}",
-        mode=Mode.CONTINUOUS,
-        source=stream.source,
-        sink=stream.sink,
-        delivery=stream.delivery,
-        policy=stream.policy,
-        key=stream.key,
-        routes_bad_rows=any(
-            schema.on_bad_row is BadRowPolicy.DEAD_LETTER for schema in stream.schemas.values()
-        ),
-    )
 
 
 def _endpoint(

@@ -44,7 +44,9 @@ from typing import Any
 
 import dagster as dg
 
+from faucet_dagster.declared import DECLARED
 from faucet_dagster.pipeline import ResourceSchema
+from faucet_dagster.preflight import check_streams
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
@@ -188,6 +190,7 @@ def faucet_stream_sensor(
     :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
     code location). Endpoints given by resource key become the sensor's required resources.
     """
+    check_streams([stream], declared_by="faucet_stream_sensor")
     key = stream.asset_spec(asset_key).key
     resource_keys = {
         endpoint.resource_key for endpoint in (stream.source, stream.sink) if endpoint.resource_key
@@ -248,6 +251,8 @@ def build_stream_defs(
     """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
     certificate and health checks and its sensor. The sensors' default budget shares the interval
     between ``streams_sharing`` stream sensors (default: these streams; see :func:`tick_budget`)."""
+    check_streams(streams, declared_by="build_stream_defs")
+    DECLARED.streams.update((stream.name, stream) for stream in streams)
     specs = dict(asset_specs or {})
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []

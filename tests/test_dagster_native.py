@@ -14,7 +14,10 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
+from faucet_dagster import FaucetConnection, FaucetStream
 from faucet_dagster.components import FaucetComponent
+from faucet_dagster.protocol import ConfigError
+from faucet_dagster.sensors import faucet_stream_sensor
 
 DG = str(Path(sys.executable).with_name("dg"))
 FAUCET = str(Path(sys.executable).with_name("faucet"))
@@ -351,3 +354,82 @@ def test_yaml_connections_are_resources_in_dg_list_defs(tmp_path: Path) -> None:
     checked = run(clash, env, DG, "check", "defs")
     assert checked.returncode != 0
     assert "different resources with same key 'warehouse'" in checked.stdout + checked.stderr
+
+
+PYTHON_STREAMS = """\
+import dagster as dg
+
+from faucet_dagster import FaucetConnection, FaucetStream, build_stream_defs
+from faucet_dagster.protocol import WritePolicy
+
+kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "127.0.0.1:9", "group_id": "g"})
+postgres = FaucetConnection(connector="postgres", config={"url": "postgresql://127.0.0.1:9/db"})
+misspelt = FaucetStream(
+    "misspelt", source=kafka.using(topics=["t"]), sink=postgres.using(tabel="x"), resources=("t",)
+)
+refused = FaucetStream(
+    "refused",
+    source=kafka.using(topics=["t"]),
+    sink=postgres.using(table="k"),
+    resources=("t",),
+    policy=WritePolicy.UPSERT,
+    key=("id",),
+)
+fine = FaucetStream(
+    "fine", source=kafka.using(topics=["t"]), sink=postgres.using(table="f"), resources=("t",)
+)
+
+defs = build_stream_defs([misspelt, refused, fine])
+"""
+
+
+def test_dg_check_defs_checks_streams_declared_in_python(tmp_path: Path) -> None:
+    root = tmp_path / "pystreams"
+    package = root / "pystreams"
+    package.mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "pystreams"\nversion = "0.0.0"\n'
+        '[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "pystreams"\n'
+    )
+    (package / "__init__.py").write_text("")
+    definitions = package / "definitions.py"
+    definitions.write_text(PYTHON_STREAMS)
+    started = time.monotonic()
+    checked = run(root, dict(os.environ), DG, "check", "defs")
+    output = checked.stdout + checked.stderr
+    assert checked.returncode != 0, output
+    line = PYTHON_STREAMS.splitlines().index("defs = build_stream_defs([misspelt, refused, fine])") + 1
+    assert f"build_stream_defs at {definitions}:{line}" in output, output
+    assert "2 problem(s) in the faucet declarations" in output
+    assert (
+        "stream misspelt: sink: postgres streaming_sink config: tabel: Extra inputs are not permitted"
+        in output
+    )
+    assert "stream refused: refused by the planner: [order-dependent-policy]" in output
+    assert "stream fine" not in output
+    # Nothing connected to the (absent) broker or database while the definitions loaded.
+    assert time.monotonic() - started < 120
+    # With the mistakes fixed, the same definitions pass.
+    definitions.write_text(
+        PYTHON_STREAMS.replace('tabel="x"', 'table="x"').replace(
+            "policy=WritePolicy.UPSERT", "policy=WritePolicy.APPEND"
+        )
+    )
+    fixed = run(root, dict(os.environ), DG, "check", "defs")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+def test_a_stream_sensor_built_alone_is_checked_too() -> None:
+    kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "127.0.0.1:9", "group_id": "g"})
+    stream = FaucetStream(
+        "alone",
+        source=kafka.using(topics=["t"]),
+        sink=FaucetConnection(connector="postgres").using(url="postgresql://127.0.0.1:9/db", tabel="x"),
+        resources=("t",),
+    )
+    with pytest.raises(ConfigError) as raised:
+        faucet_stream_sensor(stream)
+    assert "stream alone: sink: postgres streaming_sink config: tabel: Extra inputs" in raised.value.message
+    assert raised.value.where is not None and raised.value.where.startswith(
+        f"faucet_stream_sensor at {__file__}:"
+    )
