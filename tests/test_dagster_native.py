@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from faucet_dagster import FaucetConnection, FaucetStream
 from faucet_dagster.components import FaucetComponent
 from faucet_dagster.protocol import ConfigError
-from faucet_dagster.sensors import faucet_stream_sensor
+from faucet_dagster.sensors import build_stream_defs, faucet_stream_sensor
 
 DG = str(Path(sys.executable).with_name("dg"))
 FAUCET = str(Path(sys.executable).with_name("faucet"))
@@ -433,3 +433,18 @@ def test_a_stream_sensor_built_alone_is_checked_too() -> None:
     assert raised.value.where is not None and raised.value.where.startswith(
         f"faucet_stream_sensor at {__file__}:"
     )
+
+
+def test_a_stream_declared_in_python_references_its_line() -> None:
+    kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "127.0.0.1:9", "group_id": "g"})
+    stream = FaucetStream(
+        "referenced",
+        source=kafka.using(topics=["t"]),
+        sink=FaucetConnection(connector="postgres", config={"url": "postgresql://127.0.0.1:9/db"}).using(),
+        resources=("t",),
+    )
+    line = sys._getframe().f_lineno + 1
+    defs = build_stream_defs([stream])
+    [spec] = [asset for asset in defs.assets or [] if isinstance(asset, dg.AssetSpec)]
+    [reference] = spec.metadata["dagster/code_references"].code_references
+    assert (reference.file_path, reference.line_number) == (__file__, line)
