@@ -3,6 +3,7 @@ definitions that load without a broker, and automation conditions on a sync's as
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -321,27 +322,52 @@ attributes:
 """
 
 
+KAFKA_SYNC = """\
+    - name: events
+      source:
+        connector: kafka
+        config: {{bootstrap_servers: "127.0.0.1:{port}", group_id: g, topics: [events]}}
+      sink: {{connection: warehouse, config: {{table: events}}}}
+"""
+
+
 def test_yaml_connections_are_resources_in_dg_list_defs(tmp_path: Path) -> None:
     db = tmp_path / "w.db"
     extra = "events: {connector: postgres, config: {url: {env: FAUCET_TEST_EVENTS_URL}}}"
-    root = write_project(
-        tmp_path / "listed",
-        "listed",
-        {
-            "shop": CONNECTIONS.format(db=db, extra=extra, sync="orders"),
-            # The same connections declared again by a second component: the same resources.
-            "more": CONNECTIONS.format(db=db, extra="", sync="customers"),
-        },
-    )
-    secret = "postgresql://faucet:s3cr3t-in-env@127.0.0.1:9/db"
-    env = {**os.environ, "FAUCET_TEST_EVENTS_URL": secret}
-    listed = run(root, env, DG, "list", "defs", "--json")
-    assert listed.returncode == 0, listed.stdout + listed.stderr
-    resources = json.loads(listed.stdout)["resources"]
-    assert sorted((r["name"], r["type"]) for r in resources) == [
+    # A bounded Kafka sync whose "broker" only counts connections: loading must not list partitions.
+    with socket.create_server(("127.0.0.1", 0)) as broker:
+        broker.setblocking(False)
+        root = write_project(
+            tmp_path / "listed",
+            "listed",
+            {
+                "shop": CONNECTIONS.format(db=db, extra=extra, sync="orders"),
+                # The same connections declared again by a second component: the same resources.
+                "more": CONNECTIONS.format(db=db, extra="", sync="customers")
+                + KAFKA_SYNC.format(port=broker.getsockname()[1]),
+            },
+        )
+        secret = "postgresql://faucet:s3cr3t-in-env@127.0.0.1:9/db"
+        env = {**os.environ, "FAUCET_TEST_EVENTS_URL": secret}
+        listed = run(root, env, DG, "list", "defs", "--json")
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        with pytest.raises(BlockingIOError):
+            broker.accept()  # nothing connected while the definitions loaded
+    listing = json.loads(listed.stdout)
+    assert sorted((r["name"], r["type"]) for r in listing["resources"]) == [
         (name, "faucet_dagster.resources.FaucetConnection") for name in ("events", "lake", "warehouse")
     ]
+    assert {"customers", "events", "orders"} <= {asset["asset_key"] for asset in listing["assets"]}
     assert "s3cr3t" not in listed.stdout + listed.stderr
+    # The component's docstring is its one-line summary in `dg list components`.
+    components = run(root, env, DG, "list", "components", "--json")
+    assert components.returncode == 0, components.stdout + components.stderr
+    [faucet] = [c for c in json.loads(components.stdout)["items"] if c["key"].startswith("faucet_dagster")]
+    assert faucet == {
+        "key": "faucet_dagster.components.FaucetComponent",
+        "summary": "Faucet syncs and streams in YAML: an asset per sync; a sink asset, check and sensor "
+        "per stream.",
+    }
     # One name, two configs: Dagster refuses to merge them, naming the key.
     clash = write_project(
         tmp_path / "clash",
