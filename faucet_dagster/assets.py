@@ -19,7 +19,9 @@ Loading the definitions does no I/O: every config is parsed and every pair plann
 ``shardable`` and whose connection is known when the definitions load (not a resource key) becomes a
 partitioned asset with dynamic partitions, ``faucet_<sync>_shards``, one a shard (its path relative
 to the shards' common directory), each with its own bookmark; the shards are listed by
-:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition.
+:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition. A run
+over a range of partitions (``--partition-range``, a backfill: the backfill policy is ``single_run``)
+moves them one after the other, each from and to its own bookmark.
 
 Metadata of every materialization: Dagster's table metadata (``dagster/row_count``, the table's rows
 after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualified;
@@ -187,7 +189,8 @@ class FaucetSyncs:
     """The syncs of one ``multi_asset``, by asset key, ready to run inside its body.
 
     ``run(context)`` materializes each selected asset in declaration order and yields one
-    ``MaterializeResult`` per asset, after its sync completed.
+    ``MaterializeResult`` per asset, after its sync completed; over a range of partitions, one
+    carrying each partition's own metadata.
     """
 
     def __init__(self, by_key: Mapping[dg.AssetKey, FaucetSync]) -> None:
