@@ -19,7 +19,9 @@ Loading the definitions does no I/O: every config is parsed and every pair plann
 ``shardable`` and whose connection is known when the definitions load (not a resource key) becomes a
 partitioned asset with dynamic partitions, ``faucet_<sync>_shards``, one a shard (its path relative
 to the shards' common directory), each with its own bookmark; the shards are listed by
-:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition.
+:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition. A run
+over a range of partitions (``--partition-range``, a backfill: the backfill policy is ``single_run``)
+moves them one after the other, each from and to its own bookmark.
 
 Metadata of every materialization: Dagster's table metadata (``dagster/row_count``, the table's rows
 after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualified;
@@ -31,8 +33,6 @@ after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualifie
 """
 
 import json
-import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -43,7 +43,8 @@ import dagster as dg
 import pyarrow as pa
 from dagster._core.definitions.metadata import TableMetadataSet
 
-from faucet_dagster.declared import DECLARED
+from faucet_dagster.declared import DECLARED, declaring_line
+from faucet_dagster.launch_hint import install_launch_hint
 from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
 from faucet_dagster.protocol import (
     CommitToken,
@@ -161,8 +162,8 @@ class FaucetTranslator:
             description=sync.description
             or f"Faucet bounded sync {sync.name}: {sync.source.label} to {sync.sink.label}."
             + (
-                " One partition a shard of the source, one partition a run: `dg launch --assets "
-                f"{sync.name} --partition KEY`, or a backfill for many."
+                " One partition a shard of the source, each from its own bookmark: `dg launch "
+                f"--assets {sync.name} --partition KEY`, or `--partition-range FIRST...LAST` (one run)."
                 if data.partitioned
                 else ""
             ),
@@ -188,37 +189,60 @@ class FaucetSyncs:
     """The syncs of one ``multi_asset``, by asset key, ready to run inside its body.
 
     ``run(context)`` materializes each selected asset in declaration order and yields one
-    ``MaterializeResult`` per asset, after its sync completed.
+    ``MaterializeResult`` per asset, after its sync completed; over a range of partitions, one
+    carrying each partition's own metadata.
     """
 
     def __init__(self, by_key: Mapping[dg.AssetKey, FaucetSync]) -> None:
         self.by_key = dict(by_key)
 
-    def run(self, context: dg.AssetExecutionContext) -> Iterator[dg.MaterializeResult[Any]]:
+    def run(
+        self, context: dg.AssetExecutionContext
+    ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
         """Run the selected syncs one after the other; blocks until each one completed.
 
-        A partitioned asset runs one partition a run (each resumes from its own bookmark): a run over
-        a range of partitions is refused with what to launch instead.
+        A run over a range of partitions (``dg launch --partition-range``, a backfill) moves them
+        one after the other, each from its own bookmark, and records each partition's own metadata
+        (see :meth:`materialize_range`).
         """
-        if context.has_partition_key_range:
-            keys = context.partition_keys
-            if len(keys) > 1:
-                raise ConfigError(
-                    f"a faucet sync moves one partition (shard) a run, each from its own bookmark, and "
-                    f"this run covers {len(keys)} ({keys[0]} ... {keys[-1]}): launch a backfill (the "
-                    "UI, or `dagster asset backfill`), which runs one run per partition, or one "
-                    "`dg launch --partition KEY` per partition",
-                    where=", ".join(key.to_user_string() for key in context.selected_asset_keys),
-                )
-        selected = context.selected_asset_keys
-        for key, sync in self.by_key.items():
-            if key in selected:
-                yield self.materialize(context, key, sync)
+        chosen = [(key, sync) for key, sync in self.by_key.items() if key in context.selected_asset_keys]
+        if context.has_partition_key_range and len(context.partition_keys) > 1:
+            [(key, sync)] = chosen  # a partitioned asset holds one sync
+            yield from self.materialize_range(context, key, sync)
+            return
+        for key, sync in chosen:
+            partition = context.partition_key if context.has_partition_key else None
+            yield dg.MaterializeResult(asset_key=key, metadata=self.move(context, key, sync, partition))
 
-    def materialize(
+    def materialize_range(
         self, context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync
-    ) -> dg.MaterializeResult[Any]:
-        partition = context.partition_key if context.has_partition_key else None
+    ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
+        """Move each partition of the run's range in turn, each from its own bookmark.
+
+        When every partition completed, one ``MaterializeResult`` carries each partition's own
+        metadata (``add_asset_metadata`` per partition): Dagster records one materialization per
+        partition with that partition's bookmark, never one bookmark copied over the range. When a
+        partition fails, the partitions completed before it are recorded (an ``AssetMaterialization``
+        each, their sinks have committed) and the run fails: the failed partition and the ones after
+        it resume from their own last bookmarks.
+        """
+        done: list[tuple[str, dict[str, Any]]] = []
+        for partition in context.partition_keys:
+            try:
+                metadata = self.move(context, key, sync, partition)
+            except BaseException:
+                for completed, recorded in done:
+                    yield dg.AssetMaterialization(asset_key=key, partition=completed, metadata=recorded)
+                raise
+            done.append((partition, metadata))
+        for completed, recorded in done:
+            context.add_asset_metadata(recorded, asset_key=key, partition_key=completed)
+        yield dg.MaterializeResult(asset_key=key)
+
+    def move(
+        self, context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync, partition: str | None
+    ) -> dict[str, Any]:
+        """Run ``sync`` (for ``partition``) from its last bookmark; the materialization's metadata."""
         state = last_sync_state(context.instance, key, partition)
         context.log.info(
             f"faucet sync {sync.name}: {sync.source.label} -> {sync.sink.label}"
@@ -242,7 +266,7 @@ class FaucetSyncs:
             f"dead-lettered {result.rows_dead_lettered}, skipped {result.rows_skipped} in "
             f"{result.seconds:.2f}s ({result.plan.policy.value}, {result.plan.delivery.value})"
         )
-        return dg.MaterializeResult(asset_key=key, metadata=sync_metadata(outcome, state))
+        return sync_metadata(outcome, state)
 
 
 @dataclass(frozen=True)
@@ -480,6 +504,8 @@ def faucet_assets(
     keys = [spec.key for spec in specs]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"two syncs map to the same asset key: {keys}", where="faucet_assets")
+    if partitions_def is not None:
+        install_launch_hint(keys[0].to_user_string())
     bound = FaucetSyncs(dict(zip(keys, syncs, strict=True)))
     resource_keys = {
         endpoint.resource_key
@@ -494,8 +520,9 @@ def faucet_assets(
             specs=[replace_partitions(spec, partitions_def) for spec in specs],
             can_subset=True,
             partitions_def=partitions_def,
-            # One shard a run: each partition resumes from its own bookmark.
-            backfill_policy=None if partitions_def is None else dg.BackfillPolicy.multi_run(1),
+            # A range of shards in one run, one after the other, each from its own bookmark
+            # (``dg launch --partition-range`` needs it; see FaucetSyncs.materialize_range).
+            backfill_policy=None if partitions_def is None else dg.BackfillPolicy.single_run(),
             required_resource_keys=resource_keys,
             op_tags=op_tags,
             pool=pool,
@@ -518,25 +545,11 @@ def faucet_sync_assets(
         @faucet_assets(syncs=[sync], translator=translator, name=_op_name(sync.name))
         def _sync(
             context: dg.AssetExecutionContext, faucet: FaucetSyncs
-        ) -> Iterator[dg.MaterializeResult[Any]]:
+        ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
             yield from faucet.run(context)
 
         assets.append(_sync)
     return assets
-
-
-def declaring_line() -> tuple[str, int] | None:
-    """The file and line of the first caller outside faucet-dagster and Dagster: where a sync was
-    declared in Python (``None`` when Dagster's own loader is the caller, as for a component)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module.split(".")[0] in ("dagster", "dagster_shared", "dagster_dg_cli"):
-            return None
-        if module.split(".")[0] != "faucet_dagster":
-            return os.path.abspath(frame.f_code.co_filename), frame.f_lineno
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 def with_code_reference(spec: dg.AssetSpec, line: tuple[str, int] | None) -> dg.AssetSpec:

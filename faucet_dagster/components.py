@@ -21,7 +21,10 @@
           asset: {key: raw/orders, group_name: raw, owners: [team:data], tags: {tier: bronze}}
 
 An endpoint (``source``, ``sink``, ``dead_letter``) names a ``connection`` of this component, or an
-installed ``connector`` directly; its ``config`` is merged over the connection's. Secrets are written
+installed ``connector`` directly; its ``config`` is merged over the connection's. Each connection is
+also a resource of the code location under its name (a ``FaucetConnection``: ``dg list defs`` lists
+it, and a Python sync can name it by key); two components may declare the same connection only with
+the same config. Secrets are written
 ``{env: NAME}`` and read from the environment only when a run builds the connector; a
 ``{{ env.NAME }}`` template would instead be rendered into the definitions when they load.
 
@@ -38,6 +41,7 @@ continuous ``streams``, sit beside ``syncs`` and share the same ``connections``:
           resources: [EVENTS]
 """
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -53,11 +57,10 @@ from faucet_dagster.assets import (
     faucet_sync_assets,
     with_code_reference,
 )
-from faucet_dagster.declared import DECLARED
 from faucet_dagster.partitions import faucet_partitions_sensor
-from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
-from faucet_dagster.preflight import PairCheck, check_pairs
-from faucet_dagster.protocol import ConfigError, Delivery, Mode, ReadLimits, WritePolicy
+from faucet_dagster.pipeline import ResourceSchema
+from faucet_dagster.preflight import PairCheck, check_pairs, stream_check
+from faucet_dagster.protocol import ConfigError, Delivery, ReadLimits, WritePolicy
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.bounded import DEFAULT_BATCH_SIZE
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, DEFAULT_LEASE_SECONDS
@@ -259,7 +262,11 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
     """Faucet syncs and streams in YAML: an asset per sync; a sink asset, check and sensor per stream."""
 
     connections: Annotated[
-        dict[str, ConnectionModel], _field("Connector configs shared by endpoints, by name.")
+        dict[str, ConnectionModel],
+        _field(
+            "Connector configs shared by endpoints, by name; each is also a resource of the code location "
+            "under its name (a FaucetConnection, listed by `dg list defs`)."
+        ),
     ] = {}
     syncs: Annotated[list[SyncModel], _field("Bounded syncs: an asset each.")] = []
     streams: Annotated[
@@ -297,7 +304,9 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         where = _declared_in(context)
         self.check(where)
         return dg.Definitions.merge(
-            self.build_sync_defs(self._lines.get("syncs")), self.build_stream_defs(self._lines.get("streams"))
+            self.build_sync_defs(self._lines.get("syncs")),
+            self.build_stream_defs(self._lines.get("streams")),
+            dg.Definitions(resources=self._connections()),
         )
 
     def check(self, where: str = "FaucetComponent") -> None:
@@ -313,16 +322,13 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
                 problems.append(f"sync {sync.name}: {exc.message}")
         for model in (model for model in self.streams if model.enabled):
             try:
-                checks.append(_stream_check(_stream(model, connections)))
+                checks.append(stream_check(_stream(model, connections)))
             except ConfigError as exc:
                 problems.append(f"stream {model.name}: {exc.message}")
         check_pairs(checks, where=where, problems=problems)
 
     def _connections(self) -> dict[str, FaucetConnection]:
-        return {
-            name: FaucetConnection(connector=model.connector, config=dict(model.config))
-            for name, model in self.connections.items()
-        }
+        return {name: _shared_connection(model) for name, model in self.connections.items()}
 
     def build_stream_defs(self, lines: Mapping[int, tuple[str, int]] | None = None) -> dg.Definitions:
         """The sink asset, certificate check and sensor of each enabled one of ``streams``; ``lines``
@@ -334,7 +340,6 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             if not model.enabled:
                 continue
             stream = _stream(model, connections)
-            DECLARED.streams[stream.name] = stream
             status = dg.DefaultSensorStatus.RUNNING if model.running else dg.DefaultSensorStatus.STOPPED
             spec = with_code_reference(
                 apply_asset_attributes(stream.asset_spec(), model.asset),
@@ -391,6 +396,21 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         )
 
 
+_SHARED_CONNECTIONS: dict[str, FaucetConnection] = {}
+"""One ``FaucetConnection`` object per distinct declaration, so that components declaring the same
+connection under the same name merge as one resource (Dagster merges a resource key only when the
+objects are the same)."""
+
+
+def _shared_connection(model: ConnectionModel) -> FaucetConnection:
+    identity = json.dumps([model.connector, model.config], sort_keys=True, default=repr)
+    connection = _SHARED_CONNECTIONS.get(identity)
+    if connection is None:
+        connection = FaucetConnection(connector=model.connector, config=dict(model.config))
+        _SHARED_CONNECTIONS[identity] = connection
+    return connection
+
+
 def _declared_in(context: dg.ComponentLoadContext) -> str:
     """The component's file, relative to the project root when it is inside it."""
     path = Path(context.path)
@@ -414,21 +434,6 @@ def _declaration_lines(context: dg.ComponentLoadContext) -> dict[str, dict[int, 
             if isinstance(index, int):
                 found.setdefault(kind, {})[index] = (child.position.filename, child.position.start.line)
     return found
-
-
-def _stream_check(stream: FaucetStream) -> PairCheck:
-    return PairCheck(
-        where=f"stream {stream.name}",
-        mode=Mode.CONTINUOUS,
-        source=stream.source,
-        sink=stream.sink,
-        delivery=stream.delivery,
-        policy=stream.policy,
-        key=stream.key,
-        routes_bad_rows=any(
-            schema.on_bad_row is BadRowPolicy.DEAD_LETTER for schema in stream.schemas.values()
-        ),
-    )
 
 
 def _endpoint(

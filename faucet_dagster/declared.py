@@ -6,6 +6,7 @@ runs execute.
 """
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,3 +35,17 @@ def import_code_location(module: str, directory: Path) -> ModuleType:
     records its faucet declarations here."""
     sys.path.insert(0, str(directory.resolve()))
     return importlib.import_module(module)
+
+
+def declaring_line() -> tuple[str, int] | None:
+    """The file and line of the first caller outside faucet-dagster and Dagster: where a sync was
+    declared in Python (``None`` when Dagster's own loader is the caller, as for a component)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in ("dagster", "dagster_shared", "dagster_dg_cli"):
+            return None
+        if module.split(".")[0] != "faucet_dagster":
+            return os.path.abspath(frame.f_code.co_filename), frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

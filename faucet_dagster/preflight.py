@@ -15,10 +15,12 @@ its run. A connection given by resource key is only known at run time and is che
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from faucet_dagster.declared import declaring_line
+from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
 from faucet_dagster.planner import plan
 from faucet_dagster.protocol import (
     ConfigError,
@@ -55,6 +57,50 @@ class PairCheck:
     key: tuple[str, ...] = ()
     routes_bad_rows: bool = False
     """A stream whose schemas dead-letter bad rows."""
+
+
+class StreamDeclaration(Protocol):
+    """What the check reads of a stream (a :class:`faucet_dagster.sensors.FaucetStream`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> FaucetEndpoint: ...
+    @property
+    def sink(self) -> FaucetEndpoint: ...
+    @property
+    def policy(self) -> WritePolicy: ...
+    @property
+    def key(self) -> tuple[str, ...]: ...
+    @property
+    def delivery(self) -> Delivery | None: ...
+    @property
+    def schemas(self) -> Mapping[str, ResourceSchema]: ...
+
+
+def stream_check(stream: StreamDeclaration) -> PairCheck:
+    """What the definitions' load checks of a stream: both roles' configs and the continuous pair."""
+    return PairCheck(
+        where=f"stream {stream.name}",
+        mode=Mode.CONTINUOUS,
+        source=stream.source,
+        sink=stream.sink,
+        delivery=stream.delivery,
+        policy=stream.policy,
+        key=stream.key,
+        routes_bad_rows=any(
+            schema.on_bad_row is BadRowPolicy.DEAD_LETTER for schema in stream.schemas.values()
+        ),
+    )
+
+
+def check_streams(streams: Sequence[StreamDeclaration], *, declared_by: str) -> None:
+    """Check streams declared in Python (``declared_by``: the function that builds them) as the
+    component checks its own: one :class:`ConfigError` naming the file and line that called
+    ``declared_by``, each stream and every problem."""
+    line = declaring_line()
+    where = declared_by if line is None else f"{declared_by} at {line[0]}:{line[1]}"
+    check_pairs([stream_check(stream) for stream in streams], where=where)
 
 
 def check_pairs(checks: Sequence[PairCheck], *, where: str, problems: Sequence[str] = ()) -> None:
@@ -206,4 +252,13 @@ def _close(connectors: Iterator[object]) -> None:
     run_sync(close_all())
 
 
-__all__ = ["ENV_PLACEHOLDER", "PairCheck", "build_offline", "check_pairs", "pair_problems"]
+__all__ = [
+    "ENV_PLACEHOLDER",
+    "PairCheck",
+    "StreamDeclaration",
+    "build_offline",
+    "check_pairs",
+    "check_streams",
+    "pair_problems",
+    "stream_check",
+]

@@ -44,7 +44,10 @@ from typing import Any
 
 import dagster as dg
 
+from faucet_dagster.assets import with_code_reference
+from faucet_dagster.declared import DECLARED, declaring_line
 from faucet_dagster.pipeline import ResourceSchema
+from faucet_dagster.preflight import check_streams
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
@@ -188,6 +191,7 @@ def faucet_stream_sensor(
     :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
     code location). Endpoints given by resource key become the sensor's required resources.
     """
+    check_streams([stream], declared_by="faucet_stream_sensor")
     key = stream.asset_spec(asset_key).key
     resource_keys = {
         endpoint.resource_key for endpoint in (stream.source, stream.sink) if endpoint.resource_key
@@ -247,13 +251,20 @@ def build_stream_defs(
 ) -> dg.Definitions:
     """Definitions for ``streams``: each sink asset (``asset_specs[name]`` or the default spec), its
     certificate and health checks and its sensor. The sensors' default budget shares the interval
-    between ``streams_sharing`` stream sensors (default: these streams; see :func:`tick_budget`)."""
+    between ``streams_sharing`` stream sensors (default: these streams; see :func:`tick_budget`).
+
+    Every stream is checked first, without I/O (:func:`faucet_dagster.preflight.check_streams`): a
+    mistake fails the definitions' load. Each sink asset references the line that called this
+    (``dagster/code_references``) unless its spec holds references already."""
+    check_streams(streams, declared_by="build_stream_defs")
+    DECLARED.streams.update((stream.name, stream) for stream in streams)
+    declared_at = declaring_line()
     specs = dict(asset_specs or {})
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []
     sensors: list[dg.SensorDefinition] = []
     for stream in streams:
-        spec = specs.get(stream.name) or stream.asset_spec()
+        spec = with_code_reference(specs.get(stream.name) or stream.asset_spec(), declared_at)
         assets.append(spec)
         checks.extend((certificate_check(stream, spec.key), health_check(stream, spec.key)))
         sensors.append(

@@ -284,7 +284,7 @@ def test_the_decorator_runs_only_the_selected_syncs_with_the_translator_spec(
     ]
 
     @faucet_assets(syncs=syncs, translator=RawTranslator())
-    def shop(context: dg.AssetExecutionContext, faucet: FaucetSyncs) -> Iterator[dg.MaterializeResult[Any]]:
+    def shop(context: dg.AssetExecutionContext, faucet: FaucetSyncs) -> Iterator[Any]:
         yield from faucet.run(context)
 
     specs = {spec.key: spec for spec in shop.specs}

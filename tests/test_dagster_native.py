@@ -1,7 +1,9 @@
 """Faucet declarations through Dagster's own tooling: `dg check defs` on a project with mistakes,
 definitions that load without a broker, and automation conditions on a sync's asset."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,10 +15,14 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
+from faucet_dagster import FaucetConnection, FaucetStream
 from faucet_dagster.components import FaucetComponent
+from faucet_dagster.protocol import ConfigError
+from faucet_dagster.sensors import build_stream_defs, faucet_stream_sensor
 
 DG = str(Path(sys.executable).with_name("dg"))
 FAUCET = str(Path(sys.executable).with_name("faucet"))
+DAGSTER = str(Path(sys.executable).with_name("dagster"))
 
 
 def run(cwd: Path, env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
@@ -173,36 +179,23 @@ def test_every_field_of_the_component_schema_has_a_description() -> None:
     assert FaucetComponent.__doc__ is not None and "\n" not in FaucetComponent.__doc__.strip()
 
 
-def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path) -> None:
-    root = tmp_path / "launch"
+def launch_project(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """A dg project with one partitioned sync (a CSV file a partition) into SQLite, its partitions
+    added as the sensor would: the project, the data directory and the environment to run it in."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "2024-01.csv").write_text("id\n1\n2\n")
     (data / "2024-02.csv").write_text("id\n3\n")
-    package = root / "launched"
-    (package / "defs" / "shop").mkdir(parents=True)
-    (root / "pyproject.toml").write_text(
-        '[project]\nname = "launched"\nversion = "0.0.0"\n'
-        '[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "launched"\n'
-    )
-    (package / "__init__.py").write_text("")
-    (package / "defs" / "__init__.py").write_text("")
-    (package / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n"
-        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
-    )
-    (package / "defs" / "shop" / "defs.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            type: faucet_dagster.components.FaucetComponent
-            attributes:
-              syncs:
-                - name: orders
-                  source: {{connector: files, config: {{paths: ["{data}/*.csv"], shard_by_file: true}}}}
-                  sink: {{connector: sql, config: {{url: "sqlite:///{tmp_path}/w.db", table: orders}}}}
-            """
-        )
-    )
+    (data / "2024-03.csv").write_text("id\n4\n5\n6\n")
+    component = f"""\
+        type: faucet_dagster.components.FaucetComponent
+        attributes:
+          syncs:
+            - name: orders
+              source: {{connector: files, config: {{paths: ["{data}/*.csv"], shard_by_file: true}}}}
+              sink: {{connector: sql, config: {{url: "sqlite:///{tmp_path}/w.db", table: orders}}}}
+        """
+    root = write_project(tmp_path / "launch", "launched", {"shop": component})
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -210,13 +203,274 @@ def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path)
     # The sensor's work, once, from a shell (the daemon runs the sensor instead).
     refreshed = run(root, env, FAUCET, "partitions", "refresh", "-m", "launched.definitions")
     assert refreshed.returncode == 0, refreshed.stdout + refreshed.stderr
-    assert refreshed.stdout == "faucet_orders_shards: added 2 partition(s): 2024-01.csv, 2024-02.csv\n"
-    launched = run(root, env, DG, "launch", "--assets", "orders", "--partition", "2024-02.csv")
-    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert refreshed.stdout == (
+        "faucet_orders_shards: added 3 partition(s): 2024-01.csv, 2024-02.csv, 2024-03.csv\n"
+    )
+    return root, data, env
+
+
+def warehouse_ids(tmp_path: Path) -> list[int]:
     engine = sa.create_engine(f"sqlite:///{tmp_path}/w.db")
     try:
         with engine.connect() as connection:
-            ids = [row[0] for row in connection.execute(sa.text("SELECT id FROM orders"))]
+            return [row[0] for row in connection.execute(sa.text("SELECT id FROM orders ORDER BY id"))]
     finally:
         engine.dispose()
-    assert ids == [3]
+
+
+def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path) -> None:
+    root, _, env = launch_project(tmp_path)
+    launched = run(root, env, DG, "launch", "--assets", "orders", "--partition", "2024-02.csv")
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert warehouse_ids(tmp_path) == [3]
+
+
+def test_a_launch_without_a_partition_says_what_to_do(tmp_path: Path) -> None:
+    root, _, env = launch_project(tmp_path)
+    for command in (
+        (DG, "launch", "--assets", "orders"),
+        (DAGSTER, "asset", "materialize", "--select", "orders", "-m", "launched.definitions"),
+    ):
+        refused = run(root, env, *command)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "Traceback" not in refused.stderr and "CheckError" not in refused.stderr, refused.stderr
+        assert "a partitioned faucet sync needs a partition (orders:" in refused.stderr
+        assert "`dg launch --assets orders --partition KEY`" in refused.stderr
+        assert "--partition-range FIRST...LAST" in refused.stderr
+    assert not (tmp_path / "w.db").exists()
+
+
+def partition_records(home: Path, partition: str) -> list[dg.AssetMaterialization]:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("orders"), asset_partitions=[partition]), limit=10
+        ).records
+    return [record.asset_materialization for record in records if record.asset_materialization]
+
+
+def test_a_partition_range_moves_each_partition_from_its_own_bookmark(tmp_path: Path) -> None:
+    root, data, env = launch_project(tmp_path)
+    home = Path(env["DAGSTER_HOME"])
+    # A range whose second partition fails (its file is gone): the first one is recorded.
+    (data / "2024-02.csv").rename(tmp_path / "held.csv")
+    whole_range = ("--partition-range", "2024-01.csv...2024-03.csv")
+    failed = run(root, env, DG, "launch", "--assets", "orders", *whole_range)
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0, output
+    assert "partition '2024-02.csv' names no shard the source lists now" in output
+    assert warehouse_ids(tmp_path) == [1, 2]
+    [first] = partition_records(home, "2024-01.csv")
+    assert first.metadata["faucet/rows_written"] == dg.IntMetadataValue(2)
+    assert partition_records(home, "2024-02.csv") == partition_records(home, "2024-03.csv") == []
+    # The same range again, the file back: the first partition resumes from its own bookmark.
+    (tmp_path / "held.csv").rename(data / "2024-02.csv")
+    ranged = run(
+        root,
+        env,
+        DAGSTER,
+        "asset",
+        "materialize",
+        "--select",
+        "orders",
+        *whole_range,
+        "-m",
+        "launched.definitions",
+    )
+    assert ranged.returncode == 0, ranged.stdout + ranged.stderr
+    assert warehouse_ids(tmp_path) == [1, 2, 3, 4, 5, 6]
+    for partition, written, rows in (("2024-01.csv", 0, 2), ("2024-02.csv", 1, 1), ("2024-03.csv", 3, 3)):
+        latest = partition_records(home, partition)[0]
+        assert latest.metadata["faucet/rows_written"] == dg.IntMetadataValue(written), partition
+        assert latest.metadata["dagster/partition_row_count"] == dg.IntMetadataValue(rows), partition
+        bookmark = latest.metadata["faucet/bookmark"]
+        assert isinstance(bookmark, dg.JsonMetadataValue)
+        assert isinstance(bookmark.data, dict)
+        assert list(bookmark.data["completed"]) == [str(data / partition)], partition
+
+
+def write_project(root: Path, module: str, components: dict[str, str]) -> Path:
+    """A dg project ``module`` under ``root`` with a component (its defs.yaml text) per folder."""
+    package = root / module
+    (package / "defs").mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "{module}"\nversion = "0.0.0"\n'
+        f'[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "{module}"\n'
+    )
+    (package / "__init__.py").write_text("")
+    (package / "defs" / "__init__.py").write_text("")
+    (package / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n"
+        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
+    )
+    for folder, text in components.items():
+        (package / "defs" / folder).mkdir()
+        (package / "defs" / folder / "defs.yaml").write_text(textwrap.dedent(text))
+    return root
+
+
+CONNECTIONS = """\
+type: faucet_dagster.components.FaucetComponent
+attributes:
+  connections:
+    lake: {{connector: files}}
+    warehouse: {{connector: sql, config: {{url: "sqlite:///{db}"}}}}
+    {extra}
+  syncs:
+    - name: {sync}
+      source: {{connection: lake, config: {{paths: [x/*.csv]}}}}
+      sink: {{connection: warehouse, config: {{table: {sync}}}}}
+"""
+
+
+KAFKA_SYNC = """\
+    - name: events
+      source:
+        connector: kafka
+        config: {{bootstrap_servers: "127.0.0.1:{port}", group_id: g, topics: [events]}}
+      sink: {{connection: warehouse, config: {{table: events}}}}
+"""
+
+
+def test_yaml_connections_are_resources_in_dg_list_defs(tmp_path: Path) -> None:
+    db = tmp_path / "w.db"
+    extra = "events: {connector: postgres, config: {url: {env: FAUCET_TEST_EVENTS_URL}}}"
+    # A bounded Kafka sync whose "broker" only counts connections: loading must not list partitions.
+    with socket.create_server(("127.0.0.1", 0)) as broker:
+        broker.setblocking(False)
+        root = write_project(
+            tmp_path / "listed",
+            "listed",
+            {
+                "shop": CONNECTIONS.format(db=db, extra=extra, sync="orders"),
+                # The same connections declared again by a second component: the same resources.
+                "more": CONNECTIONS.format(db=db, extra="", sync="customers")
+                + KAFKA_SYNC.format(port=broker.getsockname()[1]),
+            },
+        )
+        secret = "postgresql://faucet:s3cr3t-in-env@127.0.0.1:9/db"
+        env = {**os.environ, "FAUCET_TEST_EVENTS_URL": secret}
+        listed = run(root, env, DG, "list", "defs", "--json")
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        with pytest.raises(BlockingIOError):
+            broker.accept()  # nothing connected while the definitions loaded
+    listing = json.loads(listed.stdout)
+    assert sorted((r["name"], r["type"]) for r in listing["resources"]) == [
+        (name, "faucet_dagster.resources.FaucetConnection") for name in ("events", "lake", "warehouse")
+    ]
+    assert {"customers", "events", "orders"} <= {asset["asset_key"] for asset in listing["assets"]}
+    assert "s3cr3t" not in listed.stdout + listed.stderr
+    # The component's docstring is its one-line summary in `dg list components`.
+    components = run(root, env, DG, "list", "components", "--json")
+    assert components.returncode == 0, components.stdout + components.stderr
+    [faucet] = [c for c in json.loads(components.stdout)["items"] if c["key"].startswith("faucet_dagster")]
+    assert faucet == {
+        "key": "faucet_dagster.components.FaucetComponent",
+        "summary": "Faucet syncs and streams in YAML: an asset per sync; a sink asset, check and sensor "
+        "per stream.",
+    }
+    # One name, two configs: Dagster refuses to merge them, naming the key.
+    clash = write_project(
+        tmp_path / "clash",
+        "clash",
+        {
+            "shop": CONNECTIONS.format(db=db, extra="", sync="orders"),
+            "more": CONNECTIONS.format(db=tmp_path / "other.db", extra="", sync="customers"),
+        },
+    )
+    checked = run(clash, env, DG, "check", "defs")
+    assert checked.returncode != 0
+    assert "different resources with same key 'warehouse'" in checked.stdout + checked.stderr
+
+
+PYTHON_STREAMS = """\
+import dagster as dg
+
+from faucet_dagster import FaucetConnection, FaucetStream, build_stream_defs
+from faucet_dagster.protocol import WritePolicy
+
+kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "127.0.0.1:9", "group_id": "g"})
+postgres = FaucetConnection(connector="postgres", config={"url": "postgresql://127.0.0.1:9/db"})
+misspelt = FaucetStream(
+    "misspelt", source=kafka.using(topics=["t"]), sink=postgres.using(tabel="x"), resources=("t",)
+)
+refused = FaucetStream(
+    "refused",
+    source=kafka.using(topics=["t"]),
+    sink=postgres.using(table="k"),
+    resources=("t",),
+    policy=WritePolicy.UPSERT,
+    key=("id",),
+)
+fine = FaucetStream(
+    "fine", source=kafka.using(topics=["t"]), sink=postgres.using(table="f"), resources=("t",)
+)
+
+defs = build_stream_defs([misspelt, refused, fine])
+"""
+
+
+def test_dg_check_defs_checks_streams_declared_in_python(tmp_path: Path) -> None:
+    root = tmp_path / "pystreams"
+    package = root / "pystreams"
+    package.mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "pystreams"\nversion = "0.0.0"\n'
+        '[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "pystreams"\n'
+    )
+    (package / "__init__.py").write_text("")
+    definitions = package / "definitions.py"
+    definitions.write_text(PYTHON_STREAMS)
+    started = time.monotonic()
+    checked = run(root, dict(os.environ), DG, "check", "defs")
+    output = checked.stdout + checked.stderr
+    assert checked.returncode != 0, output
+    line = PYTHON_STREAMS.splitlines().index("defs = build_stream_defs([misspelt, refused, fine])") + 1
+    assert f"build_stream_defs at {definitions}:{line}" in output, output
+    assert "2 problem(s) in the faucet declarations" in output
+    assert (
+        "stream misspelt: sink: postgres streaming_sink config: tabel: Extra inputs are not permitted"
+        in output
+    )
+    assert "stream refused: refused by the planner: [order-dependent-policy]" in output
+    assert "stream fine" not in output
+    # Nothing connected to the (absent) broker or database while the definitions loaded.
+    assert time.monotonic() - started < 120
+    # With the mistakes fixed, the same definitions pass.
+    definitions.write_text(
+        PYTHON_STREAMS.replace('tabel="x"', 'table="x"').replace(
+            "policy=WritePolicy.UPSERT", "policy=WritePolicy.APPEND"
+        )
+    )
+    fixed = run(root, dict(os.environ), DG, "check", "defs")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+def test_a_stream_sensor_built_alone_is_checked_too() -> None:
+    kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "127.0.0.1:9", "group_id": "g"})
+    stream = FaucetStream(
+        "alone",
+        source=kafka.using(topics=["t"]),
+        sink=FaucetConnection(connector="postgres").using(url="postgresql://127.0.0.1:9/db", tabel="x"),
+        resources=("t",),
+    )
+    with pytest.raises(ConfigError) as raised:
+        faucet_stream_sensor(stream)
+    assert "stream alone: sink: postgres streaming_sink config: tabel: Extra inputs" in raised.value.message
+    assert raised.value.where is not None and raised.value.where.startswith(
+        f"faucet_stream_sensor at {__file__}:"
+    )
+
+
+def test_a_stream_declared_in_python_references_its_line() -> None:
+    kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "127.0.0.1:9", "group_id": "g"})
+    stream = FaucetStream(
+        "referenced",
+        source=kafka.using(topics=["t"]),
+        sink=FaucetConnection(connector="postgres", config={"url": "postgresql://127.0.0.1:9/db"}).using(),
+        resources=("t",),
+    )
+    line = sys._getframe().f_lineno + 1
+    defs = build_stream_defs([stream])
+    [spec] = [asset for asset in defs.assets or [] if isinstance(asset, dg.AssetSpec)]
+    [reference] = spec.metadata["dagster/code_references"].code_references
+    assert (reference.file_path, reference.line_number) == (__file__, line)
