@@ -355,6 +355,49 @@ class LatestWhenUnavailableSource(WrappedSource):
             return await super().open(resources, (), membership, worker)
 
 
+class SlotPositionSource(WrappedSource):
+    """Unavailable position (PostgreSQL CDC): when the slot was moved past the certified position,
+    resumes where the slot now is (its ``confirmed_flush_lsn``: the "latest available" of a slot)."""
+
+    def __init__(self, inner: StreamSource, url: str, slot: str) -> None:
+        super().__init__(inner, WrappedSession)
+        self.url = url
+        self.slot = slot
+
+    async def open(
+        self,
+        resources: Sequence[str],
+        resume_positions: Sequence[Position],
+        membership: Membership,
+        worker: WorkerIdentity,
+    ) -> StreamSession:
+        try:
+            return await super().open(resources, resume_positions, membership, worker)
+        except PositionUnavailable:
+            import psycopg
+            from faucet_postgres.cdc_server import CODEC
+
+            async with await psycopg.AsyncConnection.connect(self.url) as conn:
+                cursor = await conn.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                    (self.slot,),
+                )
+                row = await cursor.fetchone()
+            assert row is not None
+            now = CODEC.canonicalize(CODEC.validate(row[0]) - 1)
+            moved = [Position(position.domain, now) for position in resume_positions]
+            return await super().open(resources, moved, membership, worker)
+
+
+def slot_position_source() -> ConnectorSpec:
+    real = get_connector("postgres").roles[Role.STREAM_SOURCE]
+    return spec_with(
+        "postgres",
+        Role.STREAM_SOURCE,
+        lambda config: SlotPositionSource(real.factory(config), config.url, config.slot),
+    )
+
+
 _OPENED = [0]
 
 

@@ -200,6 +200,10 @@ CASES: tuple[SelfTestCase, ...] = (
         _STREAM, _NATS, "PositionUnavailable",
     ),
     _case(
+        "unavailable_position", broken.SlotPositionSource, broken.slot_position_source, _STREAM,
+        targets.postgres_cdc_source, "PositionUnavailable",
+    ),
+    _case(
         "unwritten_position", broken.DroppingSession, _stream("nats", broken.DroppingSession), _STREAM, _NATS,
         "missing ids [5]",
     ),
