@@ -135,6 +135,37 @@ class NativeBufferingSource(FilesSource):
             libc.free(ctypes.c_void_p(buffer))
 
 
+_HOLD_FILES = """
+import sys
+held = [open(name, "rb").read() for name in sys.argv[1:]]
+print(sum(map(len, held)), flush=True)
+sys.stdin.read()
+"""
+
+
+class ChildBufferingSource(FilesSource):
+    """Check 2: its "driver" runs in a helper process that loads every matched file into its own
+    memory before the pages are handed out (a client-side cursor in a driver's process): neither
+    this process's heaps nor its C allocator see it, the helper's resident memory does."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        import sys
+
+        names = sorted(name for pattern in self.config.paths for name in glob.glob(pattern))
+        helper = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _HOLD_FILES, *names,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert helper.stdout is not None
+            await helper.stdout.readline()  # the helper holds every file now
+            async for page in super().stream_pages(ctx, batch_size):
+                yield page
+        finally:
+            helper.kill()
+            await helper.wait()
+
+
 class ForgetfulSource(FilesSource):
     """Check 3: ignores the bookmark it is handed (a resumed run starts from the beginning)."""
 

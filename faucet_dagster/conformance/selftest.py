@@ -98,6 +98,10 @@ CASES: tuple[SelfTestCase, ...] = (
         "bounded_memory", broken.NativeBufferingSource, _files(broken.NativeBufferingSource), _SOURCE, _FILES,
         "must not buffer", "natively",
     ),
+    _case(
+        "bounded_memory", broken.ChildBufferingSource, _files(broken.ChildBufferingSource), _SOURCE, _FILES,
+        "must not buffer", "helper process",
+    ),
     _case("resume", broken.ForgetfulSource, _files(broken.ForgetfulSource), _SOURCE, _FILES, "replayed"),
     _case(
         "idempotent_replay", broken.TokenBlindSink, _sql(broken.TokenBlindSink), _SINK, _SQL, "commit token"
