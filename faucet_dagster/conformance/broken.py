@@ -12,7 +12,7 @@ import os
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,6 +29,7 @@ from faucet_dagster.protocol import (
     CancelToken,
     CommitToken,
     ConfigError,
+    ConnectionFailed,
     ConnectorRole,
     ConnectorSpec,
     Control,
@@ -47,6 +48,7 @@ from faucet_dagster.protocol import (
     Position,
     PositionCodec,
     PositionUnavailable,
+    ProgressBoundary,
     ReadLimits,
     Receipt,
     Records,
@@ -93,6 +95,18 @@ class InvalidSchemaSource(FilesSource):
     @classmethod
     def config_schema(cls) -> dict[str, Any]:
         return {"type": "objekt", "properties": {"paths": {"type": "array"}}}
+
+
+class RenamedFieldSchemaSource(FilesSource):
+    """Check 1: a valid JSON Schema that still names a field the config no longer has (``path``,
+    renamed ``paths`` in the model), so a config the connector accepts does not validate."""
+
+    @classmethod
+    def config_schema(cls) -> dict[str, Any]:
+        schema = super().config_schema()
+        properties = dict(schema.get("properties", {}))
+        properties["path"] = properties.pop("paths", {"type": "array"})
+        return {**schema, "properties": properties, "required": ["path"]}
 
 
 class OversizedPagesSource(FilesSource):
@@ -171,6 +185,17 @@ class ForgetfulSource(FilesSource):
 
     def apply_start_bookmark(self, bookmark: JsonValue) -> None:
         return None
+
+
+class LaggingBookmarkSource(FilesSource):
+    """Check 3: each page carries the bookmark of the page before it (the bookmark is taken before
+    the page is read, not after), so a resumed run reads the last page again."""
+
+    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
+        previous: JsonValue = None
+        async for page in super().stream_pages(ctx, batch_size):
+            yield Page(page.records, previous if previous is not None else page.bookmark)
+            previous = page.bookmark
 
 
 class EmptyDiscoverySource(FilesSource):
@@ -425,7 +450,7 @@ def slot_position_source() -> ConnectorSpec:
     return spec_with(
         "postgres",
         Role.STREAM_SOURCE,
-        lambda config: SlotPositionSource(real.factory(config), config.url, config.slot),
+        lambda config: SlotPositionSource(cast(StreamSource, real.factory(config)), config.url, config.slot),
     )
 
 
@@ -488,6 +513,63 @@ class DeafSession(WrappedSession):
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
         return await self.inner.read(sink, limits, CancelToken())
+
+
+class CancelIsAnErrorSession(WrappedSession):
+    """Cancellation: reports a cancelled read as a failure (raises) instead of returning the coverage
+    of the boundaries it had reached."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        coverage = await self.inner.read(sink, limits, cancel)
+        if cancel.cancelled:
+            raise ConnectionFailed("the read was cancelled", where="CancelIsAnErrorSession")
+        return coverage
+
+
+class LimitCutSession(WrappedSession):
+    """Partial transaction: treats the record limit as the place to stop, inside a transaction too:
+    after ``limits.records`` rows it declares a progress boundary at the last row and stops."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        stop = CancelToken()
+        cut: list[DomainCoverage] = []
+        budget = limits.records
+
+        class Limiter(ForwardingSink):
+            written = 0
+
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                if cut:
+                    return
+                await self.inner.write(domain, rows, identities, resource=resource)
+                self.written += len(identities)
+                if budget is not None and self.written >= budget:
+                    last = identities.positions[-1]
+                    cut.append(DomainCoverage(domain, None, last))
+                    stop.cancel()
+                    await self.inner.control(ProgressBoundary(domain, last))
+
+            async def control(self, control: Control) -> None:
+                if not cut:
+                    await self.inner.control(control)
+
+        async def relay() -> None:
+            await cancel.wait()
+            stop.cancel()
+
+        relaying = asyncio.ensure_future(relay())
+        try:
+            coverage = await self.inner.read(Limiter(sink), limits, stop)
+        finally:
+            relaying.cancel()
+        return Coverage(tuple(cut)) if cut else coverage
 
 
 class CutTransactionSession(WrappedSession):
@@ -602,6 +684,19 @@ class DroppingSession(WrappedSession):
                 await self.inner.write(domain, rows.filter(keep), Identities(kept), resource=resource)
 
         return await self.inner.read(Dropper(sink), limits, cancel)
+
+
+class OverreachingSession(WrappedSession):
+    """Unwritten position: covers one stream sequence past the last row it delivered (the stream's
+    "last sequence" taken as the read's end), a position whose row never reached the sink."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        coverage = await self.inner.read(sink, limits, cancel)
+        return Coverage(
+            tuple(
+                DomainCoverage(item.domain, item.start, str(int(item.end) + 1)) for item in coverage.domains
+            )
+        )
 
 
 class RenumberingSession(WrappedSession):
@@ -728,6 +823,52 @@ class SwallowingSession(WrappedSinkSession):
             return ()
 
 
+class DroppingRefusedSession(WrappedSinkSession):
+    """Failed writes: drops the rows the destination would refuse (a name over 1 KiB) before
+    applying the batch, and commits the epoch as if they were written."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        records = batch.records
+        assert isinstance(records, pa.RecordBatch)
+        keep = pc.less_equal(pc.utf8_length(records.column("name")), 512)
+        kept = [p for p, k in zip(batch.identities.positions, keep.to_pylist(), strict=True) if k]
+        ordinals = batch.identities.ordinals
+        kept_ordinals = (
+            None if ordinals is None else [o for o, k in zip(ordinals, keep.to_pylist(), strict=True) if k]
+        )
+        await self.inner.apply(
+            epoch,
+            SinkBatch(
+                batch.epoch,
+                batch.resource,
+                batch.domain,
+                records.filter(keep),
+                Identities(kept, kept_ordinals),
+            ),
+        )
+
+
+class StaleWatermarkSession(WrappedSinkSession):
+    """Uncertain commit: ``last_committed()`` answers from a cache the first answer filled (a lagging
+    replica), so after a commit whose answer was lost it reports what was committed before."""
+
+    cached: list[SinkCommitState | None] = []
+
+    async def last_committed(self) -> SinkCommitState | None:
+        if not StaleWatermarkSession.cached:
+            StaleWatermarkSession.cached.append(await self.inner.last_committed())
+        return StaleWatermarkSession.cached[0]
+
+
+class RebeginSession(WrappedSinkSession):
+    """Lifecycle: ``begin_epoch`` while an epoch is active aborts that one and begins the new one."""
+
+    async def begin_epoch(self, epoch: EpochId) -> None:
+        if self.active is not None:
+            await self.inner.abort_epoch(self.active)
+        await super().begin_epoch(epoch)
+
+
 class LateCommitSession(WrappedSinkSession):
     """Uncertain commit: a commit the caller gives up on goes on in the background, and
     ``close_session`` returns at once, leaving it (and the real close) to finish later."""
@@ -813,6 +954,7 @@ class TokenIdentitySession(AttemptIdentitySession):
 def reset() -> None:
     """Forget what broken connectors remembered across instances (before each self-test case)."""
     FirstConfigDedupSink.answer = None
+    StaleWatermarkSession.cached.clear()
 
 
 _KEEP: list[asyncio.Task[Any]] = []

@@ -87,6 +87,10 @@ CASES: tuple[SelfTestCase, ...] = (
         "not a valid JSON Schema",
     ),
     _case(
+        "config_schema", broken.RenamedFieldSchemaSource, _files(broken.RenamedFieldSchemaSource), _SOURCE,
+        _FILES, "does not validate against its schema",
+    ),
+    _case(
         "bounded_memory", broken.OversizedPagesSource, _files(broken.OversizedPagesSource), _SOURCE, _FILES,
         "more than batch_size",
     ),
@@ -103,6 +107,10 @@ CASES: tuple[SelfTestCase, ...] = (
         "must not buffer", "helper process",
     ),
     _case("resume", broken.ForgetfulSource, _files(broken.ForgetfulSource), _SOURCE, _FILES, "replayed"),
+    _case(
+        "resume", broken.LaggingBookmarkSource, _files(broken.LaggingBookmarkSource), _SOURCE, _FILES,
+        "replayed",
+    ),
     _case(
         "idempotent_replay", broken.TokenBlindSink, _sql(broken.TokenBlindSink), _SINK, _SQL, "commit token"
     ),
@@ -171,8 +179,16 @@ CASES: tuple[SelfTestCase, ...] = (
         "a hang", options=ConformanceOptions(timeout=3),
     ),
     _case(
+        "cancel_during_read", broken.CancelIsAnErrorSession, _stream("nats", broken.CancelIsAnErrorSession),
+        _STREAM, _NATS, "cancellation is an interruption",
+    ),
+    _case(
         "partial_transaction", broken.CutTransactionSession,
         _stream("postgres", broken.CutTransactionSession), _STREAM, targets.postgres_cdc_source, "still open",
+    ),
+    _case(
+        "partial_transaction", broken.LimitCutSession, _stream("postgres", broken.LimitCutSession), _STREAM,
+        targets.postgres_cdc_source, "limited to 5 records",
     ),
     _case(
         "ownership_lost_before_ack", broken.UnaskingSession, _stream("nats", broken.UnaskingSession),
@@ -211,6 +227,10 @@ CASES: tuple[SelfTestCase, ...] = (
         "unwritten_position", broken.DroppingSession, _stream("nats", broken.DroppingSession), _STREAM, _NATS,
         "missing ids [5]",
     ),
+    _case(
+        "unwritten_position", broken.OverreachingSession, _stream("nats", broken.OverreachingSession),
+        _STREAM, _NATS, "never reached the sink",
+    ),
     *(
         _case(
             "replay_after_commit", session, _stream("nats", session), _STREAM, _NATS, fragment
@@ -226,12 +246,24 @@ CASES: tuple[SelfTestCase, ...] = (
         _NATS_SINK, "commit_epoch returned", options=WITHIN_WINDOW,
     ),
     _case(
+        "failed_writes", broken.DroppingRefusedSession, _sink("nats", broken.DroppingRefusedSession),
+        _STREAMING, _NATS_SINK, "commit_epoch returned", options=WITHIN_WINDOW,
+    ),
+    _case(
         "uncertain_commit", broken.LateCommitSession, _sink("postgres", broken.LateCommitSession), _STREAMING,
         targets.postgres_streaming_sink, "outlived the session",
     ),
     _case(
+        "uncertain_commit", broken.StaleWatermarkSession, _sink("postgres", broken.StaleWatermarkSession),
+        _STREAMING, targets.postgres_streaming_sink, "commit atomically",
+    ),
+    _case(
         "lifecycle_order", broken.LenientSession, _sink("postgres", broken.LenientSession), _STREAMING,
         targets.postgres_streaming_sink, "was accepted",
+    ),
+    _case(
+        "lifecycle_order", broken.RebeginSession, _sink("postgres", broken.RebeginSession), _STREAMING,
+        targets.postgres_streaming_sink, "begin_epoch twice was accepted",
     ),
     _case(
         "shutdown_with_outstanding_work", broken.EagerCloseSession,

@@ -36,6 +36,7 @@ from faucet_dagster.protocol import (
     EpochId,
     EpochMismatch,
     FaucetError,
+    IntegrityError,
     LifecycleError,
     Ordering,
     OwnershipLost,
@@ -144,7 +145,10 @@ async def cancel_during_read(subject: Subject) -> Outcome:
             coverage, _ = await driver.epoch(ENDLESS, cancel, on_write=interrupt)
         except FaucetError as exc:
             raise ConformanceFailure(
-                CANCEL_RULE, f"a cancelled read returned coverage the pipeline refuses: {exc}"
+                CANCEL_RULE,
+                f"a cancelled read failed with {type(exc).__name__}: {exc}; cancellation is an "
+                "interruption: the read returns the coverage of its accepted boundaries (the pipeline "
+                "refuses any other)",
             ) from exc
         seen = await _succeeds(
             CANCEL_RULE, "reading after the cancellation", driver.read_until(set(expected), QUIET)
@@ -404,7 +408,16 @@ async def unwritten_position(subject: Subject) -> Outcome:
     await setup.add_rows(rows)
     driver = StreamDriver(subject, UNWRITTEN_RULE)
     try:
-        seen = await _succeeds(UNWRITTEN_RULE, "reading", driver.read_until(set(expected), QUIET))
+        try:
+            seen = await driver.read_until(set(expected), QUIET)
+        except IntegrityError as exc:
+            raise ConformanceFailure(
+                UNWRITTEN_RULE,
+                f"the read covered a position whose row never reached the sink (the pipeline refused "
+                f"it: {exc})",
+            ) from exc
+        except Exception as exc:
+            raise ConformanceFailure(UNWRITTEN_RULE, f"reading failed: {type(exc).__name__}: {exc}") from exc
         _once(
             UNWRITTEN_RULE, seen, expected, "the certified positions cover rows that never reached the sink"
         )
