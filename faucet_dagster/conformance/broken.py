@@ -931,6 +931,18 @@ class ConfidentCloseSession(WrappedSinkSession):
             return
 
 
+class FinishTheBatchSession(WrappedSinkSession):
+    """Shutdown: a cancelled apply finishes its batch anyway (shielded from the cancellation) and
+    returns as if nothing happened, the way a client library that swallows cancellations does."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        sending = asyncio.ensure_future(self.inner.apply(epoch, batch))
+        try:
+            await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            await sending
+
+
 class AttemptIdentitySession(WrappedSinkSession):
     """Replay: gives each row an identity made from the session (the attempt), not the source."""
 

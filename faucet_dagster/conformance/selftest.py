@@ -276,6 +276,11 @@ CASES: tuple[SelfTestCase, ...] = (
         _sink("nats", broken.ConfidentCloseSession), _STREAMING, _NATS_SINK, "stalled",
         options=WITHIN_WINDOW,
     ),
+    _case(
+        "shutdown_with_outstanding_work", broken.FinishTheBatchSession,
+        _sink("nats", broken.FinishTheBatchSession), _STREAMING, _NATS_SINK, "swallowed the cancellation",
+        options=WITHIN_WINDOW,
+    ),
     *(
         _case(
             "replay_after_commit", session, _sink("nats", session), _STREAMING, _NATS_SINK, "within_window",
