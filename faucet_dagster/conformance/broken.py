@@ -686,6 +686,44 @@ class DroppingSession(WrappedSession):
         return await self.inner.read(Dropper(sink), limits, cancel)
 
 
+class LateRowSession(WrappedSession):
+    """Unwritten position (an ordering bug): the last row written before a progress boundary
+    reaches the sink only after that boundary, which already vouched for its position."""
+
+    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        held: list[tuple[OrderingDomain, pa.RecordBatch, Identities, str | None]] = []
+
+        class Reorder(ForwardingSink):
+            async def release(self) -> None:
+                while held:
+                    domain, rows, identities, resource = held.pop()
+                    await self.inner.write(domain, rows, identities, resource=resource)
+
+            async def write(
+                self,
+                domain: OrderingDomain,
+                rows: Records,
+                identities: Identities,
+                *,
+                resource: str | None = None,
+            ) -> None:
+                assert isinstance(rows, pa.RecordBatch)
+                await self.release()
+                last = rows.num_rows - 1
+                positions, ordinals = list(identities.positions), identities.ordinals
+                head = Identities(positions[:last], None if ordinals is None else list(ordinals[:last]))
+                tail = Identities(positions[last:], None if ordinals is None else list(ordinals[last:]))
+                if last > 0:
+                    await self.inner.write(domain, rows.slice(0, last), head, resource=resource)
+                held.append((domain, rows.slice(last), tail, resource))
+
+            async def control(self, control: Control) -> None:
+                await self.inner.control(control)
+                await self.release()
+
+        return await self.inner.read(Reorder(sink), limits, cancel)
+
+
 class OverreachingSession(WrappedSession):
     """Unwritten position: covers one stream sequence past the last row it delivered (the stream's
     "last sequence" taken as the read's end), a position whose row never reached the sink."""

@@ -413,8 +413,9 @@ async def unwritten_position(subject: Subject) -> Outcome:
         except IntegrityError as exc:
             raise ConformanceFailure(
                 UNWRITTEN_RULE,
-                f"the read covered a position whose row never reached the sink (the pipeline refused "
-                f"it: {exc})",
+                f"the source vouched for a position whose row had not reached the sink (a coverage or "
+                f"a boundary ahead of its rows, an ordering bug of the source; the pipeline refused it: "
+                f"{exc})",
             ) from exc
         except Exception as exc:
             raise ConformanceFailure(UNWRITTEN_RULE, f"reading failed: {type(exc).__name__}: {exc}") from exc
