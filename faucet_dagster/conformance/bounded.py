@@ -231,7 +231,7 @@ async def _held_while_paging(subject: Subject, batch_size: int) -> _Held:
     Sampled when a page is handed over, never by a clock: a source that buffers the dataset holds it
     at every page, whatever the machine's speed. The native part sees a buffer a client library
     keeps outside Python and Arrow (a client-side cursor's result, a prefetch queue); the children
-    part the resident memory (RSS) of the processes started during the read (a driver's helper
+    part the private resident memory of the processes started during the read (a driver's helper
     process holding the result), not of those running before it (in a test run, the servers).
     """
     source = subject.source()
@@ -264,19 +264,25 @@ async def _held_while_paging(subject: Subject, batch_size: int) -> _Held:
 
 
 def _started_processes(running: frozenset[int]) -> tuple[int, frozenset[int]]:
-    """The resident bytes of this process's descendants not in ``running``, and every descendant."""
+    """The private resident bytes (RSS less shared pages) of the processes this process started
+    that are not in ``running``, with their descendants, and the pids of this process's children.
+
+    Only new children and their trees count: a server running before the read (a child in a test
+    run) forks a backend per connection, and that backend's pages of the server's shared memory are
+    the server's, not the source's."""
     import psutil
 
-    resident, found = 0, set()
-    for child in psutil.Process().children(recursive=True):
-        found.add(child.pid)
+    resident, children = 0, psutil.Process().children()
+    for child in children:
         if child.pid in running:
             continue
         try:
-            resident += int(child.memory_info().rss)
+            for process in (child, *child.children(recursive=True)):
+                memory = process.memory_info()
+                resident += max(0, int(memory.rss) - int(getattr(memory, "shared", 0)))
         except psutil.Error:
             continue  # it ended meanwhile: it holds nothing
-    return resident, frozenset(found)
+    return resident, frozenset(child.pid for child in children)
 
 
 class _MallInfo2(ctypes.Structure):
