@@ -44,4 +44,4 @@ def test_faucet_conformance_self_test_prints_which_check_caught_which_broken_con
     printed = capsys.readouterr().out
     assert "InvalidSchemaSource (files source)" in printed
     assert "-> config_schema" in printed and "-> resume" in printed
-    assert "2 of 2 broken connectors caught by the check of their rule" in printed
+    assert "4 of 4 broken connectors caught by the check of their rule" in printed
