@@ -621,11 +621,13 @@ class NatsSinkSession(StreamingSinkSession):
         self._active = None
 
     async def close_session(self) -> None:
-        """Settle every unanswered publish of the session (aborted epochs and the active one) as
-        ``commit_epoch`` does, re-publishing lost ones while the duplicate window allows, within
-        ``ack_timeout``; then close the connection. A refused publish stored nothing and is settled.
-        Raises UncertainOutcome when some are still unanswered: those messages may still be stored
-        after this returns. Idempotent once it succeeded."""
+        """Wait for an apply still sending (see :meth:`_apply_ended`), then settle every unanswered
+        publish of the session (aborted epochs and the active one) as ``commit_epoch`` does,
+        re-publishing lost ones while the duplicate window allows, within ``ack_timeout``; then close
+        the connection. A refused publish stored nothing and is settled. Raises UncertainOutcome,
+        naming the first unanswered messages, when some are still unanswered: they are abandoned
+        (the connection is closed) but may still be stored after this returns. Idempotent once it
+        succeeded."""
         if self._closed:
             return
         self._closed = True
