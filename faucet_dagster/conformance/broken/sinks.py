@@ -146,11 +146,13 @@ class RebeginSession(WrappedSinkSession):
 
 class LateCommitSession(WrappedSinkSession):
     """Uncertain commit: a commit the caller gives up on goes on in the background, and
-    ``close_session`` returns at once, leaving it (and the real close) to finish later."""
+    ``close_session`` returns at once, leaving it (and the real close) to finish later. "Later" is
+    0.25 s: well after the battery's first look at the destination once the close returned, even on
+    a loaded machine (at 0.05 s the commit sometimes landed before that look, and was missed)."""
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
         async def later() -> tuple[Receipt, ...]:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.25)
             return await self.inner.commit_epoch(epoch, coverage)
 
         task = asyncio.ensure_future(later())
