@@ -9,7 +9,12 @@ bucket (compare-and-set: an epoch of a lower fencing token than the stored one r
 and never moves the watermark back), and returns one receipt per resource (messages stored,
 duplicates the server suppressed, first and last stream sequence, messages re-published). ``abort_epoch``
 cannot unpublish: what was published stays. ``close_session`` returns only when no publish of the
-session can still land; otherwise it raises UncertainOutcome.
+session can still land: it first waits for an apply still sending, then for every publish
+acknowledgement (re-publishing lost ones); what it cannot wait for it abandons (the connection is
+closed) and raises UncertainOutcome naming the unanswered messages. A cancelled ``apply`` stops at
+its next message and raises CancelledError (nats-py swallows some cancellations: see
+:func:`_cancellation_watch`); every message it sent is settled by ``commit_epoch`` or
+``close_session``.
 
 After a server restart (or a dropped connection) mid-epoch: the publishes in flight, or only their
 acknowledgements, are lost, and nats-py never resolves their futures. While settling (in
@@ -47,7 +52,7 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -123,6 +128,22 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
         return base64.b64encode(value).decode()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _cancellation_watch() -> Callable[[], bool]:
+    """Whether the current task was asked to cancel since this call.
+
+    nats-py swallows a cancellation that arrives while ``publish_async`` waits (its flush helper
+    catches CancelledError, and Python 3.11's ``wait_for`` returns a result that was ready when the
+    cancellation came), so a cancelled publishing loop would go on sending the rest of its batch
+    and return as if it completed. The task still counts the request (``Task.cancelling``): the
+    loop asks after every message and stops there, every message sent so far tracked.
+    """
+    task = asyncio.current_task()
+    if task is None:
+        return lambda: False
+    before = task.cancelling()
+    return lambda: task.cancelling() > before
 
 
 @dataclass(eq=False)
@@ -212,15 +233,20 @@ class _Publisher:
         dumps = json.dumps
         subject, stall, ids = self.config.subject, self.config.ack_timeout, sent.ids
         payloads, futures = sent.payloads, sent.futures
+        cancelled = _cancellation_watch()
         try:
             for index, row in enumerate(records.to_pylist()):
                 payload = dumps(row, default=_json_default, separators=(",", ":")).encode()
                 headers = None if ids is None else {"Nats-Msg-Id": ids[index]}
                 futures.append(await js.publish_async(subject, payload, wait_stall=stall, headers=headers))
                 payloads.append(payload)
+                if cancelled():
+                    raise asyncio.CancelledError
         except TypeError as exc:
             raise IntegrityError(f"a row cannot be encoded as JSON: {exc}", where=self.where) from exc
         except nats.js.errors.TooManyStalledMsgsError as exc:
+            if cancelled():  # nats-py reports a cancelled wait for a free slot as a stall
+                raise asyncio.CancelledError from exc
             raise ConnectionFailed(
                 f"{self.config.max_outstanding_acks} publishes waited {stall}s for their acknowledgements",
                 where=self.where,
@@ -340,7 +366,7 @@ class _Publisher:
                 reason = f" ({too_late} of them past {window}, where a re-publish could store them twice)"
             raise UncertainOutcome(
                 f"{unanswered} of {total} publishes of {what} were not acknowledged within "
-                f"{self.config.ack_timeout:g}s{reason}: they may or may not be stored",
+                f"{self.config.ack_timeout:g}s{reason}: they may or may not be stored{_naming(published)}",
                 where=self.where,
             )
         for sent in published:
@@ -372,6 +398,17 @@ class _Publisher:
         if self._js is None:
             raise LifecycleError("the NATS sink is not open", where=self.where)
         return self._js
+
+
+def _naming(published: Sequence[_Published], shown: int = 3) -> str:
+    """Which messages are unanswered: their resource and first ``Nats-Msg-Id`` values."""
+    names = [
+        f"{sent.resource} {sent.ids[index] if sent.ids is not None else f'#{index}'}"
+        for sent in published
+        for index in sent.unanswered()
+    ]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f" ({', '.join(names[:shown])}{more})" if names else ""
 
 
 def _receipts(published: Sequence[_Published], baseline: int, config: NatsSinkConfig) -> tuple[Receipt, ...]:
@@ -444,6 +481,9 @@ class NatsSinkSession(StreamingSinkSession):
         self._active: _Epoch | None = None
         self._unsettled: list[_Published] = []
         self._closed = False
+        self._applies = 0
+        self._no_apply = asyncio.Event()
+        self._no_apply.set()
 
     @property
     def where(self) -> str:
@@ -536,7 +576,14 @@ class NatsSinkSession(StreamingSinkSession):
         ids = [batch.identities.at(batch.domain, index).digest() for index in range(len(batch.identities))]
         sent = _Published(batch.resource, ids, asyncio.get_running_loop().time())
         active.published.append(sent)
-        await self._publisher.publish(batch.records, sent)
+        self._applies += 1
+        self._no_apply.clear()
+        try:
+            await self._publisher.publish(batch.records, sent)
+        finally:
+            self._applies -= 1
+            if not self._applies:
+                self._no_apply.set()
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
         """Wait for every acknowledgement of the epoch, store the epoch and watermark, return receipts.
@@ -574,14 +621,17 @@ class NatsSinkSession(StreamingSinkSession):
         self._active = None
 
     async def close_session(self) -> None:
-        """Settle every unanswered publish of the session (aborted epochs and the active one) as
-        ``commit_epoch`` does, re-publishing lost ones while the duplicate window allows, within
-        ``ack_timeout``; then close the connection. A refused publish stored nothing and is settled.
-        Raises UncertainOutcome when some are still unanswered: those messages may still be stored
-        after this returns. Idempotent once it succeeded."""
+        """Wait for an apply still sending (see :meth:`_apply_ended`), then settle every unanswered
+        publish of the session (aborted epochs and the active one) as ``commit_epoch`` does,
+        re-publishing lost ones while the duplicate window allows, within ``ack_timeout``; then close
+        the connection. A refused publish stored nothing and is settled. Raises UncertainOutcome,
+        naming the first unanswered messages, when some are still unanswered: they are abandoned
+        (the connection is closed) but may still be stored after this returns. Idempotent once it
+        succeeded."""
         if self._closed:
             return
         self._closed = True
+        await self._apply_ended()
         outstanding = self._unsettled
         if self._active is not None:
             outstanding.extend(self._active.published)
@@ -595,6 +645,20 @@ class NatsSinkSession(StreamingSinkSession):
         await self._publisher.close()
         if uncertain is not None:
             raise uncertain
+
+    async def _apply_ended(self) -> None:
+        """Wait (at most ``ack_timeout``) for an apply still sending (one its caller gave up on
+        without waiting for it: a cancelled apply stops at its next message); UncertainOutcome,
+        after closing the connection, when it does not end."""
+        try:
+            await asyncio.wait_for(self._no_apply.wait(), self._publisher.config.ack_timeout)
+        except TimeoutError:
+            await self._publisher.close()
+            raise UncertainOutcome(
+                f"an apply was still sending after {self._publisher.config.ack_timeout:g}s: the "
+                "connection was closed under it, and what it sent may or may not be stored",
+                where=self.where,
+            ) from None
 
     def _require_active(self, epoch: EpochId, action: str) -> _Epoch:
         self._check_open()

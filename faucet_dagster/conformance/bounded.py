@@ -185,9 +185,18 @@ async def bounded_memory(subject: Subject) -> Outcome:
             "natively either (a "
             "client-side cursor, a client library's prefetch of everything)",
         )
+    spawned = doubled.children - held.children
+    if spawned > dataset / 2:
+        raise ConformanceFailure(
+            MEMORY_RULE,
+            f"reading {rows} rows more ({dataset} B as Arrow) in pages of {size}, the processes the "
+            f"source started held {spawned} B more resident memory ({held}, then {doubled}): a "
+            "paging source must not buffer the dataset natively, in a helper process either (a "
+            "driver's client-side cursor in its own process, a local proxy's result buffer)",
+        )
     return Outcome.passed(
         f"{2 * rows} rows ({2 * dataset} B) in pages of <= {size}; held at most {doubled}, "
-        f"{grown} B more native than for half of them"
+        f"{grown} B more native and {spawned} B more in started processes than for half of them"
     )
 
 
@@ -200,15 +209,20 @@ def _nbytes(page: Page) -> int:
 
 @dataclass(frozen=True)
 class _Held:
-    """The most held at once at any page of a read, by where: the Python heap, the Arrow pool, and
-    native memory (bytes live in the C allocator)."""
+    """The most held at once at any page of a read, by where: the Python heap, the Arrow pool,
+    native memory (bytes live in the C allocator), and the resident memory of the processes the
+    read started (``children``)."""
 
     python: int
     arrow: int
     native: int
+    children: int
 
     def __str__(self) -> str:
-        return f"{self.python} B Python heap + {self.arrow} B Arrow pool, {self.native} B native"
+        return (
+            f"{self.python} B Python heap + {self.arrow} B Arrow pool, {self.native} B native, "
+            f"{self.children} B resident in started processes"
+        )
 
 
 async def _held_while_paging(subject: Subject, batch_size: int) -> _Held:
@@ -216,7 +230,9 @@ async def _held_while_paging(subject: Subject, batch_size: int) -> _Held:
 
     Sampled when a page is handed over, never by a clock: a source that buffers the dataset holds it
     at every page, whatever the machine's speed. The native part sees a buffer a client library
-    keeps outside Python and Arrow (a client-side cursor's result, a prefetch queue).
+    keeps outside Python and Arrow (a client-side cursor's result, a prefetch queue); the children
+    part the private resident memory of the processes started during the read (a driver's helper
+    process holding the result), not of those running before it (in a test run, the servers).
     """
     source = subject.source()
     tracing = tracemalloc.is_tracing()
@@ -225,15 +241,17 @@ async def _held_while_paging(subject: Subject, batch_size: int) -> _Held:
     python_floor = tracemalloc.get_traced_memory()[0]
     arrow_floor = pa.total_allocated_bytes()
     native_floor = _native_bytes()
-    python = arrow = native = 0
+    running = _started_processes(frozenset())[1]
+    python = arrow = native = children = 0
 
     async def consume() -> None:
-        nonlocal python, arrow, native
+        nonlocal python, arrow, native, children
         async for page in source.stream_pages({}, batch_size):
             size = _nbytes(page)
             python = max(python, tracemalloc.get_traced_memory()[0] - python_floor - size)
             arrow = max(arrow, pa.total_allocated_bytes() - arrow_floor - size)
             native = max(native, _native_bytes() - native_floor)
+            children = max(children, _started_processes(running)[0])
             del page
 
     try:
@@ -242,7 +260,29 @@ async def _held_while_paging(subject: Subject, batch_size: int) -> _Held:
         if not tracing:
             tracemalloc.stop()
         await subject.within(source.close(), MEMORY_RULE, "Source.close")
-    return _Held(max(0, python), max(0, arrow), max(0, native))
+    return _Held(max(0, python), max(0, arrow), max(0, native), children)
+
+
+def _started_processes(running: frozenset[int]) -> tuple[int, frozenset[int]]:
+    """The private resident bytes (RSS less shared pages) of the processes this process started
+    that are not in ``running``, with their descendants, and the pids of this process's children.
+
+    Only new children and their trees count: a server running before the read (a child in a test
+    run) forks a backend per connection, and that backend's pages of the server's shared memory are
+    the server's, not the source's."""
+    import psutil
+
+    resident, children = 0, psutil.Process().children()
+    for child in children:
+        if child.pid in running:
+            continue
+        try:
+            for process in (child, *child.children(recursive=True)):
+                memory = process.memory_info()
+                resident += max(0, int(memory.rss) - int(getattr(memory, "shared", 0)))
+        except psutil.Error:
+            continue  # it ended meanwhile: it holds nothing
+    return resident, frozenset(child.pid for child in children)
 
 
 class _MallInfo2(ctypes.Structure):

@@ -87,6 +87,10 @@ CASES: tuple[SelfTestCase, ...] = (
         "not a valid JSON Schema",
     ),
     _case(
+        "config_schema", broken.RenamedFieldSchemaSource, _files(broken.RenamedFieldSchemaSource), _SOURCE,
+        _FILES, "does not validate against its schema",
+    ),
+    _case(
         "bounded_memory", broken.OversizedPagesSource, _files(broken.OversizedPagesSource), _SOURCE, _FILES,
         "more than batch_size",
     ),
@@ -98,7 +102,15 @@ CASES: tuple[SelfTestCase, ...] = (
         "bounded_memory", broken.NativeBufferingSource, _files(broken.NativeBufferingSource), _SOURCE, _FILES,
         "must not buffer", "natively",
     ),
+    _case(
+        "bounded_memory", broken.ChildBufferingSource, _files(broken.ChildBufferingSource), _SOURCE, _FILES,
+        "must not buffer", "helper process",
+    ),
     _case("resume", broken.ForgetfulSource, _files(broken.ForgetfulSource), _SOURCE, _FILES, "replayed"),
+    _case(
+        "resume", broken.LaggingBookmarkSource, _files(broken.LaggingBookmarkSource), _SOURCE, _FILES,
+        "replayed",
+    ),
     _case(
         "idempotent_replay", broken.TokenBlindSink, _sql(broken.TokenBlindSink), _SINK, _SQL, "commit token"
     ),
@@ -167,8 +179,16 @@ CASES: tuple[SelfTestCase, ...] = (
         "a hang", options=ConformanceOptions(timeout=3),
     ),
     _case(
+        "cancel_during_read", broken.CancelIsAnErrorSession, _stream("nats", broken.CancelIsAnErrorSession),
+        _STREAM, _NATS, "cancellation is an interruption",
+    ),
+    _case(
         "partial_transaction", broken.CutTransactionSession,
         _stream("postgres", broken.CutTransactionSession), _STREAM, targets.postgres_cdc_source, "still open",
+    ),
+    _case(
+        "partial_transaction", broken.LimitCutSession, _stream("postgres", broken.LimitCutSession), _STREAM,
+        targets.postgres_cdc_source, "limited to 5 records",
     ),
     _case(
         "ownership_lost_before_ack", broken.UnaskingSession, _stream("nats", broken.UnaskingSession),
@@ -200,8 +220,20 @@ CASES: tuple[SelfTestCase, ...] = (
         _STREAM, _NATS, "PositionUnavailable",
     ),
     _case(
+        "unavailable_position", broken.SlotPositionSource, broken.slot_position_source, _STREAM,
+        targets.postgres_cdc_source, "PositionUnavailable",
+    ),
+    _case(
         "unwritten_position", broken.DroppingSession, _stream("nats", broken.DroppingSession), _STREAM, _NATS,
         "missing ids [5]",
+    ),
+    _case(
+        "unwritten_position", broken.LateRowSession, _stream("nats", broken.LateRowSession), _STREAM, _NATS,
+        "accepted boundary",
+    ),
+    _case(
+        "unwritten_position", broken.OverreachingSession, _stream("nats", broken.OverreachingSession),
+        _STREAM, _NATS, "had not reached the sink",
     ),
     *(
         _case(
@@ -218,12 +250,24 @@ CASES: tuple[SelfTestCase, ...] = (
         _NATS_SINK, "commit_epoch returned", options=WITHIN_WINDOW,
     ),
     _case(
+        "failed_writes", broken.DroppingRefusedSession, _sink("nats", broken.DroppingRefusedSession),
+        _STREAMING, _NATS_SINK, "commit_epoch returned", options=WITHIN_WINDOW,
+    ),
+    _case(
         "uncertain_commit", broken.LateCommitSession, _sink("postgres", broken.LateCommitSession), _STREAMING,
         targets.postgres_streaming_sink, "outlived the session",
     ),
     _case(
+        "uncertain_commit", broken.StaleWatermarkSession, _sink("postgres", broken.StaleWatermarkSession),
+        _STREAMING, targets.postgres_streaming_sink, "commit atomically",
+    ),
+    _case(
         "lifecycle_order", broken.LenientSession, _sink("postgres", broken.LenientSession), _STREAMING,
         targets.postgres_streaming_sink, "was accepted",
+    ),
+    _case(
+        "lifecycle_order", broken.RebeginSession, _sink("postgres", broken.RebeginSession), _STREAMING,
+        targets.postgres_streaming_sink, "begin_epoch twice was accepted",
     ),
     _case(
         "shutdown_with_outstanding_work", broken.EagerCloseSession,
@@ -234,6 +278,11 @@ CASES: tuple[SelfTestCase, ...] = (
     _case(
         "shutdown_with_outstanding_work", broken.ConfidentCloseSession,
         _sink("nats", broken.ConfidentCloseSession), _STREAMING, _NATS_SINK, "stalled",
+        options=WITHIN_WINDOW,
+    ),
+    _case(
+        "shutdown_with_outstanding_work", broken.FinishTheBatchSession,
+        _sink("nats", broken.FinishTheBatchSession), _STREAMING, _NATS_SINK, "swallowed the cancellation",
         options=WITHIN_WINDOW,
     ),
     *(

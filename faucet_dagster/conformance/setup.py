@@ -47,8 +47,9 @@ class SourceSetup:
     ``redelivered()`` counts the deliveries the provider has repeated so far on the session's
     consumer (``None``: the provider never redelivers on its own, as a Kafka log does not).
     ``make_unavailable()`` removes every row stored so far from the provider (a purge, retention,
-    records deleted below the low watermark), so a position among them can no longer be resumed
-    from; ``None`` when the system cannot remove data under a reader.
+    records deleted below the low watermark, a replication slot advanced past them), so a position
+    among them can no longer be resumed from; ``None`` when the system cannot remove data under a
+    reader.
     """
 
     config: Mapping[str, Any]

@@ -338,6 +338,14 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
             f"WHERE slot_name = '{slot}'",
         )
 
+    async def advance_out_of_band() -> None:
+        # What an operator (or a retention job) does to a slot holding too much WAL: the changes
+        # committed so far are released unread.
+        await _pg(
+            postgres_url,
+            f"SELECT pg_replication_slot_advance('{slot}', pg_current_wal_insert_lsn())",
+        )
+
     return SourceSetup(
         config,
         add_rows,
@@ -346,6 +354,7 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
         add_malformed=add_malformed,
         acknowledged=acknowledged,
         cleanup=cleanup,
+        make_unavailable=advance_out_of_band,
     )
 
 

@@ -26,6 +26,15 @@ def test_every_check_has_a_broken_connector_it_catches() -> None:
     assert [check.id for check in CHECKS if check.id not in caught] == []
 
 
+def test_every_rule_is_broken_by_at_least_two_different_connectors() -> None:
+    from collections import Counter
+
+    from faucet_dagster.conformance import CHECKS
+
+    mechanisms = Counter(case.check for case in {(case.check, case.broken): case for case in CASES}.values())
+    assert {check.id: mechanisms[check.id] for check in CHECKS if mechanisms[check.id] < 2} == {}
+
+
 def test_faucet_conformance_self_test_prints_which_check_caught_which_broken_connector(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -35,4 +44,4 @@ def test_faucet_conformance_self_test_prints_which_check_caught_which_broken_con
     printed = capsys.readouterr().out
     assert "InvalidSchemaSource (files source)" in printed
     assert "-> config_schema" in printed and "-> resume" in printed
-    assert "2 of 2 broken connectors caught by the check of their rule" in printed
+    assert "4 of 4 broken connectors caught by the check of their rule" in printed

@@ -262,6 +262,60 @@ def test_close_with_acknowledgements_that_do_not_arrive_is_uncertain(
     run(scenario())
 
 
+def test_a_cancelled_apply_against_a_stalled_server_stops_and_close_names_what_is_in_doubt(
+    nats_server: NatsServer, nats_url: str, short_acks: NatsSinkConfig
+) -> None:
+    """nats-py swallows a cancellation that lands while ``publish_async`` waits: without the
+    sink's own watch the cancelled apply went on to send the whole batch and returned normally."""
+
+    async def scenario() -> None:
+        session = await open_session(short_acks)
+        epoch = EpochId("orders-stream", 1, 1)
+        await session.begin_epoch(epoch)
+        with unresponsive(nats_server):
+            apply = asyncio.ensure_future(session.apply(epoch, batch(epoch, 0, 500)))
+            for _ in range(3):  # each publish waits at least one loop turn: the apply is mid-batch
+                await asyncio.sleep(0)
+            assert not apply.done()
+            apply.cancel()
+            await asyncio.wait([apply], timeout=30)
+            assert apply.cancelled(), "a cancelled apply raises CancelledError"
+            with pytest.raises(UncertainOutcome) as uncertain:
+                await session.close_session()
+        assert "of the session were not acknowledged" in str(uncertain.value)
+        assert "orders " in str(uncertain.value), "it names the unanswered messages"
+        # What the apply sent before it stopped may land once the server answers; nothing more.
+        sent = int(str(uncertain.value).split(" of ")[1].split(" ")[0])
+        assert sent < 500
+        for _ in range(50):
+            if len(await stored_messages(nats_url, short_acks.stream)) == sent:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        assert len(await stored_messages(nats_url, short_acks.stream)) == sent
+
+    run(scenario())
+
+
+def test_close_waits_for_an_apply_still_sending(nats_url: str, short_acks: NatsSinkConfig) -> None:
+    """A caller that gave up on an apply without waiting for it, then closes: close_session
+    returns only after that apply ended and its publishes were acknowledged."""
+
+    async def scenario() -> None:
+        session = await open_session(short_acks)
+        epoch = EpochId("orders-stream", 1, 1)
+        await session.begin_epoch(epoch)
+        apply = asyncio.ensure_future(session.apply(epoch, batch(epoch, 0, 300)))
+        await asyncio.sleep(0)
+        await session.close_session()
+        assert apply.done()
+        stored = len(await stored_messages(nats_url, short_acks.stream))
+        await asyncio.sleep(0.5)
+        assert len(await stored_messages(nats_url, short_acks.stream)) == stored == 300
+
+    run(scenario())
+
+
 def test_commit_with_missing_acknowledgements_is_uncertain(
     nats_server: NatsServer, short_acks: NatsSinkConfig
 ) -> None:
