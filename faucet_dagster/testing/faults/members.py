@@ -164,9 +164,8 @@ def run_member_case(
                 victim.send(signal.SIGKILL)
                 victim.wait(30)
             elif action == "stop":
-                victim.send(signal.SIGTERM)
-                if victim.wait(60) != 0:
-                    notes.append(f"{victim.spec.worker_id} did not stop cleanly: {victim.tail()}")
+                _terminate(victim)
+                _stopped(victim, notes)
             else:
                 victim.send(signal.SIGSTOP)
                 time.sleep(params.lease_seconds * 2 + 0.5)  # past its member and group leases
@@ -178,10 +177,9 @@ def run_member_case(
         chains_of = _ChainReader(case.state_url, case.name)
         _wait(lambda: _certified_rows(chains_of()) >= len(case.produced), 120, "every record certified")
         for worker in live:
-            worker.send(signal.SIGTERM)
+            _terminate(worker)
         for worker in live:
-            if worker.wait(60) != 0:
-                notes.append(f"{worker.spec.worker_id} did not stop cleanly: {worker.tail()}")
+            _stopped(worker, notes)
         keys = {item.key for item in case.produced}
         verdict = judge(keys, keys, case.sink.read())
         try:
@@ -213,6 +211,24 @@ class _ChainReader:
         with StateStore(self._url) as store:
             names = [group_stream(self._stream, g, MEMBER_GROUPS) for g in range(MEMBER_GROUPS)]
             return {name: store.certificates(name) for name in names}
+
+
+def _terminate(worker: WorkerProcess) -> None:
+    """SIGTERM, once the worker said it started (its handler for a clean stop is installed then)."""
+    if worker.wait_for(lambda event: event.event == "started", 60) is None:
+        raise HarnessError(f"{worker.spec.worker_id} never started: {worker.tail()}")
+    worker.send(signal.SIGTERM)
+
+
+def _stopped(worker: WorkerProcess, notes: list[str]) -> None:
+    """Wait for a worker sent SIGTERM; note it unless it stopped cleanly."""
+    code = worker.wait(60)
+    if code != 0:
+        error = worker.error()
+        notes.append(
+            f"{worker.spec.worker_id} exited with {code} after SIGTERM: "
+            f"{error.data if error is not None else worker.tail()}"
+        )
 
 
 def _certified_more(workers: list[WorkerProcess], before: int) -> Callable[[], bool]:
