@@ -146,3 +146,19 @@ class MemberRegistry:
                 LiveMember(row.member, int(row.fencing_token), float(row.joined), float(row.expires) - now)
                 for row in rows
             )
+
+    def lapsed(self, stream: str) -> dict[str, float | None]:
+        """The members of ``stream`` that are not live, with the seconds since their lease lapsed
+        (None: the member left). Rows are pruned an hour after they lapsed; a member still starting
+        has none."""
+        with self._store.transaction("read a stream's members") as conn:
+            now = float(conn.execute(sa.select(db_now())).scalar_one())
+            rows = conn.execute(
+                sa.select(members_table.c.member, members_table.c.expires).where(
+                    members_table.c.stream == stream,
+                    sa.or_(members_table.c.expires.is_(None), members_table.c.expires <= now),
+                )
+            )
+            return {
+                str(row.member): None if row.expires is None else now - float(row.expires) for row in rows
+            }
