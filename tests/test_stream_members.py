@@ -22,6 +22,7 @@ import psycopg
 import pytest
 from kafka_topics import committed, create_topic, produce
 
+from faucet_dagster.cli import main
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
@@ -378,3 +379,24 @@ def test_the_number_of_groups_cannot_change_under_certificates(tmp_path: Any) ->
         check_groups(store, "s", 4)
     check_groups(store, "s2", 4)
     store.close()
+
+
+def test_streams_status_names_each_partition_group_and_the_live_members(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = StateStore(url)
+    registry = MemberRegistry(store)
+    registry.join("orders", "a", 30)
+    registry.join("orders", "b", 30)
+    store.acquire_lease(group_stream("orders", 1, 2), "b", 30)
+    store.acquire_lease("plain", "c", 30)
+    store.close()
+    assert main(["streams", "status", "--state-url", url]) == 0
+    out = capsys.readouterr().out
+    assert "orders[1/2]: leased to b" in out
+    assert "partition group 1 of 2 of stream orders; live members: a, b" in out
+    assert out.count("partition group") == 1, "a stream of its own has no group line"
+    assert main(["streams", "status", "--state-url", url, "--json"]) == 0
+    by_name = {item["stream"]: item for item in json.loads(capsys.readouterr().out)}
+    assert by_name["orders[1/2]"]["members"] == ["a", "b"] and "members" not in by_name["plain"]

@@ -34,7 +34,6 @@ single owner.
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -50,17 +49,12 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec, default_worker_id
 from faucet_dagster.state import StateStore
-from faucet_dagster.state.members import MemberLease, MemberRegistry
+from faucet_dagster.state.members import MemberLease, MemberRegistry, group_stream, parse_group_stream
 
 logger = logging.getLogger(__name__)
 
 IDLE_ROUND_SECONDS = 0.5
 """How long a worker that runs no group waits before it looks at the membership again."""
-
-
-def group_stream(stream: str, group: int, groups: int) -> str:
-    """The stream name group ``group`` of ``groups`` is leased and certified under."""
-    return f"{stream}[{group}/{groups}]"
 
 
 def assign(members: Sequence[str], groups: int, member: str) -> tuple[int, ...]:
@@ -77,13 +71,12 @@ def check_groups(store: StateStore, stream: str, groups: int) -> None:
     were made under another division (another number of groups, or a single owner)."""
     if groups < 1:
         raise ConfigError(f"a stream needs at least one partition group, not {groups}", where=stream)
-    pattern = re.compile(re.escape(stream) + r"\[(\d+)/(\d+)\]")
     for status in store.status():
         if status.last_sequence == 0:
             continue
-        found = pattern.fullmatch(status.stream)
-        if status.stream == stream or (found is not None and int(found.group(2)) != groups):
-            other = "a single owner" if found is None else f"{found.group(2)} partition groups"
+        found = parse_group_stream(status.stream)
+        if status.stream == stream or (found is not None and found[0] == stream and found[2] != groups):
+            other = "a single owner" if found is None else f"{found[2]} partition groups"
             raise ConfigError(
                 f"stream {stream!r} was certified by {other}; it cannot run as {groups} partition groups "
                 "(its partitions would move between certificate chains). Keep the earlier number, or "
@@ -250,3 +243,6 @@ class MemberWorker:
                 return
             except FaucetError as exc:
                 logger.warning("stream %s: the member lease could not be renewed: %s", self.spec.name, exc)
+
+
+__all__ = ["MemberWorker", "assign", "check_groups", "group_stream"]

@@ -13,12 +13,16 @@ lapsed, so a member that was frozen past its lease learns it was counted out (:m
 when a member joins.
 """
 
+import re
 from dataclasses import dataclass, replace
 
 import sqlalchemy as sa
 
 from faucet_dagster.protocol import OwnershipLost
 from faucet_dagster.state.store import StateStore, db_now
+
+GROUP_STREAM = re.compile(r"(?P<stream>.+)\[(?P<group>\d+)/(?P<groups>\d+)\]")
+"""How a partition group's stream is named: ``<stream>[g/groups]``."""
 
 PRUNE_AFTER_SECONDS = 3600.0
 """A member lease that lapsed this long ago is deleted when another member joins."""
@@ -34,6 +38,19 @@ members_table = sa.Table(
     sa.Column("joined", sa.Float, nullable=False),
     sa.Column("expires", sa.Float, nullable=True),
 )
+
+
+def group_stream(stream: str, group: int, groups: int) -> str:
+    """The stream name group ``group`` of ``groups`` is leased and certified under."""
+    return f"{stream}[{group}/{groups}]"
+
+
+def parse_group_stream(name: str) -> tuple[str, int, int] | None:
+    """``(stream, group, groups)`` of a partition group's stream name; None for any other name."""
+    found = GROUP_STREAM.fullmatch(name)
+    if found is None:
+        return None
+    return found["stream"], int(found["group"]), int(found["groups"])
 
 
 @dataclass(frozen=True)
