@@ -32,15 +32,17 @@ import dagster as dg
 from faucet_dagster.protocol import ConfigError
 from faucet_dagster.runner.members import MemberWorker, group_stream
 from faucet_dagster.sensors import (
+    CERTIFICATE_CHECK,
     MAX_REPORTS_PER_TICK,
     AssetKeyLike,
     FaucetStream,
-    certificate_check,
     certificate_events,
-    health_check,
+    certificate_problems,
+    chain_problems,
 )
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
+from faucet_dagster.stream_health import HEALTH_CHECK, health_evaluation, uncertain_stall
 
 logger = logging.getLogger(__name__)
 
@@ -229,5 +231,66 @@ def build_worker_defs(
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
     )
-    checks = (certificate_check(stream, spec.key), health_check(stream, spec.key))
+    checks = (worker_certificate_check(stream, spec.key), worker_health_check(stream, spec.key))
     return spec, checks, sensor, job
+
+
+def _groups(stream: FaucetStream) -> list[str]:
+    return [group_stream(stream.name, group, stream.group_count) for group in range(stream.group_count)]
+
+
+def worker_certificate_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg.AssetChecksDefinition:
+    """The ``faucet_epoch_certificate`` check of a stream on workers: each partition group's recent
+    certificates (``MAX_REPORTS_PER_TICK`` in all) chain and add up."""
+    per_group = max(1, MAX_REPORTS_PER_TICK // stream.group_count)
+
+    @dg.asset_check(
+        asset=asset_key,
+        name=CERTIFICATE_CHECK,
+        description="Every partition group's epoch certificates chain and add up.",
+    )
+    def _check() -> dg.AssetCheckResult:
+        problems: list[str] = []
+        checked = 0
+        with StateStore(stream.state_url) as store:
+            for name in _groups(stream):
+                last = store.last_certificate(name)
+                after = 0 if last is None else max(0, last.sequence - per_group)
+                certificates = store.certificates(name, after=after)
+                checked += len(certificates)
+                problems.extend(p for c in certificates for p in certificate_problems(c))
+                problems.extend(f"{name}: {problem}" for problem in chain_problems(certificates))
+        return dg.AssetCheckResult(
+            passed=not problems,
+            metadata={"faucet/certificates_checked": checked, "faucet/problems": "\n".join(problems)},
+        )
+
+    return _check
+
+
+def worker_health_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg.AssetChecksDefinition:
+    """The ``faucet_stream_health`` check of a stream on workers: failing while a partition group is
+    marked uncertain, else passing with the lag of the newest certificate of any group."""
+
+    @dg.asset_check(
+        asset=asset_key,
+        name=HEALTH_CHECK,
+        description="No partition group of the stream is marked uncertain; the lag of the newest epoch.",
+    )
+    def _check() -> dg.AssetCheckResult:
+        names = set(_groups(stream))
+        with StateStore(stream.state_url) as store:
+            statuses = [status for status in store.status() if status.stream in names]
+            lasts = [store.last_certificate(status.stream) for status in statuses]
+        stuck = next((status for status in statuses if status.uncertain), None)
+        stall = None if stuck is None else uncertain_stall(stuck.stream, stuck.uncertain_reason)
+        newest = max((c for c in lasts if c is not None), key=lambda c: c.created_at, default=None)
+        evaluation = health_evaluation(asset_key, stall, newest)
+        return dg.AssetCheckResult(
+            passed=evaluation.passed,
+            metadata=evaluation.metadata,
+            severity=evaluation.severity,
+            description=evaluation.description,
+        )
+
+    return _check

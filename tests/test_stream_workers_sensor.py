@@ -14,7 +14,9 @@ from faucet_dagster.components import FaucetComponent
 from faucet_dagster.declared import DECLARED
 from faucet_dagster.protocol import EpochCertificate, ReadLimits
 from faucet_dagster.runner.members import MemberWorker, group_stream
+from faucet_dagster.sensors import CERTIFICATE_CHECK
 from faucet_dagster.state import StateStore
+from faucet_dagster.stream_health import HEALTH_CHECK
 from faucet_dagster.stream_workers import STREAM_TAG
 
 
@@ -81,3 +83,9 @@ streams:
     assert marks == {g: max(c.sequence for c in certified if c.stream == g) for g in groups}
     third = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=second.cursor))
     assert not third.asset_events, "each certificate is reported once"
+
+    checks = {key.name: check for check in defs.asset_checks or [] for key in check.check_keys}
+    result = checks[CERTIFICATE_CHECK]()
+    assert result.passed and result.metadata["faucet/certificates_checked"].value == len(certified)
+    health = checks[HEALTH_CHECK]()
+    assert health.passed, health.description
