@@ -225,6 +225,12 @@ class StreamModel(dg.Model, dg.Resolvable):
     ] = None
     running: Annotated[bool, _field("Start the sensor without a click in the UI.")] = False
     description: Annotated[str | None, _field("The sink asset's description.")] = None
+    workers: Annotated[
+        int, _field("Long-running Dagster runs dividing the stream's partitions (1: the sensor runs it).")
+    ] = 1
+    groups: Annotated[
+        int | None, _field("Partition groups the workers divide (default: workers; fixed once certified).")
+    ] = None
     asset: AssetAttributes = {}
 
 
@@ -477,6 +483,8 @@ def _stream(model: StreamModel, connections: Mapping[str, FaucetConnection]) -> 
         lease_seconds=model.lease_seconds,
         state_url=model.state_url,
         description=model.description,
+        workers=model.workers,
+        groups=model.groups,
     )
 
 

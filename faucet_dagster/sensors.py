@@ -103,7 +103,9 @@ class FaucetStream:
     targets (by default an epoch ends at the first safe boundary after 50,000 records, 1 s idle or
     10 s). ``state_url`` selects the state store (default: ``$FAUCET_STATE_URL``, else a SQLite file
     under ``$DAGSTER_HOME``). ``lease_seconds`` is how long a worker that died without releasing
-    the stream holds it up (a live one renews its lease in the background).
+    the stream holds it up (a live one renews its lease in the background). ``workers`` above 1 runs
+    the stream in that many long-running Dagster runs (:mod:`faucet_dagster.stream_workers`), its
+    partitions divided into ``groups`` partition groups (default: ``workers``; fixed once certified).
     """
 
     name: str
@@ -118,6 +120,20 @@ class FaucetStream:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     state_url: str | None = None
     description: str | None = None
+    workers: int = 1
+    groups: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or (self.groups is not None and self.groups < 1):
+            raise ConfigError(
+                f"stream {self.name}: workers ({self.workers}) and groups ({self.groups}) must be at least 1",
+                where=self.name,
+            )
+
+    @property
+    def group_count(self) -> int:
+        """How many partition groups the stream's workers divide its partitions into."""
+        return self.groups or self.workers
 
     def build_spec(self, resources: Any = None) -> StreamSpec:
         """The runner's spec: connectors built from the endpoints (no I/O; secrets read now)."""
@@ -263,9 +279,20 @@ def build_stream_defs(
     assets: list[dg.AssetSpec] = []
     checks: list[dg.AssetChecksDefinition] = []
     sensors: list[dg.SensorDefinition] = []
+    jobs: list[dg.JobDefinition] = []
     for stream in streams:
         spec = with_code_reference(specs.get(stream.name) or stream.asset_spec(), declared_at)
         assets.append(spec)
+        if stream.workers > 1:
+            from faucet_dagster.stream_workers import build_worker_defs  # it builds on this module
+
+            _, worker_checks, sensor, job = build_worker_defs(
+                stream, spec, minimum_interval_seconds=minimum_interval_seconds, default_status=default_status
+            )
+            checks.extend(worker_checks)
+            sensors.append(sensor)
+            jobs.append(job)
+            continue
         checks.extend((certificate_check(stream, spec.key), health_check(stream, spec.key)))
         sensors.append(
             faucet_stream_sensor(
@@ -277,7 +304,7 @@ def build_stream_defs(
                 streams_sharing=len(streams) if streams_sharing is None else streams_sharing,
             )
         )
-    return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors)
+    return dg.Definitions(assets=assets, asset_checks=checks, sensors=sensors, jobs=jobs)
 
 
 def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) -> dg.AssetChecksDefinition:

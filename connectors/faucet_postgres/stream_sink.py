@@ -117,6 +117,9 @@ _MAX_BIGINT = 2**63 - 1
 _ORDINAL = "__faucet_ordinal"
 _STATE_LOCK = 0x66617563  # an advisory lock id ("fauc"), held while the state tables are created
 _BACKEND_EXIT_WAIT = 10.0
+_UNIQUE_VIOLATION = "23505"
+_CATALOG_NAME_INDEXES = ("pg_type_typname_nsp_index", "pg_class_relname_nsp_index")
+"""The catalog's unique names: a concurrent creation of one table collides on one of them."""
 _LOCK_NOT_AVAILABLE = "55P03"
 _IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 
@@ -589,6 +592,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 f"{doing} waited {seconds:g} s (lock_timeout) for a lock held by another transaction: "
                 f"another worker's open epoch? {await self._old_transactions(seconds)}; the epoch is "
                 "to be aborted and retried (nothing of it was kept)",
+                where=where,
+                retryable=True,
+            )
+        if exc.sqlstate == _UNIQUE_VIOLATION and exc.diag.constraint_name in _CATALOG_NAME_INDEXES:
+            # Two epochs (the workers of one stream's partition groups) created one table at once: the
+            # loser's CREATE TABLE IF NOT EXISTS collides in the catalog; the table exists when retried.
+            return FaucetError(
+                f"{doing} failed: another transaction created the same table or type at the same "
+                "moment (the workers of one stream's partition groups); the epoch is to be aborted and "
+                "retried (nothing of it was kept)",
                 where=where,
                 retryable=True,
             )

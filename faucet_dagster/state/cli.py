@@ -2,9 +2,11 @@
 
 ``status`` prints each stream's lease (owner, fencing token, time left, a pending hand-over request to
 a newer worker), whether it is marked uncertain and why, its last certified epoch, how far Dagster
-received reports, its certified positions and its dead-letter count. ``release`` is the operator's
-answer to an uncertain close: it clears the uncertain flag and the lease so the stream can be taken
-over (the fencing token is kept, so the next owner still fences every earlier one). Both take
+received reports, its certified positions and its dead-letter count; for a partition group of a
+stream on several workers (``<stream>[g/groups]``), the group and the stream's live members.
+``release`` is the operator's answer to an uncertain close: it clears the uncertain flag and the
+lease so the stream can be taken over (the fencing token is kept, so the next owner still fences
+every earlier one). Both take
 ``--state-url`` (default: ``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and
 ``--json``.
 """
@@ -14,6 +16,7 @@ import json
 from typing import Any
 
 from faucet_dagster.protocol import EpochCertificate
+from faucet_dagster.state.members import MemberRegistry, parse_group_stream
 from faucet_dagster.state.store import StateStore, StreamStatus
 
 
@@ -40,15 +43,53 @@ def _status_command(args: argparse.Namespace) -> int:
     with StateStore(args.state_url) as store:
         statuses = store.status(args.stream)
         lasts = {status.stream: store.last_certificate(status.stream) for status in statuses}
+        members = _members(store, statuses)
     if args.json:
         print(
-            json.dumps([status.to_dict() | _lag_dict(lasts[status.stream]) for status in statuses], indent=2)
+            json.dumps(
+                [
+                    status.to_dict() | _lag_dict(lasts[status.stream]) | members.get(status.stream, {})
+                    for status in statuses
+                ],
+                indent=2,
+            )
         )
     elif not statuses:
         print(f"no streams in {store.where}")
     for status in [] if args.json else statuses:
-        print("\n".join([_describe(status), *_lag_lines(lasts[status.stream])]))
+        lines = [
+            _describe(status),
+            *_member_lines(members.get(status.stream)),
+            *_lag_lines(lasts[status.stream]),
+        ]
+        print("\n".join(lines))
     return 0
+
+
+def _members(store: StateStore, statuses: list[StreamStatus]) -> dict[str, dict[str, Any]]:
+    """For each partition group's stream: its group, and the live members of the stream it divides."""
+    registry = MemberRegistry(store)
+    live: dict[str, list[str]] = {}
+    found: dict[str, dict[str, Any]] = {}
+    for status in statuses:
+        parsed = parse_group_stream(status.stream)
+        if parsed is None:
+            continue
+        stream, group, groups = parsed
+        if stream not in live:
+            live[stream] = [member.member for member in registry.live(stream)]
+        found[status.stream] = {"group_of": stream, "group": group, "groups": groups, "members": live[stream]}
+    return found
+
+
+def _member_lines(group: dict[str, Any] | None) -> list[str]:
+    if group is None:
+        return []
+    members = ", ".join(group["members"]) or "none"
+    return [
+        f"  partition group {group['group']} of {group['groups']} of stream {group['group_of']}; "
+        f"live members: {members}"
+    ]
 
 
 def _lag_lines(last: EpochCertificate | None) -> list[str]:

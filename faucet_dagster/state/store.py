@@ -262,6 +262,13 @@ class StateStore:
         """The store's URL without its password, for messages."""
         return self._where
 
+    @contextmanager
+    def transaction(self, action: str) -> Iterator[Connection]:
+        """One transaction on the store, its failures translated as the store's own (``action`` names
+        what was being done, for the message): for tables kept beside the store's (:mod:`.members`)."""
+        with self._transaction(action) as conn:
+            yield conn
+
     def close(self) -> None:
         """Release the store's connections."""
         self._engine.dispose()

@@ -240,18 +240,19 @@ class NatsSource(SourceSide):
 
 
 class KafkaSource(SourceSide):
-    """A topic ``name`` of :data:`KAFKA_PARTITIONS` partitions read by the Kafka source."""
+    """A topic ``name`` of ``partitions`` (:data:`KAFKA_PARTITIONS`) partitions read by the Kafka source."""
 
     connector = "kafka"
     label = "Kafka"
     servers_used = ("kafka",)
+    partitions = KAFKA_PARTITIONS
 
     def _admin(self) -> AdminClient:
         return AdminClient({"bootstrap.servers": self.servers.kafka.bootstrap, "log_level": 2})
 
     def create(self) -> None:
         admin = self._admin()  # held until the result: a collected client cancels its requests
-        admin.create_topics([NewTopic(self.name, KAFKA_PARTITIONS, 1)])[self.name].result(timeout=30)
+        admin.create_topics([NewTopic(self.name, self.partitions, 1)])[self.name].result(timeout=30)
 
     def produce(self, producer: str, count: int, first_id: int) -> list[Produced]:
         stored: dict[int, tuple[int, int]] = {}
@@ -279,7 +280,7 @@ class KafkaSource(SourceSide):
                         self.name,
                         _record(producer, seq, first_id),
                         key=str(seq).encode(),
-                        partition=seq % KAFKA_PARTITIONS,
+                        partition=seq % self.partitions,
                         on_delivery=delivered,
                     )
                     break
@@ -307,7 +308,7 @@ class KafkaSource(SourceSide):
         deadline = time.monotonic() + 30
         while True:
             try:
-                admin.create_topics([NewTopic(self.name, KAFKA_PARTITIONS, 1)])[self.name].result(timeout=30)
+                admin.create_topics([NewTopic(self.name, self.partitions, 1)])[self.name].result(timeout=30)
                 return
             except KafkaException:
                 if time.monotonic() > deadline:

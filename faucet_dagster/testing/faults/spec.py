@@ -74,6 +74,10 @@ class WorkerSpec:
     deadline_seconds: float = 60.0
     bookmark_file: str = ""
     batch_size: int = 500
+    groups: int = 0
+    """Continuous: 0 runs the stream as one runner; above 0, as one member of a stream divided into
+    that many partition groups (:class:`~faucet_dagster.runner.members.MemberWorker`), until a clean
+    stop or the deadline (targets are not checked: the controller decides when all is certified)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

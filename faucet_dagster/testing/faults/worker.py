@@ -62,6 +62,7 @@ from faucet_dagster.protocol import (
 from faucet_dagster.runner.bounded import PageReport, SyncSettings, run_bounded_sync
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.runner.faults import Point, fault_point
+from faucet_dagster.runner.members import MemberWorker
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing.faults.spec import (
     EXIT_DEADLINE,
@@ -225,10 +226,8 @@ def reached(positions: Sequence[Position], targets: Sequence[Target]) -> bool:
     return True
 
 
-async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) -> int:
-    """Epochs until the targets are certified, a clean stop, a halt, or the deadline (see module)."""
-    store = StateStore(spec.state_url)
-    stream = StreamSpec(
+def stream_spec(spec: WorkerSpec) -> StreamSpec:
+    return StreamSpec(
         name=spec.stream,
         source=get_connector(spec.source.connector).stream_source(spec.source.config),
         sink=streaming_sink(spec),
@@ -238,7 +237,58 @@ async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) ->
         lease_seconds=spec.lease_seconds,
         pipeline=PipelineOptions(batch_rows=spec.batch_rows),
     )
-    runner = StreamRunner(stream, store, worker_id=spec.worker_id)
+
+
+async def run_member(spec: WorkerSpec, events: Events, stop: StopRequest) -> int:
+    """Rounds of a member of a stream divided into ``spec.groups`` groups, until a clean stop, a
+    halt, or the deadline; a ``certified`` event per certificate (with its group stream)."""
+    store = StateStore(spec.state_url)
+    worker = MemberWorker(stream_spec(spec), store, groups=spec.groups, worker_id=spec.worker_id)
+    stop.on_request(worker.cancel)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + spec.deadline_seconds
+    code = EXIT_DONE
+    certified = 0
+    try:
+        while not stop.requested:
+            if loop.time() >= deadline:
+                events.emit("deadline", certified=certified)
+                code = EXIT_DEADLINE
+                break
+            try:
+                certificates = await worker.run_round()
+            except FaucetError as exc:
+                if await retried(exc, spec, events):
+                    continue
+                code = EXIT_HALTED
+                break
+            for certificate in certificates:
+                certified += 1
+                events.emit(
+                    "certified",
+                    stream=certificate.stream,
+                    sequence=certificate.sequence,
+                    rows=sum(certificate.row_counts.values()),
+                    fencing_token=certificate.fencing_token,
+                )
+        try:
+            await worker.close()
+        except FaucetError as exc:
+            events.emit("error", during="close", **describe(exc))
+            code = EXIT_HALTED
+    finally:
+        store.close()
+    if stop.requested and code == EXIT_DONE:
+        events.emit("stopped", certified=certified)
+    return code
+
+
+async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) -> int:
+    """Epochs until the targets are certified, a clean stop, a halt, or the deadline (see module)."""
+    if spec.groups:
+        return await run_member(spec, events, stop)
+    store = StateStore(spec.state_url)
+    runner = StreamRunner(stream_spec(spec), store, worker_id=spec.worker_id)
     stop.on_request(runner.cancel)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + spec.deadline_seconds

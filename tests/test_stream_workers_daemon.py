@@ -1,0 +1,196 @@
+"""``workers: 2`` under a real ``dagster-daemon run`` with the default run launcher: the sensor requests
+two long-running worker runs, their members split a 12-partition Kafka topic's partition groups, a
+kill -9 of one run's process makes the sensor mark that run failed and request a replacement, and the
+stream goes on: every message in PostgreSQL once, each partition owned by one fenced worker at a time.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import dagster as dg
+import psutil
+import psycopg
+import pytest
+from kafka_topics import create_topic, produce
+
+from faucet_dagster.runner.members import group_stream
+from faucet_dagster.state import StateStore
+from faucet_dagster.state.members import MemberRegistry
+from faucet_dagster.stream_workers import STREAM_TAG
+from faucet_dagster.testing.faults.members import check_ownership
+
+PARTITIONS = 12
+BOUND = 180.0
+
+PROJECT = """
+import os
+
+import dagster as dg
+
+from faucet_dagster.protocol import ReadLimits
+from faucet_dagster.resources import FaucetConnection
+from faucet_dagster.sensors import FaucetStream, build_stream_defs
+
+kafka = FaucetConnection(
+    connector="kafka",
+    config={"bootstrap_servers": os.environ["T_KAFKA"], "group_id": os.environ["T_GROUP"]},
+)
+postgres = FaucetConnection(connector="postgres", config={"url": os.environ["T_POSTGRES"]})
+stream = FaucetStream(
+    name=os.environ["T_STREAM"],
+    source=kafka.using(topics=[os.environ["T_TOPIC"]]),
+    sink=postgres.using(table="events"),
+    resources=(os.environ["T_TOPIC"],),
+    state_url=os.environ["T_POSTGRES"],
+    limits=ReadLimits(records=2_000, idle=0.3, age=2.0),
+    lease_seconds=3.0,
+    workers=2,
+)
+defs = build_stream_defs([stream], minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING)
+"""
+
+
+def wait_for(what: str, condition: Callable[[], bool], daemon: subprocess.Popen[bytes], log: Path) -> None:
+    ends = time.monotonic() + BOUND
+    while not condition():
+        assert daemon.poll() is None, f"the daemon exited: {log.read_text()[-3000:]}"
+        assert time.monotonic() < ends, f"{what}: not within {BOUND:.0f}s\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(900)  # a deployment: a daemon, its code server, three runs in their own processes
+def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
+    tmp_path: Path, kafka_bootstrap: str, postgres_url: str, unique_name: Callable[..., str]
+) -> None:
+    topic, stream = unique_name("topic"), unique_name("w")
+    create_topic(kafka_bootstrap, topic, PARTITIONS)
+    (tmp_path / "streams.py").write_text(textwrap.dedent(PROJECT))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "T_STREAM": stream,
+        "T_TOPIC": topic,
+        "T_GROUP": unique_name("group"),
+        "T_KAFKA": kafka_bootstrap,
+        "T_POSTGRES": postgres_url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    sent = [0]
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.is_set():
+            values = [json.dumps({"id": i, "name": f"n{i}"}).encode() for i in range(sent[0], sent[0] + 200)]
+            produce(kafka_bootstrap, topic, values, partitions=PARTITIONS, start=sent[0])
+            sent[0] += 200
+            time.sleep(0.2)
+
+    instance = dg.DagsterInstance.from_config(str(home))  # its storage created before the daemon's
+    log = tmp_path / "daemon.log"
+    with log.open("wb") as out:
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-f", "streams.py"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    store = StateStore(postgres_url)
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    groups = [group_stream(stream, g, 2) for g in range(2)]
+
+    def runs(*statuses: dg.DagsterRunStatus) -> list[dg.DagsterRun]:
+        wanted = list(statuses) or list(dg.DagsterRunStatus)
+        return list(instance.get_runs(filters=dg.RunsFilter(tags={STREAM_TAG: stream}, statuses=wanted)))
+
+    def certifying_workers() -> set[str]:
+        return {c.worker for name in groups for c in store.certificates(name)}
+
+    def pid_of(run_id: str) -> int | None:
+        for entry in instance.all_logs(run_id):
+            found = re.search(r"\(pid (\d+)\) joins", entry.user_message or "")
+            if found:
+                return int(found.group(1))
+        return None
+
+    victim = ""
+    alive: list[psutil.Process] = []
+    try:
+        wait_for(
+            "two worker runs certify, one group each",
+            lambda: len(certifying_workers()) == 2 and all(store.certificates(name) for name in groups),
+            daemon,
+            log,
+        )
+        first = certifying_workers()
+        assert first <= {run.run_id for run in runs(dg.DagsterRunStatus.STARTED)}
+        assert len(runs()) == 2, "exactly two worker runs were requested"
+        victim = sorted(first)[0]
+        pid = pid_of(victim)
+        assert pid is not None, "the worker run logs its process id"
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            "the sensor marks the killed run failed and a replacement certifies",
+            lambda: (
+                instance.get_run_by_id(victim) is not None
+                and instance.get_run_by_id(victim).status is dg.DagsterRunStatus.FAILURE  # type: ignore[union-attr]
+                and bool(certifying_workers() - first)
+            ),
+            daemon,
+            log,
+        )
+        stop.set()
+        publisher.join(60)
+        total = sent[0]
+
+        def all_in() -> bool:
+            with psycopg.connect(postgres_url) as conn:
+                row = conn.execute("SELECT count(*) FROM events").fetchone()
+            return row is not None and row[0] >= total
+
+        wait_for(f"all {total} messages in the destination", all_in, daemon, log)
+    finally:
+        stop.set()
+        # The sensor first (no replacement requested while the workers stop), then the workers' processes:
+        # a clean stop, each closing its groups at certified positions and releasing its leases.
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        pids = [pid_of(run.run_id) for run in runs() if run.run_id != victim]
+        workers = [psutil.Process(pid) for pid in pids if pid is not None and psutil.pid_exists(pid)]
+        for process in workers:
+            process.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        for process in alive:
+            process.kill()
+    assert not alive, "every worker stopped on SIGTERM"
+    stopped = [run for run in runs() if run.run_id != victim and pid_of(run.run_id) is not None]
+    assert len(stopped) == 2
+    for run in stopped:
+        said = [e.user_message or "" for e in instance.all_logs(run.run_id)]
+        assert f"member {run.run_id} left" in " ".join(said), f"{run.run_id} closed and released"
+    with psycopg.connect(postgres_url) as conn:
+        ids = [row[0] for row in conn.execute("SELECT id FROM events ORDER BY id")]
+    assert ids == list(range(total)), "every message exactly once"
+    ownership = check_ownership({name: store.certificates(name) for name in groups})
+    assert sorted(int(domain.partition) for domain in ownership) == list(range(PARTITIONS))
+    assert len({worker for item in ownership.values() for _, worker in item.owners}) >= 3
+    lapsed = MemberRegistry(store).lapsed(stream)
+    assert all(lapsed.get(run.run_id, 0.0) is None for run in stopped), "each left the membership"
+    store.close()
