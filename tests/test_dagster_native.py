@@ -112,6 +112,67 @@ def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path
     assert "late_bound" not in output and "FAUCET_TEST_UNSET_URL" not in output
 
 
+SECRET = "hunter2-resolution-secret"
+
+UNRESOLVABLE = [
+    (
+        f"""\
+  syncs:
+    - name: orders
+      source: {{connector: files, config: {{paths: [x/*.csv]}}}}
+      sink: {{connector: sql, config: {{url: "sqlite:///w.db", table: orders}}}}
+      batch_size: {SECRET}
+""",
+        "defs.yaml:7 - attributes.syncs.0.batch_size: Input should be a valid integer",
+    ),
+    (
+        f"""\
+  connections:
+    warehouse: {{connector: sql, config: {SECRET}}}
+""",
+        "defs.yaml:4 - attributes.connections.warehouse.config: Input should be a valid dictionary",
+    ),
+    (
+        f"""\
+  streams:
+    - name: events
+      source: {{connector: kafka, config: {{bootstrap_servers: "localhost:9", group_id: g, topics: [t]}}}}
+      sink: {{connector: postgres, config: {{url: "postgresql://localhost/db"}}}}
+      resources: [t]
+      delivery: {SECRET}
+""",
+        "defs.yaml:8 - attributes.streams.0.delivery: Input should be 'effectively_once' or 'at_least_once'",
+    ),
+    (f"  syncs: {SECRET}\n", "defs.yaml:3 - attributes.syncs: expected a mapping of SyncModel fields"),
+]
+
+
+@pytest.mark.parametrize(("attributes", "expected"), UNRESOLVABLE)
+def test_dg_check_defs_names_the_field_and_line_dagster_cannot_resolve_never_the_value(
+    tmp_path: Path, attributes: str, expected: str
+) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "unresolved"\nversion = "0.0.0"\n[tool.dg]\ndirectory_type = "project"\n'
+        '[tool.dg.project]\nroot_module = "unresolved"\n'
+    )
+    package = tmp_path / "unresolved"
+    (package / "defs" / "shop").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "defs" / "__init__.py").write_text("")
+    (package / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n"
+        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
+    )
+    (package / "defs" / "shop" / "defs.yaml").write_text(
+        f"type: faucet_dagster.components.FaucetComponent\nattributes:\n{attributes}"
+    )
+    checked = run(tmp_path, dict(os.environ), DG, "check", "defs")
+    output = checked.stdout + checked.stderr
+    assert checked.returncode != 0, output
+    assert f"unresolved/defs/shop/{expected}" in output, output
+    assert SECRET not in output, output
+
+
 def test_a_bounded_kafka_sync_loads_without_a_broker() -> None:
     component = FaucetComponent.resolve_from_yaml(
         """
