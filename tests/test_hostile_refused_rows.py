@@ -1,27 +1,32 @@
 """Rows the PostgreSQL streaming sink refuses (a CHECK constraint, a unique constraint, a NUL in a text
 column): dead letters with the server's reason where the stream's policy routes bad rows, else a
 DataError naming the record's topic, partition and offset and the constraint; never a whole epoch
-failed without saying which record, and the epoch stays atomic.
+failed without saying which record, and the epoch stays atomic. Under APPLY_CHANGES (PostgreSQL
+change data capture into a replica) a refused change names its commit LSN, its key and the constraint.
 
-Through the real stream: the Kafka-protocol broker, the continuous runner, PostgreSQL, the state store.
+Through the real stream: the Kafka-protocol broker or PostgreSQL logical replication, the continuous
+runner, PostgreSQL, the state store.
 """
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from kafka_topics import create_topic, produce
+from test_stream_postgres_cdc import Replication, commit_positions
 
+from faucet_dagster.cli import main
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
 from faucet_dagster.protocol import DataError, EpochCertificate, ReadLimits, WritePolicy
 from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
+from faucet_dagster.testing import PostgresServer
 
 ROWS = 40
 NEGATIVE = 7  # score -1: refused by the CHECK constraint
@@ -158,3 +163,60 @@ def test_a_refused_row_without_a_dead_letter_route_names_its_offset_and_the_cons
         assert store.dead_letters(stream.name) == []
     finally:
         store.close()
+
+
+@pytest.fixture
+def replication(
+    postgres_url: str, postgres_server: PostgresServer, unique_name: Callable[..., str], tmp_path: Path
+) -> Iterator[Replication]:
+    replica = unique_name("replica")
+    created = Replication(
+        postgres_url, postgres_server.create_database(replica), unique_name("cdc"), tmp_path
+    )
+    yield created
+    created.store.close()
+    postgres_server.drop_database(replica)
+
+
+def test_apply_changes_a_change_the_replica_refuses_names_its_commit_lsn_key_and_constraint(
+    replication: Replication, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replication.execute("CREATE TABLE scores (id int PRIMARY KEY, score int)")
+    replication.execute(
+        "CREATE TABLE scores (id int PRIMARY KEY, "
+        "score int CONSTRAINT score_not_negative CHECK (score >= 0))",
+        url=replication.target_url,
+    )
+    publication = f"{replication.slot}_pub"
+    setup = [
+        "cdc", "setup",
+        "--set", f"url={replication.source_url}",
+        "--set", f"slot={replication.slot}",
+        "--set", f"publication={publication}",
+        "--table", "public.scores",
+    ]  # fmt: skip
+    assert main(setup) == 0
+    observer = f"{replication.slot}_observer"
+    replication.execute(f"SELECT pg_create_logical_replication_slot('{observer}', 'pgoutput')")
+    replication.execute("INSERT INTO scores SELECT g, g FROM generate_series(1, 50) g")
+    replication.execute(
+        "UPDATE scores SET score = -1 WHERE id = 17", "UPDATE scores SET score = 0 WHERE id = 18"
+    )
+    commits, _ = commit_positions(replication.source_url, observer, publication)
+    assert len(commits) == 2
+
+    async def scenario() -> None:
+        runner = replication.runner(("scores",), "w1")
+        try:
+            await runner.run_epoch()
+        finally:
+            await runner.close()
+
+    with pytest.raises(DataError) as raised:
+        asyncio.run(scenario())
+    error = raised.value
+    assert error.where is not None and error.where.endswith(f"@{commits[1]}#0"), error.where  # the LSN
+    assert "table scores @ " in error.where
+    assert "key (17)" in error.message and "score_not_negative" in error.message, error.message
+    assert replication.execute("SELECT * FROM scores", url=replication.target_url) == [], "atomic"
+    assert replication.store.last_certificate(replication.name) is None

@@ -71,6 +71,7 @@ from faucet_dagster.protocol import (
     Durability,
     EpochId,
     EpochMismatch,
+    EventIdentity,
     FaucetError,
     Identities,
     IntegerPositionCodec,
@@ -102,7 +103,9 @@ from faucet_postgres.common import (
     create_table,
     current_schema,
     error_text,
+    is_row_error,
     pg_error,
+    row_error_reason,
     table_columns,
     table_name,
 )
@@ -236,6 +239,8 @@ class _Changes:
     stage: changes.ChangeStage
     domain: tuple[str, str, str]
     schema: pa.Schema
+    ordering: OrderingDomain
+    """The domain the changes come from (its codec prints a position)."""
     counts: changes.ChangeCounts = changes.NO_CHANGES
     last_position: int = 0
     """The highest position staged."""
@@ -897,10 +902,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             data = changes.data_schema(records.schema)
             target = await self._target(conn, table, data, layout.created_key, change_rows=True)
             stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
-            pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
+            stage.name_refused = True
+            pending = state.changes[table] = _Changes(
+                target, stage, domain.lineage, records.schema, domain, counts
+            )
         rows = changes.staged_rows(records, layout, positions, _ordinals(identities), where)
         pending.last_position = max(pending.last_position, pc.max(positions).as_py() or 0)
-        return pending.target, await changes.stage(conn, pending.stage, rows)
+        try:
+            return pending.target, await changes.stage(conn, pending.stage, rows)
+        except DataError as exc:
+            raise _refused_change(exc, where, pending.ordering) from exc
 
     async def _apply_changes(self, conn: Connection, state: _Epoch) -> None:
         """APPLY_CHANGES: apply every table's staged changes (first step of the commit)."""
@@ -913,7 +924,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         """Apply one table's stage; the counts so far plus this stage's."""
         where = f"{self._where} table {table}"
         try:
-            counts = await changes.apply_stage(conn, pending.target.identifier, pending.stage, where)
+            counts = await self._apply_stage(conn, pending, where)
             if counts.unexpected_inserts or counts.unexpected_changes:
                 # The replica is not what the stream made it (written by something else, or a change was
                 # lost or applied twice): committing would certify a diverged replica.
@@ -932,6 +943,36 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             if isinstance(exc, pa.ArrowException):
                 raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
             raise
+
+    async def _apply_stage(self, conn: Connection, pending: _Changes, where: str) -> changes.ChangeCounts:
+        """Apply one table's stage under a savepoint. A change the destination refuses (a constraint,
+        SQLSTATE class 22 or 23) raises DataError naming its position in the source (an LSN, an offset),
+        its key and the constraint, found by bisection over the stage's keys. APPLY_CHANGES never
+        dead-letters it: a replica missing one change diverges from its source."""
+        target = pending.target.identifier
+        try:
+            await changes.copy_held(conn, pending.stage)
+        except DataError as exc:
+            raise _refused_change(exc, where, pending.ordering) from exc
+        try:
+            async with conn.transaction():
+                return await changes.apply_stage(conn, target, pending.stage, where)
+        except psycopg.Error as exc:
+            if not is_row_error(exc):
+                raise
+            found = await changes.refused_change(conn, target, pending.stage, where)
+            if found is None:
+                raise DataError(
+                    f"the destination refused the epoch's changes: {row_error_reason(exc)} (no single "
+                    "key's changes are refused alone)",
+                    where=where,
+                ) from exc
+            codec = default_codec_registry().get(pending.ordering.codec)
+            identity = EventIdentity(pending.ordering, codec.canonicalize(found.position), found.ordinal)
+            raise DataError(
+                f"the destination refused the change of key {found.key}: {found.reason}",
+                where=f"{where} @ {identity}",
+            ) from exc
 
     def _next_watermarks(self, state: _Epoch, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""
@@ -994,6 +1035,17 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
 
 
 _ORDINAL_COLUMN = PgColumn(_ORDINAL, "int8", "bigint", -1, False)
+
+
+def _refused_change(exc: DataError, where: str, domain: OrderingDomain) -> DataError:
+    """``exc`` (a staged row the server refused, :func:`changes.copy_held`) naming the row's event
+    identity in ``domain``; ``exc`` itself for another DataError."""
+    position = exc.details.get("position")
+    if position is None:
+        return exc
+    codec = default_codec_registry().get(domain.codec)
+    identity = EventIdentity(domain, codec.canonicalize(int(position)), int(exc.details.get("ordinal", 0)))
+    return DataError(exc.message, where=f"{where} @ {identity}")
 
 
 def _integer_positions(domain: OrderingDomain, identities: Identities, where: str) -> pa.Array:
