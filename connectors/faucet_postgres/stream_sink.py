@@ -7,6 +7,11 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
   the table (APPEND), or into a temporary staging table merged with ``INSERT ... ON CONFLICT``
   (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row), or
   stages change rows (APPLY_CHANGES) in a temporary table per destination table;
+* a batch is applied under a savepoint: rows the server refuses (SQLSTATE class 22 or 23) are found
+  by bisection (:mod:`faucet_postgres.refusals`) and either reported (``apply_partial``: the pipeline
+  dead-letters them, the others stay applied) or named in a DataError by their event identity
+  (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
+  over the stage's keys and named by its position, key and constraint, never dead-lettered;
 * ``commit_epoch`` checks the owner fence first (the stream's row in the epochs table: the commit
   fails with :class:`OwnershipLost` if a higher fencing token claimed the stream), then applies the
   staged changes (APPLY_CHANGES, below), records the epoch and moves the watermarks, all in the same

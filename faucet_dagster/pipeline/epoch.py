@@ -101,8 +101,8 @@ class DeadLetterRoute(ABC):
 class SealedEpoch:
     """An epoch the pipeline vouches for: what it covered, how many rows went where, and the digest.
 
-    ``row_counts`` counts rows handed to the sink per resource; ``dead_lettered`` rows routed to the
-    dead-letter route per resource.
+    ``row_counts`` counts rows handed to the sink per resource (less those it refused and the
+    dead-letter route took); ``dead_lettered`` rows routed to the dead-letter route per resource.
     """
 
     epoch: EpochId
