@@ -23,6 +23,26 @@ def run(cwd: Path, env: dict[str, str], *command: str) -> subprocess.CompletedPr
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
+def dg_project(root: Path, name: str, defs_yaml: str) -> Path:
+    """A dg project at ``root`` (created) whose package ``name`` holds one component, ``defs_yaml``,
+    in ``defs/shop``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "{name}"\nversion = "0.0.0"\n'
+        f'[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "{name}"\n'
+    )
+    package = root / name
+    (package / "defs" / "shop").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "defs" / "__init__.py").write_text("")
+    (package / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n"
+        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
+    )
+    (package / "defs" / "shop" / "defs.yaml").write_text(defs_yaml)
+    return root
+
+
 MISTAKES = """\
 type: faucet_dagster.components.FaucetComponent
 attributes:
@@ -65,30 +85,7 @@ attributes:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small dg project whose one component holds a mistake of each kind (and one env secret)."""
-    root = tmp_path_factory.mktemp("dg_project")
-    (root / "pyproject.toml").write_text(
-        textwrap.dedent(
-            """\
-            [project]
-            name = "mistakes"
-            version = "0.0.0"
-            [tool.dg]
-            directory_type = "project"
-            [tool.dg.project]
-            root_module = "mistakes"
-            """
-        )
-    )
-    defs = root / "mistakes" / "defs" / "shop"
-    defs.mkdir(parents=True)
-    (root / "mistakes" / "__init__.py").write_text("")
-    (root / "mistakes" / "defs" / "__init__.py").write_text("")
-    (root / "mistakes" / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n"
-        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
-    )
-    (defs / "defs.yaml").write_text(MISTAKES)
-    return root
+    return dg_project(tmp_path_factory.mktemp("dg_project"), "mistakes", MISTAKES)
 
 
 def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path) -> None:
@@ -151,20 +148,8 @@ UNRESOLVABLE = [
 def test_dg_check_defs_names_the_field_and_line_dagster_cannot_resolve_never_the_value(
     tmp_path: Path, attributes: str, expected: str
 ) -> None:
-    (tmp_path / "pyproject.toml").write_text(
-        '[project]\nname = "unresolved"\nversion = "0.0.0"\n[tool.dg]\ndirectory_type = "project"\n'
-        '[tool.dg.project]\nroot_module = "unresolved"\n'
-    )
-    package = tmp_path / "unresolved"
-    (package / "defs" / "shop").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "defs" / "__init__.py").write_text("")
-    (package / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n"
-        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
-    )
-    (package / "defs" / "shop" / "defs.yaml").write_text(
-        f"type: faucet_dagster.components.FaucetComponent\nattributes:\n{attributes}"
+    dg_project(
+        tmp_path, "unresolved", f"type: faucet_dagster.components.FaucetComponent\nattributes:\n{attributes}"
     )
     checked = run(tmp_path, dict(os.environ), DG, "check", "defs")
     output = checked.stdout + checked.stderr
@@ -240,19 +225,9 @@ def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path)
     data.mkdir()
     (data / "2024-01.csv").write_text("id\n1\n2\n")
     (data / "2024-02.csv").write_text("id\n3\n")
-    package = root / "launched"
-    (package / "defs" / "shop").mkdir(parents=True)
-    (root / "pyproject.toml").write_text(
-        '[project]\nname = "launched"\nversion = "0.0.0"\n'
-        '[tool.dg]\ndirectory_type = "project"\n[tool.dg.project]\nroot_module = "launched"\n'
-    )
-    (package / "__init__.py").write_text("")
-    (package / "defs" / "__init__.py").write_text("")
-    (package / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n"
-        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
-    )
-    (package / "defs" / "shop" / "defs.yaml").write_text(
+    dg_project(
+        root,
+        "launched",
         textwrap.dedent(
             f"""\
             type: faucet_dagster.components.FaucetComponent
@@ -262,7 +237,7 @@ def test_dg_launch_moves_a_partition_the_partitions_sensor_added(tmp_path: Path)
                   source: {{connector: files, config: {{paths: ["{data}/*.csv"], shard_by_file: true}}}}
                   sink: {{connector: sql, config: {{url: "sqlite:///{tmp_path}/w.db", table: orders}}}}
             """
-        )
+        ),
     )
     home = tmp_path / "home"
     home.mkdir()

@@ -10,14 +10,14 @@ runner, PostgreSQL, the state store.
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from kafka_topics import create_topic, produce
-from test_stream_postgres_cdc import Replication, commit_positions
+from test_stream_postgres_cdc import Replication, commit_positions, replication  # noqa: F401 (a fixture)
 
 from faucet_dagster.cli import main
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
@@ -26,7 +26,6 @@ from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
-from faucet_dagster.testing import PostgresServer
 
 ROWS = 40
 NEGATIVE = 7  # score -1: refused by the CHECK constraint
@@ -165,21 +164,8 @@ def test_a_refused_row_without_a_dead_letter_route_names_its_offset_and_the_cons
         store.close()
 
 
-@pytest.fixture
-def replication(
-    postgres_url: str, postgres_server: PostgresServer, unique_name: Callable[..., str], tmp_path: Path
-) -> Iterator[Replication]:
-    replica = unique_name("replica")
-    created = Replication(
-        postgres_url, postgres_server.create_database(replica), unique_name("cdc"), tmp_path
-    )
-    yield created
-    created.store.close()
-    postgres_server.drop_database(replica)
-
-
 def test_apply_changes_a_change_the_replica_refuses_names_its_commit_lsn_key_and_constraint(
-    replication: Replication, capsys: pytest.CaptureFixture[str]
+    replication: Replication,  # noqa: F811 (the imported fixture) capsys: pytest.CaptureFixture[str]
 ) -> None:
     replication.execute("CREATE TABLE scores (id int PRIMARY KEY, score int)")
     replication.execute(

@@ -1,5 +1,6 @@
 """Configuration of the Kafka source (no client import: capabilities and schemas are read offline)."""
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -98,12 +99,7 @@ class KafkaSourceConfig(ConnectorConfig):
     @field_validator("client_properties")
     @classmethod
     def _not_enforced(cls, properties: dict[str, str]) -> dict[str, str]:
-        overridden = sorted(set(properties) & ENFORCED_PROPERTIES)
-        if overridden:
-            raise ValueError(
-                f"the source sets {', '.join(overridden)} itself (SASL credentials: from auth); remove "
-                "them from client_properties"
-            )
+        _refuse_enforced(properties, "client_properties")
         # Never echo the value: it is the secret. Consistent with a password in a PostgreSQL URL.
         secrets = sorted(name for name in properties if is_secret_property(name))
         if secrets:
@@ -117,10 +113,14 @@ class KafkaSourceConfig(ConnectorConfig):
     @field_validator("secret_properties")
     @classmethod
     def _secret_not_enforced(cls, properties: dict[str, SecretStr]) -> dict[str, SecretStr]:
-        overridden = sorted(set(properties) & ENFORCED_PROPERTIES)
-        if overridden:
-            raise ValueError(
-                f"the source sets {', '.join(overridden)} itself (sasl.password: from auth); remove them "
-                "from secret_properties"
-            )
+        _refuse_enforced(properties, "secret_properties")
         return properties
+
+
+def _refuse_enforced(properties: Mapping[str, object], field: str) -> None:
+    overridden = sorted(set(properties) & ENFORCED_PROPERTIES)
+    if overridden:
+        raise ValueError(
+            f"the source sets {', '.join(overridden)} itself (SASL credentials: from auth); remove them "
+            f"from {field}"
+        )
