@@ -16,12 +16,21 @@ from typing import Any
 
 import psycopg
 import pytest
+from faucet_postgres.stream_sink import PostgresStreamingSinkSession
 from kafka_topics import create_topic, produce
 from test_stream_postgres_cdc import Replication, commit_positions, replication  # noqa: F401 (a fixture)
 
 from faucet_dagster.cli import main
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
-from faucet_dagster.protocol import DataError, EpochCertificate, ReadLimits, WritePolicy
+from faucet_dagster.protocol import (
+    ConnectionFailed,
+    Coverage,
+    DataError,
+    EpochCertificate,
+    EpochId,
+    ReadLimits,
+    WritePolicy,
+)
 from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.sensors import FaucetStream
@@ -206,3 +215,49 @@ def test_apply_changes_a_change_the_replica_refuses_names_its_commit_lsn_key_and
     assert "key (17)" in error.message and "score_not_negative" in error.message, error.message
     assert replication.execute("SELECT * FROM scores", url=replication.target_url) == [], "atomic"
     assert replication.store.last_certificate(replication.name) is None
+
+
+def test_an_epoch_that_fails_to_commit_withdraws_its_dead_letters_and_its_replay_routes_them_once(
+    kafka_bootstrap: str,
+    postgres_url: str,
+    unique_name: Callable[..., str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stream, topic, table = make_stream(
+        kafka_bootstrap, postgres_url, unique_name, tmp_path, WritePolicy.APPEND, True
+    )
+    assert stream.state_url is not None
+    store = StateStore(stream.state_url)
+    commit = PostgresStreamingSinkSession.commit_epoch
+    failures = [ConnectionFailed("the commit is refused once (injected)")]
+    seen: list[list[dict[str, Any]]] = []
+
+    async def failing_once(self: PostgresStreamingSinkSession, epoch: EpochId, coverage: Coverage) -> Any:
+        seen.append(store.dead_letters(stream.name))  # routed before the commit
+        if failures:
+            raise failures.pop()
+        return await commit(self, epoch, coverage)
+
+    monkeypatch.setattr(PostgresStreamingSinkSession, "commit_epoch", failing_once)
+
+    async def scenario() -> EpochCertificate | None:
+        runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
+        try:
+            with pytest.raises(ConnectionFailed):
+                await runner.run_epoch()
+            assert store.dead_letters(stream.name) == [], "the aborted epoch's dead letters are withdrawn"
+            assert table_ids(postgres_url, table) == []
+            return await runner.run_epoch()
+        finally:
+            await runner.close()
+
+    try:
+        certificate = asyncio.run(scenario())
+        letters = store.dead_letters(stream.name)
+    finally:
+        store.close()
+    assert [len(found) for found in seen] == [2, 2]
+    assert certificate is not None and certificate.dead_lettered == {topic: 2}
+    assert sorted(json.loads(letter["payload"])["id"] for letter in letters) == [NEGATIVE, NUL]
+    assert table_ids(postgres_url, table) == [i for i in range(ROWS) if i not in (NEGATIVE, NUL)]

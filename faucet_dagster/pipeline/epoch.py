@@ -15,7 +15,9 @@ What holds, and where it is enforced:
   so before the epoch can commit: a :class:`DataError` naming the row, or the dead-letter route.
   Under ``dead_letter`` batches go to ``StreamingSinkSession.apply_partial``, and the rows the
   destination refuses (a constraint, a value its column type refuses) are routed too, with the
-  destination's reason, before the batch counts as applied (so before the epoch can commit).
+  destination's reason, before the batch counts as applied (so before the epoch can commit); an epoch
+  discarded (aborted) withdraws them (``DeadLetterRoute.withdraw``), so they are kept only with the
+  epoch's commit.
 * A control (``TransactionBegin``, ``TransactionEnd``, ``ProgressBoundary``) flushes the builders of
   its domain and waits for every preceding ``apply``; only then is a boundary *accepted*.
 * Positions only move forward within a domain, rows come after the certified start position and
@@ -26,6 +28,7 @@ What holds, and where it is enforced:
 """
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -72,6 +75,8 @@ from faucet_dagster.protocol import (
     record_count,
 )
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class PipelineOptions:
@@ -95,6 +100,12 @@ class DeadLetterRoute(ABC):
         Called before the epoch commits, so an aborted and replayed epoch routes the same records
         again: a route is idempotent by ``RejectedRecord.identity``.
         """
+
+    async def withdraw(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        """Remove ``records``, routed by ``epoch``, which is being aborted (it did not commit). The
+        pipeline withdraws only rows the destination refused: their positions are past everything
+        the destination committed, so no committed epoch holds them, and a replay may not refuse them
+        again (another writer, a constraint dropped). The default keeps them."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +341,8 @@ class EpochPipeline(StreamRecordSink):
         self._digest = EpochDigest()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
+        self._refused: list[RejectedRecord] = []
+        """Dead letters of rows the destination refused, withdrawn if the epoch is discarded."""
         self._closed = False
 
     @property
@@ -497,7 +510,15 @@ class EpochPipeline(StreamRecordSink):
         """
         self._closed = True
         self._builders.clear()
-        return await self._writer.discard()
+        failure = await self._writer.discard()
+        route, refused, self._refused = self._pipeline.dead_letters, self._refused, []
+        if refused and route is not None:
+            try:
+                await route.withdraw(self._epoch, refused)
+            except FaucetError as exc:
+                # They stay: a replay that the destination refuses again routes them idempotently.
+                logger.warning("epoch %s: the dead letters of refused rows stay routed: %r", self._epoch, exc)
+        return failure
 
     def _check_open(self) -> None:
         if self._closed:
@@ -564,6 +585,7 @@ class EpochPipeline(StreamRecordSink):
             reason = f"the destination refused the row: {row.reason}"
             where = f"{batch.resource} @ {identity}"
             records.append(RejectedRecord(identity, reason, payload, where, batch.resource))
+        self._refused.extend(records)
         await route.route(self._epoch, records)
         self._row_counts[batch.resource] -= len(records)
         self._dead_lettered[batch.resource] += len(records)
