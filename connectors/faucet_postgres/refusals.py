@@ -8,10 +8,13 @@ the refused rows (:func:`faucet_dagster.protocol.bisect_rejections`, as the boun
 they commit with the epoch or not at all.
 """
 
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from faucet_dagster.protocol import RejectedRow, bisect_rejections
 from faucet_postgres.common import is_row_error, row_error_reason
@@ -32,7 +35,7 @@ async def apply_finding_refusals(
     async def attempt(start: int, stop: int) -> str | None:
         nonlocal written
         try:
-            async with conn.transaction():  # a savepoint: the epoch's transaction is open
+            async with savepoint(conn):
                 done = await apply(start, stop)
         except psycopg.Error as exc:
             if is_row_error(exc):
@@ -45,4 +48,20 @@ async def apply_finding_refusals(
     return written, result.rejected
 
 
-__all__ = ["ApplySlice", "apply_finding_refusals"]
+@asynccontextmanager
+async def savepoint(conn: "psycopg.AsyncConnection[Any]") -> AsyncIterator[None]:
+    """A savepoint in the open transaction of ``conn``: released when the block ends, rolled back to
+    when it raises a server error. Not on cancellation: a COPY cut short leaves the connection busy
+    (no statement can be sent), and the caller aborts the whole transaction anyway."""
+    name = sql.Identifier(f"faucet_{uuid.uuid4().hex[:12]}")
+    await conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+    try:
+        yield
+    except psycopg.Error:
+        if not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            await conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
+        raise
+    await conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+
+
+__all__ = ["ApplySlice", "apply_finding_refusals", "savepoint"]

@@ -960,7 +960,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         except DataError as exc:
             raise _refused_change(exc, where, pending.ordering) from exc
         try:
-            async with conn.transaction():
+            async with refusals.savepoint(conn):
                 return await changes.apply_stage(conn, target, pending.stage, where)
         except psycopg.Error as exc:
             if not is_row_error(exc):
