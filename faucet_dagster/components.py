@@ -42,13 +42,15 @@ continuous ``streams``, sit beside ``syncs`` and share the same ``connections``:
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import dagster as dg
+from dagster.components.resolved.context import ResolutionContext
 from dagster.components.resolved.core_models import resolve_asset_spec_update_kwargs_to_mapping
-from pydantic import Field, PrivateAttr
+from dagster.components.resolved.errors import ResolutionException
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from faucet_dagster.assets import (
     FaucetSync,
@@ -76,7 +78,54 @@ def _field(description: str, **kwargs: Any) -> dg.Resolver:
     return resolver
 
 
-class ConnectionModel(dg.Model, dg.Resolvable):
+class _Located(dg.Resolvable):
+    """Resolution that names where a value was refused: a pydantic error while a model is resolved
+    becomes Dagster's :class:`ResolutionException` naming each field's YAML path and its
+    ``file:line``, never the value (it may be a secret: pydantic and Dagster's snippets echo it)."""
+
+    @classmethod
+    def resolve_from_model(cls, context: ResolutionContext, model: BaseModel) -> Any:
+        if not isinstance(model, BaseModel):
+            # A scalar where a mapping belongs (Dagster iterates a string given for a list).
+            path = _declared_path(context, context.path)
+            raise ResolutionException(
+                f"{_line(context, path)}{'.'.join(map(str, path))}: expected a mapping of "
+                f"{cls.__name__} fields, not a {type(model).__name__}"
+            )
+        try:
+            return super().resolve_from_model(context, model)
+        except ValidationError as exc:
+            raise ResolutionException(_refusal(context, cls.__name__, exc)) from None
+
+
+def _refusal(context: ResolutionContext, model: str, exc: ValidationError) -> str:
+    """Each problem as ``file:line - yaml.path: message``, without the input."""
+    lines = []
+    for error in exc.errors(include_input=False, include_url=False):
+        path = [*context.path, *error["loc"]]
+        lines.append(f"{_line(context, path)}{'.'.join(map(str, path))}: {error['msg']}")
+    return f"invalid {model}:\n" + "\n".join(lines)
+
+
+def _declared_path(context: ResolutionContext, path: Sequence[str | int]) -> list[str | int]:
+    """The longest prefix of ``path`` the YAML declares (all of it without source positions)."""
+    tree = context.source_position_tree
+    found = list(path)
+    while tree is not None and found and tree.lookup(found) is None:
+        found.pop()
+    return found
+
+
+def _line(context: ResolutionContext, path: Sequence[str | int]) -> str:
+    """``file:line - `` of ``path`` (or of its closest declared ancestor); empty without positions."""
+    tree = context.source_position_tree
+    if tree is None:
+        return ""
+    position, _ = tree.lookup_closest_and_path(list(path), trace=None)
+    return f"{position.filename}:{position.start.line} - "
+
+
+class ConnectionModel(dg.Model, _Located):
     """A named connector config shared by endpoints."""
 
     connector: Annotated[str, _field("An installed faucet connector: files, sql, postgres, kafka, nats.")]
@@ -86,7 +135,7 @@ class ConnectionModel(dg.Model, dg.Resolvable):
     ] = {}
 
 
-class EndpointModel(dg.Model, dg.Resolvable):
+class EndpointModel(dg.Model, _Located):
     """One side of a sync: a ``connection`` of this component or an installed ``connector``."""
 
     connection: Annotated[str | None, _field("A connection of this component, by name.")] = None
@@ -142,7 +191,7 @@ def apply_asset_attributes(spec: dg.AssetSpec, attributes: Mapping[str, Any]) ->
     return spec.merge_attributes(**merged) if merged else spec
 
 
-class SyncModel(dg.Model, dg.Resolvable):
+class SyncModel(dg.Model, _Located):
     """A bounded sync: one asset, materialized by reading ``source`` and writing ``sink``."""
 
     name: Annotated[str, _field("The sync's name: its asset key unless `asset.key` says otherwise.")]
@@ -166,7 +215,7 @@ class SyncModel(dg.Model, dg.Resolvable):
     asset: AssetAttributes = {}
 
 
-class StreamSchemaModel(dg.Model, dg.Resolvable):
+class StreamSchemaModel(dg.Model, _Located):
     """A resource's declared schema: ``columns`` maps names to Arrow types (``int64 not null``);
     without ``columns`` the schema is inferred. ``on_bad_row``: ``halt`` or ``dead_letter``."""
 
@@ -179,7 +228,7 @@ class StreamSchemaModel(dg.Model, dg.Resolvable):
     ] = "halt"
 
 
-class StreamEpochModel(dg.Model, dg.Resolvable):
+class StreamEpochModel(dg.Model, _Located):
     """Targets for where an epoch ends: the first safe boundary after any of them is reached."""
 
     records: Annotated[int | None, _field("Records an epoch.")] = DEFAULT_EPOCH_LIMITS.records
@@ -188,7 +237,7 @@ class StreamEpochModel(dg.Model, dg.Resolvable):
     age_seconds: Annotated[float | None, _field("Seconds since the epoch began.")] = DEFAULT_EPOCH_LIMITS.age
 
 
-class StreamModel(dg.Model, dg.Resolvable):
+class StreamModel(dg.Model, _Located):
     """A continuous stream: a sensor runs its epochs, their certificates materialize the sink asset.
 
     ``resources`` are what the source reads (a NATS stream, Kafka topics); ``policy`` and ``key`` how

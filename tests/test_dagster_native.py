@@ -71,30 +71,7 @@ attributes:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small dg project whose one component holds a mistake of each kind (and one env secret)."""
-    root = tmp_path_factory.mktemp("dg_project")
-    (root / "pyproject.toml").write_text(
-        textwrap.dedent(
-            """\
-            [project]
-            name = "mistakes"
-            version = "0.0.0"
-            [tool.dg]
-            directory_type = "project"
-            [tool.dg.project]
-            root_module = "mistakes"
-            """
-        )
-    )
-    defs = root / "mistakes" / "defs" / "shop"
-    defs.mkdir(parents=True)
-    (root / "mistakes" / "__init__.py").write_text("")
-    (root / "mistakes" / "defs" / "__init__.py").write_text("")
-    (root / "mistakes" / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n"
-        'defs = dg.load_from_defs_folder(path_within_project=Path(__file__).parent / "defs")\n'
-    )
-    (defs / "defs.yaml").write_text(MISTAKES)
-    return root
+    return write_project(tmp_path_factory.mktemp("dg_project"), "mistakes", {"shop": MISTAKES})
 
 
 def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path) -> None:
@@ -116,6 +93,57 @@ def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path
         assert expected in output, output
     # A secret is read when a run builds the connector: checking needs no value for it.
     assert "late_bound" not in output and "FAUCET_TEST_UNSET_URL" not in output
+
+
+SECRET = "hunter2-resolution-secret"
+
+UNRESOLVABLE = [
+    (
+        f"""\
+  syncs:
+    - name: orders
+      source: {{connector: files, config: {{paths: [x/*.csv]}}}}
+      sink: {{connector: sql, config: {{url: "sqlite:///w.db", table: orders}}}}
+      batch_size: {SECRET}
+""",
+        "defs.yaml:7 - attributes.syncs.0.batch_size: Input should be a valid integer",
+    ),
+    (
+        f"""\
+  connections:
+    warehouse: {{connector: sql, config: {SECRET}}}
+""",
+        "defs.yaml:4 - attributes.connections.warehouse.config: Input should be a valid dictionary",
+    ),
+    (
+        f"""\
+  streams:
+    - name: events
+      source: {{connector: kafka, config: {{bootstrap_servers: "localhost:9", group_id: g, topics: [t]}}}}
+      sink: {{connector: postgres, config: {{url: "postgresql://localhost/db"}}}}
+      resources: [t]
+      delivery: {SECRET}
+""",
+        "defs.yaml:8 - attributes.streams.0.delivery: Input should be 'effectively_once' or 'at_least_once'",
+    ),
+    (f"  syncs: {SECRET}\n", "defs.yaml:3 - attributes.syncs: expected a mapping of SyncModel fields"),
+]
+
+
+@pytest.mark.parametrize(("attributes", "expected"), UNRESOLVABLE)
+def test_dg_check_defs_names_the_field_and_line_dagster_cannot_resolve_never_the_value(
+    tmp_path: Path, attributes: str, expected: str
+) -> None:
+    write_project(
+        tmp_path,
+        "unresolved",
+        {"shop": f"type: faucet_dagster.components.FaucetComponent\nattributes:\n{attributes}"},
+    )
+    checked = run(tmp_path, dict(os.environ), DG, "check", "defs")
+    output = checked.stdout + checked.stderr
+    assert checked.returncode != 0, output
+    assert f"unresolved/defs/shop/{expected}" in output, output
+    assert SECRET not in output, output
 
 
 def test_a_bounded_kafka_sync_loads_without_a_broker() -> None:

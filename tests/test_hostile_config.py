@@ -60,6 +60,45 @@ def test_a_credential_in_a_url_is_refused_without_echoing_it(
     assert "auth" in text
 
 
+KAFKA = {"bootstrap_servers": "127.0.0.1:9092", "topics": ["t"], "group_id": "g"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sasl.password",
+        "ssl.key.password",
+        "ssl.keystore.password",
+        "sasl.oauthbearer.client.secret",
+        "ssl.key.pem",
+        "sasl.oauthbearer.config",
+        "my.custom.Password",
+    ],
+)
+def test_a_secret_bearing_kafka_client_property_in_plain_text_is_refused_pointing_to_the_secret_form(
+    name: str,
+) -> None:
+    error = refused("kafka", "source", {**KAFKA, "client_properties": {name: SECRET}})
+    text = f"{error} {error.where}"
+    assert SECRET not in text
+    assert name in text
+    assert "auth" in text if name == "sasl.password" else "secret_properties as {env: NAME}" in text
+
+
+def test_kafka_secret_properties_reach_the_client_only() -> None:
+    from faucet_kafka import KafkaSourceConfig
+    from faucet_kafka.client import client_settings
+
+    config = KafkaSourceConfig.parse(
+        {**KAFKA, "secret_properties": {"ssl.key.password": SECRET}, "client_properties": {"linger.ms": "5"}}
+    )
+    assert client_settings(config)["ssl.key.password"] == SECRET
+    assert SECRET not in f"{config!r} {config} {config.redacted()} {config.model_dump_json()}"
+    assert config.redacted()["secret_properties"] == {"ssl.key.password": "**********"}
+    error = refused("kafka", "source", {**KAFKA, "secret_properties": {"sasl.password": SECRET}})
+    assert SECRET not in f"{error} {error.where}" and "auth" in error.message
+
+
 def test_the_state_store_never_prints_a_password_or_a_query_of_its_url(tmp_path: Path) -> None:
     # A URL SQLAlchemy cannot parse: its own message would quote it.
     with pytest.raises(ConfigError) as caught:

@@ -1,7 +1,9 @@
 """A distinct secret in every place a user puts one, connections and runs that fail (and one that
 succeeds), then a grep of everything Faucet and Dagster wrote or printed: zero hits.
 
-Places: ``auth`` passwords and tokens through ``dg.EnvVar`` (SQL, PostgreSQL, NATS, Kafka), a password
+Places: ``auth`` passwords and tokens through ``dg.EnvVar`` (SQL, PostgreSQL, NATS, Kafka), a Kafka
+``secret_properties`` value (``ssl.key.password``) and a secret-bearing Kafka ``client_properties`` value
+given as plain text (refused), a password
 in a SQLAlchemy URL's query string, a libpq ``sslpassword``, credentials in a NATS server URL, the state
 store's URL (it has no auth field: accepted, never shown), and a YAML file `faucet plan` cannot parse.
 Searched: every file under DAGSTER_HOME (run and event storage, compute logs), the event logs as
@@ -35,6 +37,8 @@ SECRETS = {
     "STATE_URL": "state-url-secret-0008",
     "YAML": "yaml-secret-0009",
     "PG_QUERY": "pg-query-secret-0010",
+    "KAFKA_KEY_PASSWORD": "kafka-key-password-secret-0011",
+    "KAFKA_PLAIN": "kafka-plain-secret-0012",
 }
 
 
@@ -166,8 +170,27 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
                                 "password": dg.EnvVar("FAUCET_TEST_KAFKA_PASSWORD"),
                             },
                         },
+                        "secret_properties": {
+                            "ssl.key.password": dg.EnvVar("FAUCET_TEST_KAFKA_KEY_PASSWORD")
+                        },
                     },
                 ).using(topics=["events"]),
+                sink=endpoint("postgres", {"url": postgres_url}),
+                resources=("events",),
+                state_url=state_url,
+            ),
+            # A secret-bearing librdkafka property as plain text: refused, its value never echoed.
+            FaucetStream(
+                name="kafka_plain_secret",
+                source=endpoint(
+                    "kafka",
+                    {
+                        "bootstrap_servers": kafka_bootstrap,
+                        "group_id": "g",
+                        "topics": ["events"],
+                        "client_properties": {"sasl.oauthbearer.client.secret": SECRETS["KAFKA_PLAIN"]},
+                    },
+                ),
                 sink=endpoint("postgres", {"url": postgres_url}),
                 resources=("events",),
                 state_url=state_url,
@@ -227,3 +250,4 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
     assert "AuthError" in joined and "refused the credentials" in joined
     assert "carries credentials" in joined or "holds a secret" in joined
     assert "must not carry credentials" in joined
+    assert "sasl.oauthbearer.client.secret carry a secret" in joined and "secret_properties" in joined

@@ -83,6 +83,7 @@ def client_settings(config: KafkaSourceConfig) -> dict[str, Any]:
         "security.protocol": config.security_protocol,
         "logger": LOG,
         **config.client_properties,
+        **{name: value.get_secret_value() for name, value in config.secret_properties.items()},
     }
     auth = config.auth
     if isinstance(auth, UserPasswordAuth):

@@ -1,8 +1,9 @@
 """Configuration of the Kafka source (no client import: capabilities and schemas are read offline)."""
 
+from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 
 from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth
 
@@ -23,6 +24,19 @@ ENFORCED_PROPERTIES = frozenset(
     }
 )
 """librdkafka properties the source sets itself: its guarantees depend on them."""
+
+SECRET_WORDS = ("password", "secret", "token")
+"""A librdkafka property whose name holds one of these carries a secret (``ssl.key.password``,
+``sasl.oauthbearer.client.secret``...)."""
+SECRET_PROPERTIES = frozenset({"ssl.key.pem", "ssl_key", "sasl.oauthbearer.config"})
+"""Secret-bearing librdkafka properties whose names do not say so: a private key, a config string
+that may hold the client secret."""
+
+
+def is_secret_property(name: str) -> bool:
+    """True for a librdkafka property that carries a secret (see SECRET_WORDS, SECRET_PROPERTIES)."""
+    lowered = name.lower()
+    return lowered in SECRET_PROPERTIES or any(word in lowered for word in SECRET_WORDS)
 
 
 class KafkaSourceConfig(ConnectorConfig):
@@ -60,7 +74,12 @@ class KafkaSourceConfig(ConnectorConfig):
     verify_offset_gaps: bool = True
     """Re-read the offsets a read skipped to prove the broker, not the client, left them out."""
     client_properties: dict[str, str] = Field(default_factory=dict)
-    """Extra librdkafka properties (``fetch.max.bytes``...); the enforced ones cannot be overridden."""
+    """Extra librdkafka properties (``fetch.max.bytes``...); the enforced ones cannot be overridden,
+    and a secret-bearing one is refused here: it goes in ``secret_properties``."""
+    secret_properties: dict[str, SecretStr] = Field(default_factory=dict)
+    """Extra librdkafka properties that carry a secret (``ssl.key.password``,
+    ``sasl.oauthbearer.client.secret``), written as ``{env: NAME}`` / ``dg.EnvVar``: handed to the
+    client only, never printed (``**********`` in ``redacted()``)."""
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -80,9 +99,28 @@ class KafkaSourceConfig(ConnectorConfig):
     @field_validator("client_properties")
     @classmethod
     def _not_enforced(cls, properties: dict[str, str]) -> dict[str, str]:
-        overridden = sorted(set(properties) & ENFORCED_PROPERTIES)
-        if overridden:
+        _refuse_enforced(properties, "client_properties")
+        # Never echo the value: it is the secret. Consistent with a password in a PostgreSQL URL.
+        secrets = sorted(name for name in properties if is_secret_property(name))
+        if secrets:
             raise ValueError(
-                f"the source sets {', '.join(overridden)} itself; remove them from client_properties"
+                f"client_properties {', '.join(secrets)} carry a secret, given here as plain text: move "
+                "them to secret_properties as {env: NAME} (dg.EnvVar), whose values never reach logs, "
+                "errors or metadata"
             )
         return properties
+
+    @field_validator("secret_properties")
+    @classmethod
+    def _secret_not_enforced(cls, properties: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        _refuse_enforced(properties, "secret_properties")
+        return properties
+
+
+def _refuse_enforced(properties: Mapping[str, object], field: str) -> None:
+    overridden = sorted(set(properties) & ENFORCED_PROPERTIES)
+    if overridden:
+        raise ValueError(
+            f"the source sets {', '.join(overridden)} itself (SASL credentials: from auth); remove them "
+            f"from {field}"
+        )

@@ -58,6 +58,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_postgres.common import PgColumn, copy_batch
 from faucet_postgres.multiset import multiset_statement
+from faucet_postgres.refusals import apply_finding_refusals
 
 KEY_METADATA = b"faucet.key"
 """The field metadata marking a key column of change rows (value ``b"true"``)."""
@@ -216,6 +217,8 @@ class ChangeStage:
     held: list[pa.RecordBatch] = field(default_factory=list)
     held_rows: int = 0
     truncated: bool = False
+    name_refused: bool = False
+    """Find the rows the server refuses when held rows are COPYed (:func:`copy_held`)."""
 
 
 async def create_stage(
@@ -252,7 +255,7 @@ async def stage(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage, rows:
     how many rows were staged. psycopg errors propagate (the caller wraps them), here or from a later
     :func:`stage` or :func:`apply_stage` that COPYs these rows."""
     if target.held and not target.held[0].schema.equals(rows.batch.schema):
-        await _copy_held(conn, target)
+        await copy_held(conn, target)
     target.held.append(rows.batch)
     # A running count: summing the held batches on every call made a backlog of small transactions
     # (one batch each) quadratic.
@@ -261,14 +264,111 @@ async def stage(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage, rows:
     target.unchanged |= rows.unchanged
     target.truncated |= rows.truncated
     if target.held_rows >= COPY_ROWS:
-        await _copy_held(conn, target)
+        await copy_held(conn, target)
     return int(rows.batch.num_rows)
 
 
-async def _copy_held(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage) -> None:
+async def copy_held(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage) -> None:
+    """COPY the held rows into the stage. With ``name_refused``, bisecting under savepoints when the
+    server refuses values (a NUL in a text column): raises :class:`DataError` naming the first
+    refused row, whose ``details`` hold its ``position`` and ``ordinal``; without, psycopg's error
+    propagates (the bounded sink bisects its pages itself)."""
     held, target.held, target.held_rows = target.held, [], 0
-    if held:
-        await copy_batch(conn, target.identifier, pa.concat_batches(held), target.columns)
+    if not held:
+        return
+    batch = pa.concat_batches(held)
+    if not target.name_refused:
+        await copy_batch(conn, target.identifier, batch, target.columns)
+        return
+
+    async def write(start: int, stop: int) -> int:
+        return await copy_batch(conn, target.identifier, batch.slice(start, stop - start), target.columns)
+
+    _, refused = await apply_finding_refusals(conn, batch.num_rows, write)
+    if refused:
+        first = refused[0].index
+        more = f" ({len(refused) - 1} more change(s) refused)" if len(refused) > 1 else ""
+        raise DataError(
+            f"the destination refused the change: {refused[0].reason}{more}",
+            where=str(target.identifier),
+            details={
+                "position": str(batch.column(_POSITION)[first].as_py()),
+                "ordinal": str(batch.column(_ORDINAL)[first].as_py()),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class RefusedChange:
+    """A key whose net change the destination refuses alone: its last change's position and
+    ordinal, the key as row text (at most :data:`SURPRISE_CHARS`), and the server's reason."""
+
+    position: int
+    ordinal: int
+    key: str
+    reason: str
+
+
+async def refused_change(
+    conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage, where: str
+) -> RefusedChange | None:
+    """After :func:`apply_stage` failed for a row-level reason (rolled back to its savepoint, the
+    stage COPYed and intact): the first key, in key order, whose changes ``target`` refuses when
+    applied alone, by bisection over the stage's keys under savepoints. ``None`` when no key alone
+    is refused (the refusal needs several keys together) or the stage holds a truncate."""
+    if staged.truncated or staged.rows == 0:
+        return None
+    layout = staged.layout
+    ranks = sql.Identifier(f"_faucet_keys_{uuid.uuid4().hex[:12]}")
+    rank = sql.Identifier("__faucet_rank")
+    await conn.execute(
+        sql.SQL(
+            "CREATE TEMP TABLE {ranks} ON COMMIT DROP AS SELECT {keys}, row_number() OVER (ORDER BY {keys}) "
+            "AS {rank} FROM (SELECT DISTINCT {keys} FROM {stage}) AS k"
+        ).format(ranks=ranks, keys=_names(layout.key), rank=rank, stage=staged.identifier)
+    )
+    row = await (await conn.execute(sql.SQL("SELECT count(*) FROM {}").format(ranks))).fetchone()
+    count = 0 if row is None else int(row[0])
+    same = sql.SQL(" AND ").join(
+        sql.SQL("s.{0} IS NOT DISTINCT FROM k.{0}").format(sql.Identifier(column)) for column in layout.key
+    )
+
+    async def attempt(start: int, stop: int) -> int:
+        part = sql.Identifier(f"_faucet_part_{uuid.uuid4().hex[:12]}")
+        cursor = await conn.execute(
+            sql.SQL(
+                "CREATE TEMP TABLE {part} ON COMMIT DROP AS SELECT s.* FROM {stage} AS s JOIN {ranks} AS k "
+                "ON {same} WHERE k.{rank} > %s AND k.{rank} <= %s"
+            ).format(part=part, stage=staged.identifier, ranks=ranks, same=same, rank=rank),
+            (start, stop),
+        )
+        subset = ChangeStage(part, layout, staged.columns, set(staged.unchanged), max(cursor.rowcount, 0))
+        await apply_stage(conn, target, subset, where)
+        return stop - start
+
+    _, refused = await apply_finding_refusals(conn, count, attempt)
+    if not refused:
+        return None
+    found = await (
+        await conn.execute(
+            sql.SQL(
+                "SELECT s.{position}, s.{ordinal}, ROW({keys})::text FROM {stage} AS s JOIN {ranks} AS k "
+                "ON {same} WHERE k.{rank} = %s ORDER BY s.{position} DESC, s.{ordinal} DESC LIMIT 1"
+            ).format(
+                position=sql.Identifier(_POSITION),
+                ordinal=sql.Identifier(_ORDINAL),
+                keys=_names(layout.key, "s"),
+                stage=staged.identifier,
+                ranks=ranks,
+                same=same,
+                rank=rank,
+            ),
+            (refused[0].index + 1,),
+        )
+    ).fetchone()
+    if found is None:
+        return None
+    return RefusedChange(int(found[0]), int(found[1]), str(found[2])[:SURPRISE_CHARS], refused[0].reason)
 
 
 @dataclass(frozen=True)
@@ -327,7 +427,7 @@ async def apply_stage(
     """
     if staged.rows == 0:
         return NO_CHANGES
-    await _copy_held(conn, staged)
+    await copy_held(conn, staged)
     truncated = await _truncate(conn, target, staged) if staged.truncated else 0
     if staged.layout.multiset:
         if staged.unchanged:
@@ -596,11 +696,14 @@ __all__ = [
     "ChangeCounts",
     "ChangeLayout",
     "ChangeStage",
+    "RefusedChange",
     "StagedRows",
     "apply_stage",
     "change_layout",
+    "copy_held",
     "create_stage",
     "data_schema",
+    "refused_change",
     "stage",
     "staged_rows",
 ]

@@ -7,6 +7,11 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
   the table (APPEND), or into a temporary staging table merged with ``INSERT ... ON CONFLICT``
   (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row), or
   stages change rows (APPLY_CHANGES) in a temporary table per destination table;
+* a batch is applied under a savepoint: rows the server refuses (SQLSTATE class 22 or 23) are found
+  by bisection (:mod:`faucet_postgres.refusals`) and either reported (``apply_partial``: the pipeline
+  dead-letters them, the others stay applied) or named in a DataError by their event identity
+  (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
+  over the stage's keys and named by its position, key and constraint, never dead-lettered;
 * ``commit_epoch`` checks the owner fence first (the stream's row in the epochs table: the commit
   fails with :class:`OwnershipLost` if a higher fencing token claimed the stream), then applies the
   staged changes (APPLY_CHANGES, below), records the epoch and moves the watermarks, all in the same
@@ -71,6 +76,7 @@ from faucet_dagster.protocol import (
     Durability,
     EpochId,
     EpochMismatch,
+    EventIdentity,
     FaucetError,
     Identities,
     IntegerPositionCodec,
@@ -78,8 +84,10 @@ from faucet_dagster.protocol import (
     LifecycleError,
     OrderingDomain,
     OwnershipLost,
+    PartialResult,
     Position,
     Receipt,
+    RejectedRow,
     SchemaError,
     SinkBatch,
     SinkCapabilities,
@@ -91,7 +99,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     default_codec_registry,
 )
-from faucet_postgres import change_schema, changes
+from faucet_postgres import change_schema, changes, refusals
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -100,7 +108,9 @@ from faucet_postgres.common import (
     create_table,
     current_schema,
     error_text,
+    is_row_error,
     pg_error,
+    row_error_reason,
     table_columns,
     table_name,
 )
@@ -237,6 +247,8 @@ class _Changes:
     stage: changes.ChangeStage
     domain: tuple[str, str, str]
     schema: pa.Schema
+    ordering: OrderingDomain
+    """The domain the changes come from (its codec prints a position)."""
     counts: changes.ChangeCounts = changes.NO_CHANGES
     last_position: int = 0
     """The highest position staged."""
@@ -404,20 +416,32 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         """Write ``batch``'s rows above their domain's watermark into its table (APPLY_CHANGES: into
-        the table's stage), tentatively."""
+        the table's stage), tentatively. A row the destination refuses fails the epoch with a
+        DataError naming the row's event identity (source, resource, partition, position) and the
+        server's reason (the constraint, the refused value's type)."""
+        await self._apply(epoch, batch, partial=False)
+
+    async def apply_partial(self, epoch: EpochId, batch: SinkBatch) -> PartialResult:
+        """:meth:`apply`, leaving out the rows the destination refuses (SQLSTATE class 22 or 23),
+        found by bisection under savepoints (:mod:`faucet_postgres.refusals`), and reporting them by
+        index in ``batch``. APPLY_CHANGES refuses nothing row by row here (see the module docstring)."""
+        return await self._apply(epoch, batch, partial=True)
+
+    async def _apply(self, epoch: EpochId, batch: SinkBatch, *, partial: bool) -> PartialResult:
         state = self._active_epoch(epoch, "apply")
         if batch.epoch != epoch:
             raise EpochMismatch(f"a batch of epoch {batch.epoch} was applied in {epoch}", where=self._where)
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
-        records, identities, skipped = self._above_watermark(state, batch)
+        records, identities, skipped, kept = self._above_watermark(state, batch)
         positions = identities.positions
         table = self._config.table_for(batch.resource)
         tally = state.tallies.setdefault(batch.resource, _Tally(table))
         tally.skipped += skipped
         if records.num_rows == 0:
-            return
+            return PartialResult(written=0)
         conn = self._live()
+        refused: tuple[RejectedRow, ...] = ()
         try:
             if self._policy is WritePolicy.APPLY_CHANGES:
                 target, written = await self._stage_changes(
@@ -427,10 +451,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 target = await self._target(
                     conn, table, records.schema, self._key if self._policy.keyed else ()
                 )
-                if self._policy is WritePolicy.APPEND:
-                    written = await copy_batch(conn, target.identifier, records, target.columns)
-                else:
-                    written = await self._merge(conn, target, records)
+                written, refused = await self._write_rows(conn, target, records)
         except BaseException as exc:
             # The transaction is unusable (or its state unknown, when cancelled): only abort remains.
             state.failed = True
@@ -440,10 +461,43 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             if isinstance(exc, pa.ArrowException):
                 raise DataError(f"the batch cannot be encoded for COPY: {exc}", where=where) from exc
             raise
+        if refused and not partial:
+            state.failed = True
+            more = f" ({len(refused) - 1} more row(s) of the batch refused)" if len(refused) > 1 else ""
+            raise DataError(
+                f"the destination refused the row: {refused[0].reason}{more}",
+                where=f"{self._where} table {target.label} @ {identities.at(batch.domain, refused[0].index)}",
+            )
         tally.table = target.label
         tally.written += written
         tally.first = tally.first or positions[0]
         tally.last = positions[-1]
+        return PartialResult(
+            written=records.num_rows - len(refused),
+            rejected=tuple(
+                RejectedRow(row.index if kept is None else kept[row.index], row.reason) for row in refused
+            ),
+        )
+
+    async def _write_rows(
+        self, conn: Connection, target: _Target, records: pa.RecordBatch
+    ) -> tuple[int, tuple[RejectedRow, ...]]:
+        """APPEND, UPSERT, VERSIONED_UPSERT: write ``records`` under a savepoint, bisecting down to the
+        rows the server refuses; returns the rows written and the refused ones."""
+        if self._policy is WritePolicy.APPEND:
+
+            async def write(start: int, stop: int) -> int:
+                part = records.slice(start, stop - start)
+                return await copy_batch(conn, target.identifier, part, target.columns)
+
+        else:
+            self._check_keys(records)
+            await self._ensure_stage(conn, target, records.schema.names)
+
+            async def write(start: int, stop: int) -> int:
+                return await self._merge(conn, target, records.slice(start, stop - start))
+
+        return await refusals.apply_finding_refusals(conn, records.num_rows, write)
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
         """Fence check, epoch row, watermarks and rows in one transaction; see the module docstring."""
@@ -678,13 +732,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             if not conn.broken:
                 raise pg_error(exc, where=self._where, doing="rolling back") from exc
 
-    def _above_watermark(self, state: _Epoch, batch: SinkBatch) -> tuple[pa.RecordBatch, Identities, int]:
-        """The rows of ``batch`` after its domain's watermark, their identities, and how many were dropped."""
+    def _above_watermark(
+        self, state: _Epoch, batch: SinkBatch
+    ) -> tuple[pa.RecordBatch, Identities, int, list[int] | None]:
+        """The rows of ``batch`` after its domain's watermark, their identities, how many were dropped,
+        and the kept rows' indices in ``batch`` (``None``: every row was kept)."""
         records = batch.records
         positions = list(batch.identities.positions)
         mark = state.watermarks.get(batch.domain.lineage)
         if mark is None or mark.domain.incarnation != batch.domain.incarnation or not positions:
-            return records, batch.identities, 0
+            return records, batch.identities, 0, None
         codec = default_codec_registry().get(batch.domain.codec)
         limit = codec.validate(mark.value)
         if isinstance(codec, IntegerPositionCodec):
@@ -700,14 +757,14 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             keep = pa.array([verdicts[text] for text in positions], pa.bool_())
         kept = int(pc.sum(keep).as_py() or 0)
         if kept == len(positions):
-            return records, batch.identities, 0
+            return records, batch.identities, 0, None
         indices = pc.indices_nonzero(keep).to_pylist()
         ordinals = batch.identities.ordinals
         identities = Identities(
             [positions[index] for index in indices],
             None if ordinals is None else [ordinals[index] for index in indices],
         )
-        return records.filter(keep), identities, len(positions) - kept
+        return records.filter(keep), identities, len(positions) - kept, indices
 
     async def _target(
         self,
@@ -755,11 +812,14 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             )
         return target
 
-    async def _merge(self, conn: Connection, target: _Target, records: pa.RecordBatch) -> int:
-        """Keyed apply through a staging table: one row per key (the newest), then INSERT ON CONFLICT."""
+    def _version_column(self) -> str | None:
+        return self._config.version_column if self._policy is WritePolicy.VERSIONED_UPSERT else None
+
+    def _check_keys(self, records: pa.RecordBatch) -> None:
+        """Keyed policies: the key (and version) columns are present and hold no null."""
         names = records.schema.names
         missing = [column for column in self._key if column not in names]
-        version = self._config.version_column if self._policy is WritePolicy.VERSIONED_UPSERT else None
+        version = self._version_column()
         if version is not None and version not in names:
             missing.append(version)
         if missing:
@@ -769,6 +829,10 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         ]
         if nulls:
             raise DataError(f"null in key or version column(s) {', '.join(nulls)}", where=self._where)
+
+    async def _ensure_stage(self, conn: Connection, target: _Target, names: Sequence[str]) -> None:
+        """The epoch's staging table of ``target`` (created outside any savepoint, so a refused
+        slice rolled back to its savepoint leaves it in place)."""
         if target.stage is None:
             target.stage = sql.Identifier(f"_faucet_stage_{uuid.uuid4().hex[:12]}")
             await conn.execute(
@@ -779,6 +843,12 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             await conn.execute(
                 sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint").format(target.stage, sql.Identifier(_ORDINAL))
             )
+
+    async def _merge(self, conn: Connection, target: _Target, records: pa.RecordBatch) -> int:
+        """Keyed apply through the staging table: one row per key (the newest), then INSERT ON CONFLICT."""
+        names = records.schema.names
+        version = self._version_column()
+        assert target.stage is not None  # made by _ensure_stage
         ordinals = pa.array(range(records.num_rows), pa.int64())
         staged = records.append_column(_ORDINAL, ordinals)
         stage_columns = {**{name: target.columns[name] for name in names}, _ORDINAL: _ORDINAL_COLUMN}
@@ -850,10 +920,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             data = changes.data_schema(records.schema)
             target = await self._target(conn, table, data, layout.created_key, change_rows=True)
             stage = await changes.create_stage(conn, target.identifier, target.columns, layout)
-            pending = state.changes[table] = _Changes(target, stage, domain.lineage, records.schema, counts)
+            stage.name_refused = True
+            pending = state.changes[table] = _Changes(
+                target, stage, domain.lineage, records.schema, domain, counts
+            )
         rows = changes.staged_rows(records, layout, positions, _ordinals(identities), where)
         pending.last_position = max(pending.last_position, pc.max(positions).as_py() or 0)
-        return pending.target, await changes.stage(conn, pending.stage, rows)
+        try:
+            return pending.target, await changes.stage(conn, pending.stage, rows)
+        except DataError as exc:
+            raise _refused_change(exc, where, pending.ordering) from exc
 
     async def _apply_changes(self, conn: Connection, state: _Epoch) -> None:
         """APPLY_CHANGES: apply every table's staged changes (first step of the commit)."""
@@ -866,7 +942,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         """Apply one table's stage; the counts so far plus this stage's."""
         where = f"{self._where} table {table}"
         try:
-            counts = await changes.apply_stage(conn, pending.target.identifier, pending.stage, where)
+            counts = await self._apply_stage(conn, pending, where)
             if counts.unexpected_inserts or counts.unexpected_changes:
                 # The replica is not what the stream made it (written by something else, or a change was
                 # lost or applied twice): committing would certify a diverged replica.
@@ -885,6 +961,36 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             if isinstance(exc, pa.ArrowException):
                 raise DataError(f"the changes cannot be encoded for COPY: {exc}", where=where) from exc
             raise
+
+    async def _apply_stage(self, conn: Connection, pending: _Changes, where: str) -> changes.ChangeCounts:
+        """Apply one table's stage under a savepoint. A change the destination refuses (a constraint,
+        SQLSTATE class 22 or 23) raises DataError naming its position in the source (an LSN, an offset),
+        its key and the constraint, found by bisection over the stage's keys. APPLY_CHANGES never
+        dead-letters it: a replica missing one change diverges from its source."""
+        target = pending.target.identifier
+        try:
+            await changes.copy_held(conn, pending.stage)
+        except DataError as exc:
+            raise _refused_change(exc, where, pending.ordering) from exc
+        try:
+            async with refusals.savepoint(conn):
+                return await changes.apply_stage(conn, target, pending.stage, where)
+        except psycopg.Error as exc:
+            if not is_row_error(exc):
+                raise
+            found = await changes.refused_change(conn, target, pending.stage, where)
+            if found is None:
+                raise DataError(
+                    f"the destination refused the epoch's changes: {row_error_reason(exc)} (no single "
+                    "key's changes are refused alone)",
+                    where=where,
+                ) from exc
+            codec = default_codec_registry().get(pending.ordering.codec)
+            identity = EventIdentity(pending.ordering, codec.canonicalize(found.position), found.ordinal)
+            raise DataError(
+                f"the destination refused the change of key {found.key}: {found.reason}",
+                where=f"{where} @ {identity}",
+            ) from exc
 
     def _next_watermarks(self, state: _Epoch, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""
@@ -947,6 +1053,17 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
 
 
 _ORDINAL_COLUMN = PgColumn(_ORDINAL, "int8", "bigint", -1, False)
+
+
+def _refused_change(exc: DataError, where: str, domain: OrderingDomain) -> DataError:
+    """``exc`` (a staged row the server refused, :func:`changes.copy_held`) naming the row's event
+    identity in ``domain``; ``exc`` itself for another DataError."""
+    position = exc.details.get("position")
+    if position is None:
+        return exc
+    codec = default_codec_registry().get(domain.codec)
+    identity = EventIdentity(domain, codec.canonicalize(int(position)), int(exc.details.get("ordinal", 0)))
+    return DataError(exc.message, where=f"{where} @ {identity}")
 
 
 def _integer_positions(domain: OrderingDomain, identities: Identities, where: str) -> pa.Array:

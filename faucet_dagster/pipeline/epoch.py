@@ -13,6 +13,11 @@ What holds, and where it is enforced:
   next flush waits for it, which is the backpressure a slow sink puts on the source.
 * Rows that do not fit their resource's schema go where :class:`BadRowPolicy` says, at flush time and
   so before the epoch can commit: a :class:`DataError` naming the row, or the dead-letter route.
+  Under ``dead_letter`` batches go to ``StreamingSinkSession.apply_partial``, and the rows the
+  destination refuses (a constraint, a value its column type refuses) are routed too, with the
+  destination's reason, before the batch counts as applied (so before the epoch can commit); an epoch
+  discarded (aborted) withdraws them (``DeadLetterRoute.withdraw``), so they are kept only with the
+  epoch's commit.
 * A control (``TransactionBegin``, ``TransactionEnd``, ``ProgressBoundary``) flushes the builders of
   its domain and waits for every preceding ``apply``; only then is a boundary *accepted*.
 * Positions only move forward within a domain, rows come after the certified start position and
@@ -23,9 +28,10 @@ What holds, and where it is enforced:
 """
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +60,7 @@ from faucet_dagster.protocol import (
     IntegrityError,
     LifecycleError,
     OrderingDomain,
+    PartialResult,
     Position,
     PositionCodec,
     ProgressBoundary,
@@ -67,6 +74,8 @@ from faucet_dagster.protocol import (
     default_codec_registry,
     record_count,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,13 +101,19 @@ class DeadLetterRoute(ABC):
         again: a route is idempotent by ``RejectedRecord.identity``.
         """
 
+    async def withdraw(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        """Remove ``records``, routed by ``epoch``, which is being aborted (it did not commit). The
+        pipeline withdraws only rows the destination refused: their positions are past everything
+        the destination committed, so no committed epoch holds them, and a replay may not refuse them
+        again (another writer, a constraint dropped). The default keeps them."""
+
 
 @dataclass(frozen=True)
 class SealedEpoch:
     """An epoch the pipeline vouches for: what it covered, how many rows went where, and the digest.
 
-    ``row_counts`` counts rows handed to the sink per resource; ``dead_lettered`` rows routed to the
-    dead-letter route per resource.
+    ``row_counts`` counts rows handed to the sink per resource (less those it refused and the
+    dead-letter route took); ``dead_lettered`` rows routed to the dead-letter route per resource.
     """
 
     epoch: EpochId
@@ -264,6 +279,10 @@ class _Builder:
         return taken
 
 
+Refused = Callable[[SinkBatch, PartialResult], Awaitable[None]]
+"""Routes the rows of a batch the sink refused (``apply_partial``) to the dead-letter route."""
+
+
 class _SinkWriter:
     """Hands batches to ``apply`` in order, with at most one ``apply`` in flight."""
 
@@ -272,9 +291,19 @@ class _SinkWriter:
         self._epoch = epoch
         self._inflight: asyncio.Task[None] | None = None
 
-    async def submit(self, batch: SinkBatch) -> None:
+    async def submit(self, batch: SinkBatch, refused: Refused | None = None) -> None:
+        """Apply ``batch`` in the background; with ``refused``, through ``apply_partial``, handing it
+        the rows the sink refused (before the batch counts as applied)."""
         await self.drain()
-        self._inflight = asyncio.create_task(self._session.apply(self._epoch, batch))
+        self._inflight = asyncio.create_task(self._apply(batch, refused))
+
+    async def _apply(self, batch: SinkBatch, refused: Refused | None) -> None:
+        if refused is None:
+            await self._session.apply(self._epoch, batch)
+            return
+        result = await self._session.apply_partial(self._epoch, batch)
+        if result.rejected:
+            await refused(batch, result)
 
     async def drain(self) -> None:
         """Wait for the batch in flight; its failure is raised here."""
@@ -312,6 +341,8 @@ class EpochPipeline(StreamRecordSink):
         self._digest = EpochDigest()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
+        self._refused: list[RejectedRecord] = []
+        """Dead letters of rows the destination refused, withdrawn if the epoch is discarded."""
         self._closed = False
 
     @property
@@ -479,7 +510,15 @@ class EpochPipeline(StreamRecordSink):
         """
         self._closed = True
         self._builders.clear()
-        return await self._writer.discard()
+        failure = await self._writer.discard()
+        route, refused, self._refused = self._pipeline.dead_letters, self._refused, []
+        if refused and route is not None:
+            try:
+                await route.withdraw(self._epoch, refused)
+            except FaucetError as exc:
+                # They stay: a replay that the destination refuses again routes them idempotently.
+                logger.warning("epoch %s: the dead letters of refused rows stay routed: %r", self._epoch, exc)
+        return failure
 
     def _check_open(self) -> None:
         if self._closed:
@@ -532,7 +571,24 @@ class EpochPipeline(StreamRecordSink):
         check_batch(batch, schema, builder.converter.required)
         self._digest.add(batch)
         self._row_counts[builder.resource] += converted.batch.num_rows
-        await self._writer.submit(batch)
+        routed = builder.converter.spec.on_bad_row is BadRowPolicy.DEAD_LETTER
+        await self._writer.submit(batch, self._route_refused if routed else None)
+
+    async def _route_refused(self, batch: SinkBatch, result: PartialResult) -> None:
+        """Dead-letter the rows of ``batch`` the sink refused, each with the destination's reason."""
+        route = self._pipeline.dead_letters
+        assert route is not None  # checked when the pipeline was built
+        records = []
+        for row in result.rejected:
+            identity = batch.identities.at(batch.domain, row.index)
+            payload = row_payload(batch.records.slice(row.index, 1).to_pylist()[0])
+            reason = f"the destination refused the row: {row.reason}"
+            where = f"{batch.resource} @ {identity}"
+            records.append(RejectedRecord(identity, reason, payload, where, batch.resource))
+        self._refused.extend(records)
+        await route.route(self._epoch, records)
+        self._row_counts[batch.resource] -= len(records)
+        self._dead_lettered[batch.resource] += len(records)
 
     async def _reject(
         self,

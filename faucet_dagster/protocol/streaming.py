@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from faucet_dagster.protocol.bounded import PartialResult
 from faucet_dagster.protocol.capabilities import Delivery, SinkCapabilities, SourceCapabilities, WritePolicy
 from faucet_dagster.protocol.errors import DataError
 from faucet_dagster.protocol.positions import EventIdentity, OrderingDomain, Position, PositionCodec
@@ -414,6 +415,18 @@ class StreamingSinkSession(ABC):
     @abstractmethod
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         """Apply ``batch`` tentatively within the active epoch (NATS: publish and collect acks)."""
+
+    async def apply_partial(self, epoch: EpochId, batch: SinkBatch) -> PartialResult:
+        """Apply ``batch`` as :meth:`apply` does, except the rows the destination refuses for a
+        row-level reason (a constraint, a value its column type refuses): those are left out and
+        reported by their index in ``batch`` with the destination's reason, for the dead-letter route.
+        The epoch stays usable (the refused rows left nothing behind).
+
+        The pipeline calls it for resources whose bad rows go to the dead-letter route (a sink
+        declaring ``partial_results`` overrides it); the default applies the batch whole.
+        """
+        await self.apply(epoch, batch)
+        return PartialResult(written=batch.records.num_rows)
 
     @abstractmethod
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:

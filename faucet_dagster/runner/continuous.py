@@ -145,6 +145,9 @@ class StoreDeadLetterRoute(DeadLetterRoute):
     async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
         await asyncio.to_thread(self._store.record_dead_letters, self._stream, epoch.sequence, records)
 
+    async def withdraw(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        await asyncio.to_thread(self._store.withdraw_dead_letters, self._stream, records)
+
 
 @dataclass(frozen=True)
 class CutShort:

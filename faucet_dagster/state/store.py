@@ -577,6 +577,19 @@ class StateStore:
             result = conn.execute(insert(dead_letters_table).on_conflict_do_nothing(), rows)
             return int(result.rowcount)
 
+    def withdraw_dead_letters(self, stream: str, letters: Sequence[RejectedRecord]) -> int:
+        """Remove ``letters`` (routed by an epoch that was then aborted); returns how many were stored."""
+        if not letters:
+            return 0
+        with self._transaction("withdraw dead letters") as conn:
+            result = conn.execute(
+                sa.delete(dead_letters_table).where(
+                    dead_letters_table.c.stream == stream,
+                    dead_letters_table.c.identity.in_([letter.identity.digest() for letter in letters]),
+                )
+            )
+            return int(result.rowcount)
+
     def dead_letters(self, stream: str) -> list[dict[str, Any]]:
         """``stream``'s dead letters, oldest first, as plain rows."""
         with self._transaction("read dead letters") as conn:

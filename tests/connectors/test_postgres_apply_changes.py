@@ -350,6 +350,39 @@ def test_keys_operations_and_orders_that_cannot_be_applied_are_refused(postgres_
     assert created == (None,), "nothing of a refused epoch remains, not even the table it created"
 
 
+def test_a_staged_value_the_server_refuses_names_its_lsn_and_the_epoch_commits_nothing(
+    postgres_url: str,
+) -> None:
+    async def scenario() -> None:
+        session = await open_session(postgres_url)
+        try:
+            at = EpochId(STREAM, 1, 1)
+            await session.begin_epoch(at)
+            await session.apply(
+                at,
+                changes(
+                    at,
+                    [
+                        (0x10, [("insert", 1, "one", "b1", None), ("insert", 2, "two", "b2", None)]),
+                        (0x20, [("insert", 3, "three", "bad\u0000body", None)]),  # NUL: refused by text
+                    ],
+                ),
+            )
+            with pytest.raises(DataError) as raised:
+                await session.commit_epoch(at, covering(None, 0x20))
+            error = raised.value
+            assert error.where is not None and error.where.endswith(f"@{lsn(0x20)}#0"), error.where
+            assert "22021" in error.message, error.message  # invalid byte sequence: 0x00
+            await session.abort_epoch(at)
+        finally:
+            await session.close_session()
+
+    with psycopg.connect(postgres_url) as conn:
+        conn.execute("CREATE TABLE docs (id int PRIMARY KEY, title text, body text)")
+    run(scenario())
+    assert docs(postgres_url) == [], "the epoch is atomic"
+
+
 def test_the_bounded_sink_applies_pages_of_changes_in_row_order_and_skips_replays(postgres_url: str) -> None:
     def page(items: Sequence[Change]) -> pa.RecordBatch:
         return changes(EpochId(STREAM, 1, 1), [(0x10, items)]).records
