@@ -312,8 +312,8 @@ def partition_of(message: Message) -> TopicPartitionKey:
 
 
 def offsets_of(messages: Sequence[Message]) -> list[int]:
-    """The offsets of record messages, in order (one list comprehension: this is the hot path)."""
-    offsets = [message.offset() for message in messages]
+    """The offsets of record messages, in order (one C-level pass: this is the hot path)."""
+    offsets = list(map(Message.offset, messages))
     if None in offsets:
         raise IntegrityError("the client delivered a record without an offset", where="kafka")
     return cast(list[int], offsets)

@@ -49,7 +49,7 @@ class Decoder:
     def decode(self, messages: Sequence[Message]) -> list[JsonRun]:
         """Decode ``messages`` (one partition, in offset order) into runs of rows and malformed ones."""
         if self._format == "json":
-            return self._json.decode([message.value() for message in messages])
+            return self._json.decode(list(map(Message.value, messages)))
         return _decode_raw(messages, text=self._format == "text")
 
 
