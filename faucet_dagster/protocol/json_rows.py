@@ -29,6 +29,7 @@ from faucet_dagster.protocol.records import Records
 
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 _JSON_SPACE = b" \t\r\n"
+_BLOCK = 1 << 22
 # What json.loads ends in (the C scanner of the default decoder); typeshed types it wrongly.
 _SCAN = cast(Callable[[str, int], tuple[Any, int]], make_scanner(cast(Any, json.JSONDecoder())))
 
@@ -55,7 +56,11 @@ class JsonRows:
         self.schema = schema
         self._noun = noun
         if schema is not None:
-            self._read_options = pa_json.ReadOptions(block_size=1 << 22)
+            # One block is parsed by one thread: Arrow's thread pool only adds a hand-off (milliseconds
+            # on a loaded machine, which a one-message epoch pays in full), so it parses multi-block
+            # runs only.
+            self._read_options = pa_json.ReadOptions(block_size=_BLOCK, use_threads=False)
+            self._threaded = pa_json.ReadOptions(block_size=_BLOCK, use_threads=True)
             self._one_line = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
             self._many_lines = pa_json.ParseOptions(
                 explicit_schema=schema, unexpected_field_behavior="error", newlines_in_values=True
@@ -160,11 +165,12 @@ class JsonRows:
         assert self.schema is not None
         data = b"\n".join(payload or b"" for payload in payloads) if joined is None else joined
         # One payload alone may exceed a block (Arrow refuses a line straddling two): its own size.
-        read_options = (
-            self._read_options
-            if len(payloads) > 1 or len(data) < self._read_options.block_size
-            else pa_json.ReadOptions(block_size=len(data) + 1)
-        )
+        if len(data) < _BLOCK:
+            read_options = self._read_options
+        elif len(payloads) > 1:
+            read_options = self._threaded
+        else:
+            read_options = pa_json.ReadOptions(block_size=len(data) + 1, use_threads=False)
         try:
             # Arrow's JSON reader copies string bytes without checking them: invalid UTF-8 would reach
             # the sink inside a string column. One C-speed pass over the run refuses it here.
