@@ -39,6 +39,14 @@ def raw_schema(text: bool) -> pa.Schema:
 RAW_COLUMNS: tuple[str, ...] = tuple(raw_schema(False).names)
 
 
+def row_columns(config: KafkaSourceConfig) -> tuple[str, ...] | None:
+    """The columns of the rows ``config`` produces, when they are known before reading."""
+    if config.format != "json":
+        return RAW_COLUMNS
+    schema = config.declared_schema()
+    return None if schema is None else tuple(schema.names)
+
+
 class Decoder:
     """Decodes runs of one partition's messages in the configured format."""
 

@@ -71,7 +71,7 @@ from faucet_kafka.client import (
 )
 from faucet_kafka.codecs import KafkaOffsetCodec
 from faucet_kafka.config import KafkaSourceConfig
-from faucet_kafka.decode import RAW_COLUMNS, Decoder, raw_schema
+from faucet_kafka.decode import Decoder, raw_schema, row_columns
 from faucet_kafka.reader import CODEC, KafkaReader, PartitionState, ReadTracker
 
 
@@ -92,15 +92,8 @@ def _capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapab
         # divided among workers by membership, not by shards.
         discover=not continuous,
         shardable=not continuous,
-        columns=_columns(config),
+        columns=row_columns(config),
     )
-
-
-def _columns(config: KafkaSourceConfig) -> tuple[str, ...] | None:
-    if config.format != "json":
-        return RAW_COLUMNS
-    schema = config.declared_schema()
-    return None if schema is None else tuple(schema.names)
 
 
 class _Deliverer:
