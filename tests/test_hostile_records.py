@@ -135,6 +135,59 @@ def test_nats_deep_json_and_invalid_utf8_are_dead_letters_with_their_sequence(
     assert caught.value.where == f"nats stream {stream} sequence 2"
 
 
+# Payloads whose lines, joined, pair up into as many objects as there are payloads: two objects in one
+# payload beside a blank one, and an object split over two payloads beside one holding a newline (which
+# made the reader parse values across lines). Each of them is malformed; a count of rows cannot tell.
+MISALIGNED = [
+    b'{"id": 1}',
+    b'{"id": 2}{"id": 3}',
+    b"",
+    b'{"id":',
+    b"5}",
+    b'{"id": 6}\n{"id": 7}',
+    b'{"id": 8}',
+    b'{"id":\n9}',
+]
+
+
+def _misaligned_outcome(
+    rows: list[tuple[str, dict[str, Any]]], rejected: list[RejectedRecord], first: int
+) -> tuple[dict[int, Any], dict[int, str]]:
+    by_offset = {int(position) - first: row["id"] for position, row in rows}
+    reasons = {int(record.identity.position) - first: record.reason for record in rejected}
+    return by_offset, reasons
+
+
+@pytest.mark.parametrize("source", ["kafka", "nats"])
+def test_declared_columns_never_pair_lines_of_different_payloads(
+    kafka_bootstrap: str, nats_url: str, unique_name: Callable[..., str], source: str
+) -> None:
+    columns = {"id": "int64"}
+    if source == "kafka":
+        topic = unique_name("misaligned")
+        create_topic(kafka_bootstrap, topic, 1)
+        produce(kafka_bootstrap, topic, MISALIGNED, partitions=1)
+        cfg = KafkaSourceConfig(
+            bootstrap_servers=kafka_bootstrap,
+            topics=(topic,),
+            group_id=unique_name("g"),
+            columns=columns,
+            on_malformed="dead_letter",
+        )
+        sink, first = asyncio.run(read_kafka(cfg)), 0
+    else:
+        stream = unique_name("M")
+        asyncio.run(publish_nats(nats_url, stream, MISALIGNED))
+        nats_cfg = NatsSourceConfig(
+            servers=(nats_url,), stream=stream, columns=columns, on_malformed="dead_letter"
+        )
+        sink, first = asyncio.run(read_nats(nats_cfg)), 1
+    by_offset, reasons = _misaligned_outcome(sink.rows, sink.rejected, first)
+    assert by_offset == {0: 1, 6: 8, 7: 9}
+    assert set(reasons) == {1, 2, 3, 4, 5}
+    assert all("not JSON" in reason for reason in reasons.values())
+
+
 @pytest.mark.parametrize("declared", [None, {"id": "int64", "n": "int64"}])
 def test_an_integer_beyond_int64_is_a_bad_row_not_an_overflow(declared: dict[str, str] | None) -> None:
     converter = RowConverter("orders", ResourceSchema.from_columns(declared))

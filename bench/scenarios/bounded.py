@@ -12,9 +12,9 @@ registered only when the peer is installed in its own virtual environment: Sling
 (``pip install "dlt[postgres]"``) in ``$DLT_VENV`` (default ``.venv-dlt``), with the shared peer
 scripts in ``$FAUCET_PEER_SCRIPTS`` (default ``/work/shared/bench``).
 
-``bounded.rss_csv_to_pg`` measures memory: the same sync of a 1M-row and a 5M-row CSV file, each in a
+``bounded.rss_csv_to_pg`` measures memory: the same sync of a 1M-row and a 10M-row CSV file, each in a
 fresh subprocess (:mod:`bench.rss_child`) reporting its peak RSS. It prints both and their ratio; the
-targets are 300 MB for 5M rows and at most 20% growth from 1M to 5M.
+targets are 300 MB for 10M rows and at most 20% growth from 1M to 10M.
 """
 
 import asyncio
@@ -39,7 +39,7 @@ from bench.scenarios.connectors import _check, _pg_sink, _target, csv_file, sqli
 from faucet_dagster.protocol import Sink, Source, get_connector
 from faucet_dagster.runner.bounded import BoundedSyncResult, SyncSettings, run_bounded_sync
 
-RSS_ROWS = (1_000_000, 5_000_000)
+RSS_ROWS = (1_000_000, 10_000_000)
 
 
 def run_sync_timed(source: Source, sink: Sink) -> tuple[BoundedSyncResult, float]:
@@ -171,7 +171,7 @@ def _big_csv(rows: int, folder: str) -> str:
 
 @scenario("bounded.rss_csv_to_pg")
 def rss_csv_to_pg(ctx: BenchContext) -> Measurement:
-    """Peak RSS of the bounded runner syncing a 1M-row and a 5M-row CSV file, each in a fresh process."""
+    """Peak RSS of the bounded runner syncing a 1M-row and a 10M-row CSV file, each in a fresh process."""
     peaks: dict[int, float] = {}
     seconds = 0.0
     with tempfile.TemporaryDirectory(prefix="faucet-bench-rss-") as folder:

@@ -3,9 +3,10 @@
 Both read the 4-partition topic ``raw.kafka_to_pg`` reads. ``stream.kafka_to_pg`` is the whole product
 path (lease, begin, read through the pipeline, seal, commit with the per-partition watermark, certificate
 in a SQLite state store, offsets committed to the group) with JSON payloads parsed into typed columns
-``(i, name, score)``; ``stream.kafka_to_pg_text`` hands the payload through as text (format ``text``:
-columns key, value, headers, timestamp, topic, partition, offset), like the raw loop does. Each checks
-the row count afterwards.
+``(i, name, score)`` (declared on the source, so whole batches are parsed by Arrow);
+``stream.kafka_to_pg_text`` hands the payload through as text (format ``text``: columns key, value,
+headers, timestamp, topic, partition, offset), like the raw loop does. Each checks the row count
+afterwards.
 """
 
 import asyncio
@@ -40,7 +41,11 @@ def _run(ctx: BenchContext, fmt: Literal["json", "text"]) -> Measurement:
     store = StateStore(f"sqlite:///{folder}/state.db")
     source = KafkaStreamSource(
         KafkaSourceConfig(
-            bootstrap_servers=ctx.kafka_bootstrap, topics=(topic,), group_id=ctx.unique("g"), format=fmt
+            bootstrap_servers=ctx.kafka_bootstrap,
+            topics=(topic,),
+            group_id=ctx.unique("g"),
+            format=fmt,
+            columns=COLUMNS if fmt == "json" else None,
         )
     )
     spec = StreamSpec(

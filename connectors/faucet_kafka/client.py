@@ -269,8 +269,17 @@ def fetched_high_watermarks(
     """
     if not starts:
         return {}
+    # Small fetches: a broker that ignores max.partition.fetch.bytes (Tansu) still honours
+    # fetch.max.bytes (which may not be below message.max.bytes), and a probe of a long log then takes
+    # about 10 ms instead of 150-400 ms spent fetching records it throws away.
     probe = Consumer(
-        {**consumer_settings(config, on_error), "max.partition.fetch.bytes": 1, "queued.min.messages": 1}
+        {
+            **consumer_settings(config, on_error),
+            "max.partition.fetch.bytes": 1,
+            "fetch.max.bytes": 1024,
+            "message.max.bytes": 1024,
+            "queued.min.messages": 1,
+        }
     )
     try:
         probe.assign(
@@ -313,8 +322,8 @@ def partition_of(message: Message) -> TopicPartitionKey:
 
 
 def offsets_of(messages: Sequence[Message]) -> list[int]:
-    """The offsets of record messages, in order (one list comprehension: this is the hot path)."""
-    offsets = [message.offset() for message in messages]
+    """The offsets of record messages, in order (one C-level pass: this is the hot path)."""
+    offsets = list(map(Message.offset, messages))
     if None in offsets:
         raise IntegrityError("the client delivered a record without an offset", where="kafka")
     return cast(list[int], offsets)

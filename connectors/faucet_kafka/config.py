@@ -3,9 +3,10 @@
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+import pyarrow as pa
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth
+from faucet_dagster.protocol import Auth, ConnectorConfig, NoAuth, schema_from_columns
 
 ENFORCED_PROPERTIES = frozenset(
     {
@@ -50,7 +51,10 @@ class KafkaSourceConfig(ConnectorConfig):
     ``format``: ``json`` hands each record's value, a JSON object, to the pipeline as a row (its
     schema and the bad-row policy for wrong types are the pipeline's); ``bytes`` and ``text`` hand the
     columns ``key``, ``value``, ``headers``, ``timestamp``, ``topic``, ``partition``, ``offset`` (key
-    and value as binary, or as UTF-8 strings). ``on_malformed`` decides what happens to a payload that
+    and value as binary, or as UTF-8 strings). With ``columns`` declared (``{"id": "int64 not null",
+    "name": "string"}``, Arrow type names), ``json`` values are parsed by Arrow a whole batch at once
+    into exactly those columns, and a value that is a JSON object but does not fit them is malformed
+    too (``on_malformed`` decides, not the pipeline). ``on_malformed`` decides what happens to a payload that
     cannot become a row (not JSON, not an object, not UTF-8): ``halt`` raises a DataError naming
     topic, partition and offset; ``dead_letter`` hands the raw payload to the pipeline's dead-letter
     route (``StreamRecordSink.reject``) and reads on.
@@ -61,6 +65,7 @@ class KafkaSourceConfig(ConnectorConfig):
     group_id: str = Field(min_length=1)
     source_name: str = Field(default="kafka", min_length=1)
     format: Literal["json", "bytes", "text"] = "json"
+    columns: dict[str, str] | None = None
     on_malformed: Literal["halt", "dead_letter"] = "halt"
     auth: Auth = NoAuth()
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
@@ -88,6 +93,20 @@ class KafkaSourceConfig(ConnectorConfig):
         if "@" in servers:
             raise ValueError("bootstrap servers must not carry credentials: put them in auth")
         return servers
+
+    @model_validator(mode="after")
+    def _columns_fit_format(self) -> "KafkaSourceConfig":
+        if self.columns is not None:
+            if self.format != "json":
+                raise ValueError("columns declare the fields of JSON values: use them with format json")
+            self.declared_schema()
+        return self
+
+    def declared_schema(self) -> pa.Schema | None:
+        """The Arrow schema of the declared ``columns`` (format ``json``), or None."""
+        if self.columns is None:
+            return None
+        return schema_from_columns(self.columns, where=f"kafka topics {', '.join(self.topics)}")
 
     @field_validator("topics")
     @classmethod

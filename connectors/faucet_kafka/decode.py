@@ -1,20 +1,21 @@
-"""Kafka messages of one partition to rows, in bulk: JSON objects, or Arrow columns of bytes or text.
+"""Kafka messages of one partition to rows, in bulk: JSON objects (parsed by Arrow when columns are
+declared), or Arrow columns of bytes or text.
 
-A message that cannot become a row (not JSON, not an object, not UTF-8, a tombstone in JSON mode) is
-returned as a :class:`Malformed` entry with its index, never dropped: the caller applies the
-``on_malformed`` policy.
+A message that cannot become a row (not JSON, not an object, not UTF-8, a tombstone in JSON mode, not
+fitting the declared columns) is returned as a :class:`JsonRun` without rows, with the reason, never
+dropped: the caller applies the ``on_malformed`` policy. JSON values are decoded by the protocol's
+:class:`JsonRows`, as the NATS source's payloads are.
 """
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Message
 
-from faucet_dagster.protocol import Records
+from faucet_dagster.protocol.json_rows import JsonRows, JsonRun
 from faucet_kafka.client import offsets_of
+from faucet_kafka.config import KafkaSourceConfig
 
 HEADER_TYPE = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
 
@@ -38,64 +39,33 @@ def raw_schema(text: bool) -> pa.Schema:
 RAW_COLUMNS: tuple[str, ...] = tuple(raw_schema(False).names)
 
 
-@dataclass(frozen=True)
-class Malformed:
-    """Message ``index`` of the decoded run cannot become a row, for ``reason``."""
-
-    index: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """The rows of a run of messages of one partition, their offsets, and the messages that failed.
-
-    ``rows`` holds the good messages in order; ``offsets[i]`` is the offset of ``rows`` row ``i``.
-    """
-
-    rows: Records
-    offsets: list[int]
-    malformed: list[Malformed]
+def row_columns(config: KafkaSourceConfig) -> tuple[str, ...] | None:
+    """The columns of the rows ``config`` produces, when they are known before reading."""
+    if config.format != "json":
+        return RAW_COLUMNS
+    schema = config.declared_schema()
+    return None if schema is None else tuple(schema.names)
 
 
-def decode(messages: Sequence[Message], fmt: Literal["json", "bytes", "text"]) -> Decoded:
-    """Decode ``messages`` (one partition, in offset order) in the configured format."""
-    if fmt == "json":
-        return _decode_json(messages)
-    return _decode_raw(messages, text=fmt == "text")
+class Decoder:
+    """Decodes runs of one partition's messages in the configured format."""
+
+    def __init__(self, config: KafkaSourceConfig) -> None:
+        self._format = config.format
+        self._json = JsonRows(config.declared_schema(), noun="value")
+
+    def decode(self, messages: Sequence[Message]) -> list[JsonRun]:
+        """Decode ``messages`` (one partition, in offset order) into runs of rows and malformed ones."""
+        if self._format == "json":
+            return self._json.decode(list(map(Message.value, messages)))
+        return _decode_raw(messages, text=self._format == "text")
 
 
-def _decode_json(messages: Sequence[Message]) -> Decoded:
-    rows: list[dict[str, Any]] = []
-    kept: list[Message] = []
-    malformed: list[Malformed] = []
-    loads = json.loads
-    for index, message in enumerate(messages):
-        value = message.value()
-        if value is None:
-            malformed.append(Malformed(index, "the message has no value (a tombstone), not a JSON object"))
-            continue
-        try:
-            row = loads(value)
-        except (ValueError, UnicodeDecodeError) as exc:
-            malformed.append(Malformed(index, f"the value is not JSON: {exc}"))
-            continue
-        except RecursionError:
-            malformed.append(Malformed(index, "the value is JSON nested too deeply to decode"))
-            continue
-        if type(row) is not dict:
-            malformed.append(Malformed(index, f"the value is JSON {type(row).__name__}, not an object"))
-            continue
-        rows.append(row)
-        kept.append(message)
-    return Decoded(rows, offsets_of(kept), malformed)
-
-
-def _decode_raw(messages: Sequence[Message], *, text: bool) -> Decoded:
+def _decode_raw(messages: Sequence[Message], *, text: bool) -> list[JsonRun]:
     keep: list[Message] = []
     keys: list[Any] = []
     values: list[Any] = []
-    malformed: list[Malformed] = []
+    malformed: list[JsonRun] = []
     for index, message in enumerate(messages):
         key: Any = message.key()
         value: Any = message.value()
@@ -104,13 +74,13 @@ def _decode_raw(messages: Sequence[Message], *, text: bool) -> Decoded:
                 key = None if key is None else key.decode()
                 value = None if value is None else value.decode()
             except UnicodeDecodeError as exc:
-                malformed.append(Malformed(index, f"the key or value is not UTF-8 text: {exc}"))
+                reason = f"the key or value is not UTF-8 text: {exc}"
+                malformed.append(JsonRun(index, index + 1, None, reason))
                 continue
         keep.append(message)
         keys.append(key)
         values.append(value)
     schema = raw_schema(text)
-    offsets = offsets_of(keep)
     stamps = [message.timestamp() for message in keep]
     headers: list[Any] = [message.headers() for message in keep]
     columns = [
@@ -126,6 +96,19 @@ def _decode_raw(messages: Sequence[Message], *, text: bool) -> Decoded:
         ),
         pa.array([message.topic() for message in keep], pa.string()),
         pa.array([message.partition() for message in keep], pa.int32()),
-        pa.array(offsets, pa.int64()),
+        pa.array(offsets_of(keep), pa.int64()),
     ]
-    return Decoded(pa.RecordBatch.from_arrays(columns, schema=schema), offsets, malformed)
+    rows = pa.RecordBatch.from_arrays(columns, schema=schema)
+    if not malformed:
+        return [JsonRun(0, len(messages), rows)]
+    runs: list[JsonRun] = []
+    start = kept = 0
+    for bad in malformed:
+        if start < bad.start:
+            runs.append(JsonRun(start, bad.start, rows.slice(kept, bad.start - start)))
+            kept += bad.start - start
+        runs.append(bad)
+        start = bad.stop
+    if start < len(messages):
+        runs.append(JsonRun(start, len(messages), rows.slice(kept)))
+    return runs

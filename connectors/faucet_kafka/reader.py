@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -296,18 +296,36 @@ class KafkaReader:
         self._raise_client_errors()
         return messages
 
-    def group(self, messages: Iterable[Message]) -> dict[TopicPartitionKey, list[Message]]:
-        """Messages by partition, in delivery order; a message carrying an error raises it."""
+    def group(self, messages: list[Message]) -> dict[TopicPartitionKey, list[Message]]:
+        """Messages by partition, in delivery order; a message carrying an error raises it.
+
+        Column-wise (one C-level pass per attribute): a consume batch holds runs of a few partitions,
+        each run a slice of the batch."""
+        count = len(messages)
+        if not count:
+            return {}
+        errors = list(map(Message.error, messages))
+        if errors.count(None) != count:
+            raise_message_error(next(m for m, e in zip(messages, errors, strict=True) if e is not None))
+        topics = list(map(Message.topic, messages))
+        partitions = list(map(Message.partition, messages))
+        if None in topics or None in partitions:
+            raise IntegrityError("the client delivered a record without topic or partition", where="kafka")
+        one_topic = topics.count(topics[0]) == count
+        keys: list[object] = list(partitions) if one_topic else list(zip(topics, partitions, strict=True))
+        backwards = keys[::-1]
         grouped: dict[TopicPartitionKey, list[Message]] = {}
-        for message in messages:
-            if message.error() is not None:
-                raise_message_error(message)
-            key = partition_of(message)
+        for first, item in sorted((keys.index(item), item) for item in set(keys)):
+            key = cast(TopicPartitionKey, (topics[0], item) if one_topic else item)
             if key not in self.parts:
                 raise IntegrityError(
                     "a message of a partition this reader does not read", where=where_of(*key)
                 )
-            grouped.setdefault(key, []).append(message)
+            stop = count - backwards.index(item)
+            if keys.count(item) == stop - first:
+                grouped[key] = messages[first:stop]
+            else:
+                grouped[key] = [m for m, k in zip(messages, keys, strict=True) if k == item]
         return grouped
 
     def tracker(self) -> ReadTracker:

@@ -58,7 +58,7 @@ from faucet_dagster.protocol import (
     StreamSource,
     WorkerIdentity,
 )
-from faucet_dagster.protocol.records import slice_records
+from faucet_dagster.protocol.json_rows import JsonRun
 from faucet_kafka.client import (
     ClientThread,
     TopicPartitionKey,
@@ -71,7 +71,7 @@ from faucet_kafka.client import (
 )
 from faucet_kafka.codecs import KafkaOffsetCodec
 from faucet_kafka.config import KafkaSourceConfig
-from faucet_kafka.decode import RAW_COLUMNS, Decoded, decode, raw_schema
+from faucet_kafka.decode import Decoder, raw_schema, row_columns
 from faucet_kafka.reader import CODEC, KafkaReader, PartitionState, ReadTracker
 
 
@@ -92,7 +92,7 @@ def _capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapab
         # divided among workers by membership, not by shards.
         discover=not continuous,
         shardable=not continuous,
-        columns=None if config.format == "json" else RAW_COLUMNS,
+        columns=row_columns(config),
     )
 
 
@@ -101,48 +101,42 @@ class _Deliverer:
 
     def __init__(self, config: KafkaSourceConfig) -> None:
         self.config = config
+        self._decoder = Decoder(config)
 
-    def decode(self, state: PartitionState, messages: Sequence[Message]) -> Decoded:
+    def decode(self, state: PartitionState, messages: Sequence[Message]) -> list[JsonRun]:
         """Decode ``messages``; with the ``halt`` policy a malformed one raises DataError naming it."""
-        decoded = decode(messages, self.config.format)
-        if decoded.malformed and self.config.on_malformed == "halt":
-            bad = decoded.malformed[0]
-            raise DataError(
-                bad.reason, where=where_of(state.topic, state.partition, messages[bad.index].offset())
-            )
-        return decoded
+        runs = self._decoder.decode(messages)
+        if self.config.on_malformed == "halt":
+            for run in runs:
+                if run.rows is None:
+                    where = where_of(state.topic, state.partition, messages[run.start].offset())
+                    raise DataError(run.reason, where=where)
+        return runs
 
-    async def write(self, sink: StreamRecordSink, state: PartitionState, messages: Sequence[Message]) -> None:
-        """Write the rows of ``messages`` to ``sink``, rejecting malformed ones in offset order."""
-        decoded = self.decode(state, messages)
-        rows, offsets = decoded.rows, decoded.offsets
-        cursor = 0
-        for bad in decoded.malformed:
-            message = messages[bad.index]
-            offset = offsets_of([message])[0]
-            cut = bisect.bisect_left(offsets, offset)
-            if cut > cursor:
-                await self._write_rows(
-                    sink, state.domain, slice_records(rows, cursor, cut), offsets[cursor:cut]
-                )
+    async def write(
+        self, sink: StreamRecordSink, state: PartitionState, messages: Sequence[Message], offsets: list[int]
+    ) -> None:
+        """Write the rows of ``messages`` (at ``offsets``) to ``sink``, rejecting malformed ones, in
+        offset order."""
+        runs = self.decode(state, messages)
+        positions = list(map(str, offsets))
+        for run in runs:
+            if run.rows is not None:
+                if run.start or run.stop != len(positions):
+                    ids = Identities(positions[run.start : run.stop])
+                else:
+                    ids = Identities(positions)
+                await sink.write(state.domain, run.rows, ids)
+                continue
+            offset = offsets[run.start]
             await sink.reject(
                 RejectedRecord(
-                    EventIdentity(state.domain, str(offset)),
-                    bad.reason,
-                    message.value() or b"",
+                    EventIdentity(state.domain, positions[run.start]),
+                    run.reason,
+                    messages[run.start].value() or b"",
                     where_of(state.topic, state.partition, offset),
                 )
             )
-            cursor = cut
-        if cursor < len(offsets):
-            tail = rows if cursor == 0 else slice_records(rows, cursor, len(offsets))
-            await self._write_rows(sink, state.domain, tail, offsets[cursor:])
-
-    @staticmethod
-    async def _write_rows(
-        sink: StreamRecordSink, domain: OrderingDomain, rows: Records, offsets: list[int]
-    ) -> None:
-        await sink.write(domain, rows, Identities(list(map(str, offsets))))
 
 
 class KafkaStreamSession(StreamSession):
@@ -193,7 +187,8 @@ class KafkaStreamSession(StreamSession):
         tracker = reader.tracker()
         started = last_data = loop.time()
         records = payload_bytes = 0
-        while not cancel.cancelled:
+
+        def poll() -> "asyncio.Task[list[Message]]":
             now = loop.time()
             want = (
                 config.batch_size
@@ -205,23 +200,43 @@ class KafkaStreamSession(StreamSession):
                 timeout = min(timeout, max(0.01, limits.idle - (now - last_data)))
             if limits.age is not None:
                 timeout = min(timeout, max(0.01, limits.age - (now - started)))
-            messages = await reader.poll(want, timeout)
-            now = loop.time()
-            if messages:
-                last_data = now
-                records += len(messages)
+            return asyncio.ensure_future(reader.poll(want, timeout))
+
+        # At most one consume in flight, started before the batch it follows is decoded and written
+        # (on the client's thread, overlapping them) and only when the read will go on after that
+        # batch: what it consumes is always delivered in this read, so the consumer's position, which
+        # ``finish`` ends the coverage at, never passes an undelivered record.
+        pending: asyncio.Task[list[Message]] | None = None
+        try:
+            while pending is not None or not cancel.cancelled:
+                task, pending = pending or poll(), None
+                messages = await task
+                now = loop.time()
+                if messages:
+                    last_data = now
+                    records += len(messages)
+                    if limits.bytes is not None:
+                        payload_bytes += sum(len(message.value() or b"") for message in messages)
+                done = (
+                    (limits.records is not None and records >= limits.records)
+                    or (limits.bytes is not None and payload_bytes >= limits.bytes)
+                    or (limits.age is not None and now - started >= limits.age)
+                    or (limits.idle is not None and now - last_data >= limits.idle)
+                )
+                if messages and not done and not cancel.cancelled:
+                    pending = poll()
                 for key, batch in reader.group(messages).items():
-                    tracker.observe(key, offsets_of(batch))
-                    await self._deliverer.write(sink, reader.parts[key], batch)
-                if limits.bytes is not None:
-                    payload_bytes += sum(len(message.value() or b"") for message in messages)
-            if (
-                (limits.records is not None and records >= limits.records)
-                or (limits.bytes is not None and payload_bytes >= limits.bytes)
-                or (limits.age is not None and now - started >= limits.age)
-                or (limits.idle is not None and now - last_data >= limits.idle)
-            ):
-                break
+                    offsets = offsets_of(batch)
+                    tracker.observe(key, offsets)
+                    await self._deliverer.write(sink, reader.parts[key], batch, offsets)
+                if done:
+                    break
+        finally:
+            if pending is not None:
+                # A failure left a consume in flight: join it (the next read seeks back first).
+                await asyncio.wait([pending])
+                if not pending.cancelled():
+                    pending.exception()
         ends = await reader.finish(tracker, list(tracker.last))
         covered: list[DomainCoverage] = []
         for key, end in ends.items():
@@ -457,7 +472,11 @@ class KafkaSource(Source):
             )
         finally:
             await thread.close()
-        schema = None if self.config.format == "json" else raw_schema(self.config.format == "text")
+        schema = (
+            self.config.declared_schema()
+            if self.config.format == "json"
+            else raw_schema(self.config.format == "text")
+        )
         return [
             DiscoveredDataset(
                 name, schema, {"partitions": str(len(info.partitions)), "topic_id": info.topic_id}
@@ -557,9 +576,11 @@ class KafkaSource(Source):
                 if not batch:
                     continue
                 tracker.observe(key, offsets)
-                decoded = deliverer.decode(reader.parts[key], batch)
-                page.append(decoded.rows)
-                rows += len(decoded.offsets)
+                for run in deliverer.decode(reader.parts[key], batch):
+                    # dead_letter is refused above: under halt, every run has rows.
+                    assert run.rows is not None
+                    page.append(run.rows)
+                    rows += run.stop - run.start
             positions = await reader.positions(remaining)
             done = [key for key, position in positions.items() if position >= stops[key]]
             if done:

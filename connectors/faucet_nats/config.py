@@ -54,13 +54,13 @@ class NatsSourceConfig(NatsConnectionConfig):
 
     ``format``: ``json`` turns each payload, a JSON object, into a row. With ``columns`` declared
     (``{"id": "int64 not null", "name": "string"}``, Arrow type names) whole batches are parsed by
-    Arrow at once; a payload that parses as JSON but does not fit them is handed to the pipeline as
-    a JSON row, whose schema and bad-row policy decide (dead-letter or halt). Without ``columns``
-    each payload is decoded with ``json.loads`` and the pipeline infers or applies the schema.
-    ``bytes`` hands the columns of :data:`RAW_SCHEMA` (subject, data, headers, timestamp, stream,
-    sequence). ``on_malformed`` decides what happens to a payload that cannot become a row (not
-    JSON, not an object): ``halt`` raises a DataError naming stream and sequence; ``dead_letter``
-    hands the raw payload to the pipeline's dead-letter route and reads on.
+    Arrow at once; a payload that is a JSON object but does not fit them is malformed (below), as
+    one that is not JSON. Without ``columns`` each payload is decoded on its own and the pipeline
+    infers or applies the schema. ``bytes`` hands the columns of :data:`RAW_SCHEMA` (subject, data,
+    headers, timestamp, stream, sequence). ``on_malformed`` decides what happens to a payload that
+    cannot become a row (not JSON, not an object, not fitting the declared columns): ``halt`` raises
+    a DataError naming stream and sequence; ``dead_letter`` hands the raw payload to the pipeline's
+    dead-letter route and reads on.
 
     ``ack_wait`` is the consumer's redelivery timeout; the session keeps every delivered message it
     has not acknowledged alive with ``+WPI`` well within it, so a sink that blocks for longer causes

@@ -495,3 +495,55 @@ def test_bounded_source_refuses_a_bookmark_of_another_incarnation(
 
     with pytest.raises(IncarnationChanged):
         run(pages())
+
+
+def test_declared_columns_parse_batches_and_name_values_that_do_not_fit(
+    kafka_bootstrap: str, topic: str, unique_name: Any
+) -> None:
+    columns = {"id": "int64", "name": "string"}
+    values = [json.dumps({"id": i, "name": f"n{i}"}).encode() for i in range(40)]
+    values[9] = b'{"id": "nine", "name": "n9"}'  # partition 1, offset 2: an object of the wrong type
+    produce(kafka_bootstrap, topic, values)
+    with pytest.raises(ValueError, match="format json"):
+        config(kafka_bootstrap, topic, "g", format="text", columns=columns)
+    cfg = config(kafka_bootstrap, topic, unique_name("group"), columns=columns, on_malformed="dead_letter")
+    assert KafkaStreamSource(cfg).capabilities().columns == ("id", "name")
+
+    async def scenario() -> None:
+        sink, _ = await read_closed(cfg)
+        assert sorted(row["id"] for row in sink.all_rows()) == [i for i in range(40) if i != 9]
+        [rejected] = sink.rejected
+        assert "does not fit the declared columns" in rejected.reason
+        assert rejected.where == f"topic {topic} partition 1 offset 2"
+        halting = config(kafka_bootstrap, topic, unique_name("group"), columns=columns)
+        session = await open_session(halting)
+        try:
+            with pytest.raises(DataError) as raised:
+                await read_once(session)
+            assert raised.value.where == f"topic {topic} partition 1 offset 2"
+        finally:
+            await session.close()
+
+    run(scenario())
+
+
+def test_consumes_ahead_only_what_the_read_delivers(
+    kafka_bootstrap: str, topic: str, unique_name: Any
+) -> None:
+    """Small consume batches, each overlapping the next: a records limit still ends the read exactly,
+    and the next read goes on from there without a gap or a repeat."""
+    produce(kafka_bootstrap, topic, [json.dumps({"id": i}).encode() for i in range(60)])
+    cfg = config(kafka_bootstrap, topic, unique_name("group"), batch_size=4)
+
+    async def scenario() -> None:
+        session = await open_session(cfg)
+        try:
+            first, _ = await read_once(session, ReadLimits(records=23, idle=1.0))
+            second, _ = await read_once(session, ReadLimits(idle=1.0))
+        finally:
+            await session.close()
+        ids = [row["id"] for row in first.all_rows()]
+        assert len(ids) == 23
+        assert sorted(ids + [row["id"] for row in second.all_rows()]) == list(range(60))
+
+    run(scenario())
