@@ -233,12 +233,7 @@ def tick_health(
         None if healthy else stall_of(stream, lease_seconds, failure=failure, lost=lost, cut_short=cut_short)
     )
     if certificates:
-        rows = sum(sum(certificate.row_counts.values()) for certificate in certificates)
-        context.log.info(
-            f"stream {stream}: certified {len(certificates)} epochs "
-            f"({certificates[0].sequence} to {certificates[-1].sequence}), {rows} rows; "
-            f"lag {describe_lag(certificates[-1].lag)}"
-        )
+        context.log.info(f"stream {stream}: {describe_certified(certificates)}")
     if stall is None:
         if not certificates:
             return TickHealth()
@@ -252,6 +247,16 @@ def tick_health(
             context.instance.report_runless_asset_event(evaluation)
         return TickHealth()
     return TickHealth((evaluation,), stall.describe())
+
+
+def describe_certified(certificates: Sequence[EpochCertificate]) -> str:
+    """What a tick reported, for people: ``certified 3 epochs (12 to 14), 13500 rows; lag ...``."""
+    rows = sum(sum(certificate.row_counts.values()) for certificate in certificates)
+    epochs = "1 epoch" if len(certificates) == 1 else f"{len(certificates)} epochs"
+    return (
+        f"certified {epochs} ({certificates[0].sequence} to {certificates[-1].sequence}), {rows} rows; "
+        f"lag {describe_lag(certificates[-1].lag)}"
+    )
 
 
 def describe_lag(lag: Sequence[SourceLag]) -> str:

@@ -312,6 +312,7 @@ class EpochPipeline(StreamRecordSink):
         self._digest = EpochDigest()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
+        self._bytes = 0
         self._closed = False
 
     @property
@@ -322,6 +323,11 @@ class EpochPipeline(StreamRecordSink):
     def rows_written(self) -> int:
         """Rows of this epoch handed to the sink so far (dead letters not included)."""
         return sum(self._row_counts.values())
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the Arrow batches of this epoch handed to the sink so far."""
+        return self._bytes
 
     @property
     def has_evidence(self) -> bool:
@@ -532,6 +538,7 @@ class EpochPipeline(StreamRecordSink):
         check_batch(batch, schema, builder.converter.required)
         self._digest.add(batch)
         self._row_counts[builder.resource] += converted.batch.num_rows
+        self._bytes += converted.batch.nbytes
         await self._writer.submit(batch)
 
     async def _reject(
