@@ -289,7 +289,7 @@ def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) ->
     @dg.asset_check(
         asset=key,
         name=HEALTH_CHECK,
-        description="The stream certifies epochs: not halted, uncertain, cut short or waiting on a lease.",
+        description="The stream certifies epochs: not halted, uncertain or waiting on a lease.",
     )
     def _check() -> dg.AssetCheckResult:
         with StateStore(stream.state_url) as store:
@@ -488,7 +488,6 @@ def _tick(
     else:
         skip = "a previous tick is still running this stream's epochs"
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
-    cut_short = handle.runner.cut_short
     health = tick_health(
         context,
         stream.name,
@@ -497,7 +496,6 @@ def _tick(
         certificates,
         failure=failure,
         lost=lost,
-        cut_short=cut_short,
     )
     if failure is not None:
         if not certificates:
