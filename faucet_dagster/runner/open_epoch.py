@@ -11,10 +11,12 @@ takes; its rows reach the sink as they are read (a transactional sink holds them
 invisible until the commit), so memory stays bounded by the pipeline's batches, never by the transaction.
 
 Bounds: the open epoch stops reading at the first safe boundary after ``limits.records`` rows or
-``limits.bytes`` bytes (it is *full*), and waits for a tick; nothing is dropped. A tick that sealed a full
-epoch seals the next one too, within its budget, so a backlog drains at the speed the source and the sink
-allow. A reader that no tick asked anything for ``stop_after`` seconds (the sensor was stopped, the
-daemon ticks another process) aborts its open epoch and stops, and the runner gives its lease up.
+``limits.bytes`` bytes (it is *full*), and waits for a tick; nothing is dropped. One open for
+``MAX_OPEN_SECONDS`` is sealed without waiting for a tick (the next tick reports it). A tick that
+sealed a full epoch seals the next one too, within its budget, so a backlog drains at the speed the
+source and the sink allow. A reader that no tick asked anything for ``stop_after`` seconds (the
+sensor was stopped, the daemon ticks another process) aborts its open epoch and stops, and the runner
+gives its lease up.
 
 Nothing here changes what is certified: the seal, commit and certificate are the runner's single commit
 order, and an open epoch that dies with its process is rolled back and replayed from the certified
@@ -33,6 +35,11 @@ READ_SLICE_SECONDS = 1.0
 the read in progress to reach its boundary."""
 READ_IDLE_SECONDS = 0.5
 """A read of an open epoch with nothing new returns after this long (or the stream's ``idle``)."""
+MAX_OPEN_SECONDS = 60.0
+"""An open epoch no tick sealed for this long is sealed by the reader itself at its next boundary (and
+reported by the next tick), so a destination transaction never sits open longer, whatever the sensor's
+interval (a PostgreSQL destination ends transactions idle for ``idle_in_transaction_session_timeout``,
+120 s by default)."""
 EMPTY_READ_PAUSE = 0.2
 """Seconds an open epoch waits after a read that returned nothing (a source that returns at once when it
 cannot deliver more, such as a full acknowledgement window) before it reads again."""
@@ -171,7 +178,8 @@ class EpochClock:
                 break
             recovering = bool(recover_to) and not reaches(coverage, recover_to)
             self.phase = "recovering" if recovering else "reading"
-            if reads and not recovering and self.requested > self._sealing:
+            due = self.requested > self._sealing or loop.time() - self.since >= MAX_OPEN_SECONDS
+            if reads and not recovering and due:
                 self._sealing = self.requested
                 self.full = self.slice(pipeline) is None
                 self.phase = "committing"
