@@ -313,6 +313,7 @@ class EpochPipeline(StreamRecordSink):
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
         self._bytes = 0
+        self._read = 0
         self._closed = False
 
     @property
@@ -323,6 +324,11 @@ class EpochPipeline(StreamRecordSink):
     def rows_written(self) -> int:
         """Rows of this epoch handed to the sink so far (dead letters not included)."""
         return sum(self._row_counts.values())
+
+    @property
+    def rows_read(self) -> int:
+        """Rows the source wrote into this epoch so far (some may still wait in a builder)."""
+        return self._read
 
     @property
     def bytes_written(self) -> int:
@@ -348,6 +354,7 @@ class EpochPipeline(StreamRecordSink):
             raise IntegrityError(f"{count} rows came with {len(identities)} identities", where=str(domain))
         if count == 0:
             return
+        self._read += count
         state = self._domain(domain)
         state.accept_rows(identities.positions[0], identities.positions[-1])
         name = resource or domain.resource

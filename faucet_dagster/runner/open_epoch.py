@@ -138,7 +138,7 @@ class EpochClock:
         self.changed()
 
     def pending(self, now: float) -> Pending:
-        rows = 0 if self.pipeline is None else self.pipeline.rows_written
+        rows = 0 if self.pipeline is None else self.pipeline.rows_read
         return Pending(self.phase, self.epoch, rows, max(0.0, now - self.since))
 
     def idle_too_long(self, now: float) -> bool:
