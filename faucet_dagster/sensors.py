@@ -104,11 +104,12 @@ AssetKeyLike = dg.AssetKey | str | Sequence[str]
 class FaucetStream:
     """One continuous stream: read ``resources`` from ``source``, write them to ``sink`` with ``policy``.
 
-    ``schemas`` declares resources' schemas (others are inferred). ``limits`` are each epoch's read
-    targets (by default an epoch ends at the first safe boundary after 50,000 records, 1 s idle or
-    10 s). ``state_url`` selects the state store (default: ``$FAUCET_STATE_URL``, else a SQLite file
-    under ``$DAGSTER_HOME``). ``lease_seconds`` is how long a worker that died without releasing
-    the stream holds it up (a live one renews its lease in the background).
+    ``schemas`` declares resources' schemas (others are inferred). ``limits.records`` and
+    ``limits.bytes`` bound the open epoch between ticks (by default it stops reading at the first safe
+    boundary after 50,000 records until a tick seals it). ``state_url`` selects the state store
+    (default: ``$FAUCET_STATE_URL``, else a SQLite file under ``$DAGSTER_HOME``). ``lease_seconds`` is
+    how long a worker that died without releasing the stream holds it up (a live one renews its lease
+    in the background).
     """
 
     name: str
