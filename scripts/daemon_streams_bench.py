@@ -34,10 +34,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=300)
     parser.add_argument("--rate", type=int, default=450)
     parser.add_argument("--interval", type=int, default=30)
+    parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
     args = parser.parse_args()
     daemon_test.RATE = args.rate
     postgres, nats_server = PostgresServer.from_env().start(), NatsServer.from_env().start()
     try:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True)
+            return run(args.keep, postgres, nats_server, args)
         with tempfile.TemporaryDirectory(prefix="faucet-daemon-bench-") as tmp:
             return run(Path(tmp), postgres, nats_server, args)
     finally:
