@@ -369,8 +369,9 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         state_url=replication.state_url,
         epoch_records=1,
         batch_rows=500,
-        # Longer than a tick waits for a lease about to expire (runner.lease.HANDOVER_WAIT_SECONDS).
-        lease_seconds=12,
+        # Longer than a tick waits for a lease about to expire (runner.lease.HANDOVER_WAIT_SECONDS),
+        # with room for a loaded machine between the kill and the first tick.
+        lease_seconds=25,
     )
     report = tmp_path / "fault-report.jsonl"
     worker = WorkerProcess(
@@ -406,7 +407,7 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         # The killed worker's lease is still live: the tick reports its certificate and runs nothing.
         ticker.tick()
         assert ticker.reported == [1] and len(replication.store.certificates(replication.name)) == 1
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 45
         while (status := replication.store.status(replication.name)[0]).lease_seconds_left is not None and (
             status.lease_seconds_left > 0
         ):
