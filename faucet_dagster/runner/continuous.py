@@ -101,9 +101,10 @@ LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
 MIN_FINISH_RESERVE = 0.5
 """Seconds of a call's budget always kept for sealing, committing, certifying and acknowledging."""
-HANDOVER_SEAL_SECONDS = 3.0
+HANDOVER_SEAL_SECONDS = 1.5
 """How long a hand-over waits for the open epoch to reach a boundary and be certified before it
-interrupts it (its rows are then read again by the next owner)."""
+interrupts it (its rows are then read again by the next owner). Well inside the time a newer worker
+waits for the hand-over (``lease.HANDOVER_WAIT_SECONDS``, or its tick's budget if shorter)."""
 LEASE_MARGIN = 0.5
 """Seconds of a tick kept after the first lease attempt, to report its outcome."""
 
