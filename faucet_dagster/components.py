@@ -229,12 +229,17 @@ class StreamSchemaModel(dg.Model, _Located):
 
 
 class StreamEpochModel(dg.Model, _Located):
-    """Targets for where an epoch ends: the first safe boundary after any of them is reached."""
+    """How big an epoch gets. Under the sensor, an epoch is sealed by a tick, and ``records`` and
+    ``bytes`` bound the open epoch between ticks (it stops reading at the first safe boundary after
+    either, until a tick seals it); ``idle_seconds`` and ``age_seconds`` cap each read into it (at
+    most 0.5 s idle, 1 s long)."""
 
-    records: Annotated[int | None, _field("Records an epoch.")] = DEFAULT_EPOCH_LIMITS.records
-    bytes: Annotated[int | None, _field("Bytes an epoch.")] = DEFAULT_EPOCH_LIMITS.bytes
+    records: Annotated[int | None, _field("Records an open epoch holds at most.")] = (
+        DEFAULT_EPOCH_LIMITS.records
+    )
+    bytes: Annotated[int | None, _field("Bytes an open epoch holds at most.")] = DEFAULT_EPOCH_LIMITS.bytes
     idle_seconds: Annotated[float | None, _field("Seconds without a record.")] = DEFAULT_EPOCH_LIMITS.idle
-    age_seconds: Annotated[float | None, _field("Seconds since the epoch began.")] = DEFAULT_EPOCH_LIMITS.age
+    age_seconds: Annotated[float | None, _field("Seconds since the read began.")] = DEFAULT_EPOCH_LIMITS.age
 
 
 class StreamModel(dg.Model, _Located):

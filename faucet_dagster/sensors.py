@@ -1,44 +1,48 @@
-"""Continuous streams as Dagster sensors: every tick runs epochs and reports their certificates.
+"""Continuous streams as Dagster sensors: each tick seals the open epoch, certifies it, reports it.
 
 Declare a :class:`FaucetStream` (source and sink endpoints, resources, policy) and turn it into
 definitions with :func:`build_stream_defs` (the sink asset, its certificate check and the sensor), or
 into the sensor alone with :func:`faucet_stream_sensor`.
 
-A tick:
+Between ticks, the stream's runner reads into its open epoch in the background of the code server
+process (:mod:`faucet_dagster.runner.open_epoch`). A tick:
 
 1. reads the cursor (``{"reported_through": N}``): Dagster received the reports of certificates up
    to ``N``; the state store's report mark is moved there (a fresh cursor starts from that mark);
-2. runs epochs (:meth:`~faucet_dagster.runner.continuous.StreamRunner.run_epochs`) within a budget
-   (:func:`tick_budget`): each epoch is committed, certified in the state store and acknowledged
-   before the next begins, all inside the budget;
+2. asks the runner to seal the open epoch at its next safe boundary and waits, within a budget
+   (:func:`tick_budget`), until it is committed, certified and acknowledged (and the next ones too
+   while the epochs sealed are full: a backlog); the first tick of a process starts the reader. An
+   epoch inside a source transaction stays open until the transaction ends, over as many ticks as
+   that takes;
 3. returns one ``AssetMaterialization`` of the sink asset per certificate after ``N`` (the ones
    certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
    new cursor. Dagster stores the events and the cursor together, so each certificate is reported
-   once. The tick's ``faucet_stream_health`` evaluation passes when it certified and fails, with the
+   once. The tick's reason (Dagster shows a tick without run requests by it) says what it did:
+   ``certified 3 epochs (12 to 14), 13500 rows; lag ...``, what is still open, or why the stream
+   stalled. The tick's ``faucet_stream_health`` evaluation passes when it certified and fails, with the
    reason and the operator's remedy, when the stream stalled (:mod:`faucet_dagster.stream_health`).
 
-The runner (its open source and sink sessions and its lease) is cached per code-server process,
-behind a lock per stream: ticks run on different threads, and a tick that finds the previous one
-still running reports what is certified and skips running epochs. The cache is an optimisation: all
-positions, sequences and leases are read from the state store when a runner opens its sessions.
+The runner (its open source and sink sessions, its open epoch and its lease) is cached per code-server
+process, behind a lock per stream: ticks run on different threads, and a tick that finds the previous
+one still running reports what is certified and skips. The cache is an optimisation: all positions,
+sequences and leases are read from the state store when a runner opens its sessions, and an open epoch
+lost with its process is rolled back and read again by the next owner.
 
 The runner's lease is short (15 s by default) and renewed in the background on the process's event
 loop while the process lives. A process that stops (the daemon replacing its code server, a reload,
 SIGTERM, Ctrl-C, a normal exit) closes its runners before the interpreter's thread pools shut down, so
-each lease is released; a newer process that finds a live lease asks its holder to hand over and takes
-the stream within seconds. Another worker holding the stream's live lease otherwise makes a tick skip
-(that worker runs the stream). A stream marked uncertain fails every tick until an operator runs
-``faucet streams release``.
+each lease is released; a newer process that finds a live lease asks its holder to hand over (the
+holder seals its open epoch if it can, within seconds) and takes the stream. Another worker holding
+the stream's live lease otherwise makes a tick skip (that worker runs the stream). A reader no tick
+reached for ``READER_STOP_SECONDS`` (or four intervals) stops and releases its lease. A stream marked
+uncertain fails every tick until an operator runs ``faucet streams release``.
 """
 
-import atexit
 import json
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +67,13 @@ from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.continuous import (
     DEFAULT_EPOCH_LIMITS,
     DEFAULT_LEASE_SECONDS,
-    StreamRunner,
     StreamSpec,
 )
-from faucet_dagster.runner.loop import BackgroundLoop
+from faucet_dagster.runner.open_epoch import Pending
 from faucet_dagster.state import StateStore
 from faucet_dagster.stream_health import (
     HEALTH_CHECK,
+    describe_certified,
     health_evaluation,
     lag_metadata,
     metadata_table,
@@ -78,6 +82,7 @@ from faucet_dagster.stream_health import (
     tick_health,
     uncertain_stall,
 )
+from faucet_dagster.stream_runners import cached_runner, close_cached_streams, stream_loop
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,9 @@ DEFAULT_SENSOR_TIMEOUT = 60.0
 MAX_TICK_BUDGET = 10.0
 MIN_TICK_BUDGET = 2.0
 EXIT_CLOSE_SECONDS = 10.0
+READER_STOP_SECONDS = 60.0
+"""A stream's reader stops (rolling its open epoch back, releasing its lease) when no tick came for this
+long, or four sensor intervals if longer: the sensor was stopped, or the daemon ticks another process."""
 """How long a stopping process waits for its streams to close before it exits anyway."""
 CERTIFICATE_CHECK = "faucet_epoch_certificate"
 MAX_REPORTS_PER_TICK = 500
@@ -99,13 +107,14 @@ AssetKeyLike = dg.AssetKey | str | Sequence[str]
 class FaucetStream:
     """One continuous stream: read ``resources`` from ``source``, write them to ``sink`` with ``policy``.
 
-    ``schemas`` declares resources' schemas (others are inferred). ``limits`` are each epoch's read
-    targets (by default an epoch ends at the first safe boundary after 50,000 records, 1 s idle or
-    10 s). ``state_url`` selects the state store (default: ``$FAUCET_STATE_URL``, else a SQLite file
-    under ``$DAGSTER_HOME``). ``lease_seconds`` is how long a worker that died without releasing
-    the stream holds it up (a live one renews its lease in the background). ``workers`` above 1 runs
-    the stream in that many long-running Dagster runs (:mod:`faucet_dagster.stream_workers`), its
-    partitions divided into ``groups`` partition groups (default: ``workers``; fixed once certified).
+    ``schemas`` declares resources' schemas (others are inferred). ``limits.records`` and
+    ``limits.bytes`` bound the open epoch between ticks (by default it stops reading at the first safe
+    boundary after 50,000 records until a tick seals it). ``state_url`` selects the state store
+    (default: ``$FAUCET_STATE_URL``, else a SQLite file under ``$DAGSTER_HOME``). ``lease_seconds`` is
+    how long a worker that died without releasing the stream holds it up (a live one renews its lease
+    in the background). ``workers`` above 1 runs the stream in that many long-running Dagster runs
+    (:mod:`faucet_dagster.stream_workers`), its partitions divided into ``groups`` partition groups
+    (default: ``workers``; fixed once certified).
     """
 
     name: str
@@ -222,7 +231,7 @@ def faucet_stream_sensor(
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=streams_sharing)
-        return _tick(context, stream, key, budget)
+        return _tick(context, stream, key, budget, max(READER_STOP_SECONDS, 4.0 * minimum_interval_seconds))
 
     return _sensor
 
@@ -319,7 +328,7 @@ def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) ->
     @dg.asset_check(
         asset=key,
         name=HEALTH_CHECK,
-        description="The stream certifies epochs: not halted, uncertain, cut short or waiting on a lease.",
+        description="The stream certifies epochs: not halted, uncertain or waiting on a lease.",
     )
     def _check() -> dg.AssetCheckResult:
         with StateStore(stream.state_url) as store:
@@ -463,108 +472,6 @@ def certificate_events(
 # -- the tick ----------------------------------------------------------------------------------
 
 
-@dataclass
-class _StreamHandle:
-    """A stream's cached runner and store in this process; ``lock`` is held while epochs run."""
-
-    runner: StreamRunner
-    store: StateStore
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-_handles: dict[tuple[str, str | None], _StreamHandle] = {}
-_handles_lock = threading.Lock()
-_background: BackgroundLoop | None = None
-
-
-def _loop() -> BackgroundLoop:
-    """The process's event loop for stream sessions (created on first use)."""
-    global _background
-    with _handles_lock:
-        if _background is None:
-            _background = BackgroundLoop("faucet-streams")
-            _at_interpreter_exit(_close_at_exit)
-        return _background
-
-
-def _at_interpreter_exit(callback: Callable[[], None]) -> None:
-    """Call ``callback`` when the interpreter begins to exit, before its thread pools shut down.
-
-    ``atexit`` runs too late: by then ``concurrent.futures`` refuses new work ("cannot schedule new
-    futures after interpreter shutdown"), and every close needs the loop's executor for the state
-    store. ``threading._register_atexit`` callbacks run first, newest first, before non-daemon threads
-    (a code server's gRPC pool) are joined; ``atexit`` is the fallback where it does not exist.
-    """
-    register: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no threading._register_atexit")
-        register(callback)
-    except RuntimeError:  # missing, or the interpreter is exiting already
-        atexit.register(callback)
-
-
-def _handle(stream: FaucetStream, resources: Any) -> _StreamHandle:
-    """The cached runner of ``stream`` in this process, created (without I/O) on first use."""
-    key = (stream.name, stream.state_url)
-    with _handles_lock:
-        handle = _handles.get(key)
-        if handle is None:
-            store = StateStore(stream.state_url)
-            handle = _StreamHandle(StreamRunner(stream.build_spec(resources), store), store)
-            _handles[key] = handle
-        return handle
-
-
-def close_cached_streams(timeout: float | None = None) -> None:
-    """Close every runner cached in this process and forget it (tests, shutdown).
-
-    Each close interrupts a running read, waits for the epoch in progress, joins its sessions and
-    gives its lease up, so another worker takes the stream over at once. Every runner is closed even
-    when one close fails (each failure is logged with its stream); then the first failure is raised
-    (an :class:`UncertainOutcome` has marked its stream uncertain by then). With ``timeout``, the
-    closes that have not finished by then are abandoned and logged (their leases expire).
-    """
-    loop = _background
-    with _handles_lock:
-        handles = list(_handles.items())
-        _handles.clear()
-    for _, handle in handles:
-        handle.runner.cancel()
-    ends = None if timeout is None else time.monotonic() + timeout
-    failures: list[FaucetError] = []
-    for (name, _), handle in handles:
-        left = None if ends is None else max(0.0, ends - time.monotonic())
-        if not handle.lock.acquire(timeout=-1 if left is None else left):
-            logger.error("faucet stream %s: a tick still runs; not closed (its lease expires)", name)
-            continue
-        try:
-            if loop is not None:
-                left = None if ends is None else max(0.0, ends - time.monotonic())
-                loop.run(handle.runner.close(), timeout=left)
-        except FaucetError as exc:
-            logger.error("closing faucet stream %s failed: %s", name, exc)
-            failures.append(exc)
-        except TimeoutError:
-            logger.error("faucet stream %s did not close in %.0fs; its lease expires", name, timeout)
-            handle.lock.release()
-            continue  # the abandoned close may still use the store
-        handle.lock.release()
-        handle.store.close()
-    if failures:
-        raise failures[0]
-
-
-def _close_at_exit() -> None:
-    try:
-        close_cached_streams(timeout=EXIT_CLOSE_SECONDS)
-    except FaucetError:
-        pass  # logged with its stream by close_cached_streams; at exit there is no caller to tell
-    finally:
-        if _background is not None:
-            _background.close()
-
-
 def parse_cursor(cursor: str | None) -> int | None:
     """The certificate sequence Dagster received reports up to, from a tick cursor (None: no cursor)."""
     if not cursor:
@@ -586,9 +493,13 @@ def format_cursor(reported_through: int) -> str:
 
 
 def _tick(
-    context: dg.SensorEvaluationContext, stream: FaucetStream, asset_key: dg.AssetKey, budget: float
+    context: dg.SensorEvaluationContext,
+    stream: FaucetStream,
+    asset_key: dg.AssetKey,
+    budget: float,
+    stop_after: float | None = None,
 ) -> dg.SensorResult:
-    handle = _handle(stream, context.resources)
+    handle = cached_runner(stream.name, stream.state_url, lambda: stream.build_spec(context.resources))
     store = handle.store
     confirmed = parse_cursor(context.cursor)
     if confirmed is None:
@@ -598,24 +509,24 @@ def _tick(
         reported = confirmed
     failure: FaucetError | None = None
     lost: OwnershipLost | None = None
-    skip = "no new certified epoch"
+    skip = "no new certified epoch: the source had nothing new"
+    pending: Pending | None = None
     if handle.lock.acquire(blocking=False):
         try:
-            _loop().run(handle.runner.run_epochs(budget))
+            pending = stream_loop().run(handle.runner.tick(budget, stop_after=stop_after))
         except OwnershipLost as exc:
             lost = exc
             skip = f"another worker runs this stream: {exc}"
         except FaucetError as exc:
             failure = exc
         else:
-            if handle.runner.cut_short is not None:
-                skip = handle.runner.cut_short.describe()
+            if pending is not None:
+                skip = pending.describe()
         finally:
             handle.lock.release()
     else:
         skip = "a previous tick is still running this stream's epochs"
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
-    cut_short = handle.runner.cut_short
     health = tick_health(
         context,
         stream.name,
@@ -624,7 +535,6 @@ def _tick(
         certificates,
         failure=failure,
         lost=lost,
-        cut_short=cut_short,
     )
     if failure is not None:
         if not certificates:
@@ -638,8 +548,9 @@ def _tick(
         events.extend(certificate_events(certificate, asset_key))
     events.extend(health.events)
     cursor = format_cursor(certificates[-1].sequence if certificates else reported)
-    skip = health.skip or skip
-    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=None if certificates else skip)
+    if certificates:  # Dagster shows a tick without run requests by its skip reason: say what it did
+        skip = describe_certified(certificates) + ("" if pending is None else f"; {pending.describe()}")
+    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=health.skip or skip)
 
 
 __all__ = [

@@ -5,7 +5,7 @@
   rows per second) and Dagster's standard table keys a stream can state exactly;
 * :func:`tick_health`: the ``faucet_stream_health`` evaluation of a tick, passing when it certified,
   failing with the reason and the operator's remedy when the stream stalled (:class:`Stall`: halted on
-  an error, uncertain, waiting on a lease, cut short by the budget), and the tick's log lines.
+  an error, uncertain, waiting on a lease), and the tick's log lines.
 """
 
 import contextlib
@@ -19,7 +19,6 @@ import dagster as dg
 from dagster._core.definitions.metadata import TableMetadataSet
 
 from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, OwnershipLost, SourceLag
-from faucet_dagster.runner.continuous import CutShort
 
 HEALTH_CHECK = "faucet_stream_health"
 
@@ -141,12 +140,12 @@ def stall_of(
     *,
     failure: FaucetError | None = None,
     lost: OwnershipLost | None = None,
-    cut_short: CutShort | None = None,
 ) -> Stall | None:
-    """The stall a tick's outcome means (None: the stream is healthy or merely idle).
+    """The stall a tick's outcome means (None: the stream is healthy, idle, or inside a source
+    transaction that spans ticks).
 
-    A failure halts the stream (ERROR, remedy by the error's kind); a lease another worker holds, or an
-    epoch the budget cut short, holds it up (WARN).
+    A failure halts the stream (ERROR, remedy by the error's kind); a lease another worker holds
+    holds it up (WARN).
     """
     if failure is not None:
         remedy = _REMEDIES.get(failure.kind, "read the error; the next tick runs the stream again")
@@ -161,12 +160,6 @@ def stall_of(
             "none while that worker runs (its certificates are reported here); if that process is gone, "
             f"the lease expires by itself within lease_seconds ({lease_seconds:.0f}s), or run "
             f"`faucet streams release {stream}` to take over at once (fencing stops the old worker)",
-            dg.AssetCheckSeverity.WARN,
-        )
-    if cut_short is not None:
-        return Stall(
-            cut_short.describe(),
-            "give the stream a larger budget (budget_seconds, DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS)",
             dg.AssetCheckSeverity.WARN,
         )
     return None
@@ -218,7 +211,6 @@ def tick_health(
     *,
     failure: FaucetError | None,
     lost: OwnershipLost | None,
-    cut_short: CutShort | None,
 ) -> TickHealth:
     """Log what the tick certified (epochs, rows, lag) and say whether the stream stalled.
 
@@ -229,16 +221,9 @@ def tick_health(
     """
     # Certificates reported mean progress, whoever certified them; a failure after them still halts.
     healthy = bool(certificates) and failure is None
-    stall = (
-        None if healthy else stall_of(stream, lease_seconds, failure=failure, lost=lost, cut_short=cut_short)
-    )
+    stall = None if healthy else stall_of(stream, lease_seconds, failure=failure, lost=lost)
     if certificates:
-        rows = sum(sum(certificate.row_counts.values()) for certificate in certificates)
-        context.log.info(
-            f"stream {stream}: certified {len(certificates)} epochs "
-            f"({certificates[0].sequence} to {certificates[-1].sequence}), {rows} rows; "
-            f"lag {describe_lag(certificates[-1].lag)}"
-        )
+        context.log.info(f"stream {stream}: {describe_certified(certificates)}")
     if stall is None:
         if not certificates:
             return TickHealth()
@@ -252,6 +237,16 @@ def tick_health(
             context.instance.report_runless_asset_event(evaluation)
         return TickHealth()
     return TickHealth((evaluation,), stall.describe())
+
+
+def describe_certified(certificates: Sequence[EpochCertificate]) -> str:
+    """What a tick reported, for people: ``certified 3 epochs (12 to 14), 13500 rows; lag ...``."""
+    rows = sum(sum(certificate.row_counts.values()) for certificate in certificates)
+    epochs = "1 epoch" if len(certificates) == 1 else f"{len(certificates)} epochs"
+    return (
+        f"certified {epochs} ({certificates[0].sequence} to {certificates[-1].sequence}), {rows} rows; "
+        f"lag {describe_lag(certificates[-1].lag)}"
+    )
 
 
 def describe_lag(lag: Sequence[SourceLag]) -> str:

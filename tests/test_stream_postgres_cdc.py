@@ -369,8 +369,9 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         state_url=replication.state_url,
         epoch_records=1,
         batch_rows=500,
-        # Longer than a tick waits for a lease about to expire (runner.lease.HANDOVER_WAIT_SECONDS).
-        lease_seconds=12,
+        # Longer than a tick waits for a lease about to expire (runner.lease.HANDOVER_WAIT_SECONDS),
+        # with room for a loaded machine between the kill and the first tick.
+        lease_seconds=25,
     )
     report = tmp_path / "fault-report.jsonl"
     worker = WorkerProcess(
@@ -406,7 +407,7 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         # The killed worker's lease is still live: the tick reports its certificate and runs nothing.
         ticker.tick()
         assert ticker.reported == [1] and len(replication.store.certificates(replication.name)) == 1
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 45
         while (status := replication.store.status(replication.name)[0]).lease_seconds_left is not None and (
             status.lease_seconds_left > 0
         ):
@@ -422,52 +423,6 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
     written = sum(receipt.rows_written for c in certificates for receipt in c.receipts)
     skipped_rows = sum(receipt.rows_skipped for c in certificates for receipt in c.receipts)
     assert (written, skipped_rows) == (1 + 100_001 + 10 + 1, 0), "nothing lost, nothing applied twice"
-
-
-# -- a transaction larger than a tick can read ----------------------------------------------------------
-
-
-def test_a_transaction_larger_than_a_tick_is_reported_and_replicated_once_the_budget_allows(
-    replication: Replication,
-) -> None:
-    tables = ("lines",)
-    replication.execute(LINES)
-    connection = FaucetConnection(connector="postgres", config=replication.source_config(tables))
-    assert connection.setup_replication()["slot_created"]
-    stream = replication.stream(tables)
-    with dg.instance_for_test() as instance:
-        roomy = Ticker(stream, instance, budget=30)
-        roomy.tick()  # opens the sessions: the short tick below spends its budget reading
-        replication.execute("INSERT INTO lines SELECT g / 100, g % 100, g FROM generate_series(0, 399999) g")
-        short = Ticker(stream, instance, budget=1.0)
-        short.cursor = roomy.cursor
-
-        def reported() -> str:
-            """Short ticks until one reports the transaction. A tick that did not even reach it (the
-            server still decoding it, slow on a loaded machine) says "no new certified epoch": the
-            next tick gets twice the budget, still far below what reading 400 000 rows takes."""
-            nonlocal short
-            for _ in range(8):
-                result = short.tick()
-                assert not [e for e in result.asset_events if isinstance(e, dg.AssetMaterialization)]
-                assert result.skip_message is not None
-                (created,) = replication.execute("SELECT to_regclass('lines')", url=replication.target_url)
-                assert created == (None,), "nothing of the transaction is visible"
-                assert replication.store.certificates(replication.name) == []
-                if "without reaching a safe source boundary" in result.skip_message:
-                    return result.skip_message
-                assert "no new certified epoch" in result.skip_message, result.skip_message
-                longer = Ticker(stream, instance, budget=2 * short.budget)
-                longer.cursor, short = short.cursor, longer
-            raise AssertionError("short ticks never reached the transaction")
-
-        for _ in range(2):  # reported again after the rewind: a tick never certifies part of it
-            assert "larger budget" in reported()
-        roomy.cursor = short.cursor
-        roomy.until_caught_up()
-    replication.assert_identical(tables)
-    [certificate] = replication.store.certificates(replication.name)
-    assert certificate.row_counts == {"public.lines": 400_000}
 
 
 # -- the slot changed behind the stream's back ----------------------------------------------------------

@@ -343,6 +343,8 @@ class EpochPipeline(StreamRecordSink):
         self._dead_lettered: Counter[str] = Counter()
         self._refused: list[RejectedRecord] = []
         """Dead letters of rows the destination refused, withdrawn if the epoch is discarded."""
+        self._bytes = 0
+        self._read = 0
         self._closed = False
 
     @property
@@ -353,6 +355,16 @@ class EpochPipeline(StreamRecordSink):
     def rows_written(self) -> int:
         """Rows of this epoch handed to the sink so far (dead letters not included)."""
         return sum(self._row_counts.values())
+
+    @property
+    def rows_read(self) -> int:
+        """Rows the source wrote into this epoch so far (some may still wait in a builder)."""
+        return self._read
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the Arrow batches of this epoch handed to the sink so far."""
+        return self._bytes
 
     @property
     def has_evidence(self) -> bool:
@@ -373,6 +385,7 @@ class EpochPipeline(StreamRecordSink):
             raise IntegrityError(f"{count} rows came with {len(identities)} identities", where=str(domain))
         if count == 0:
             return
+        self._read += count
         state = self._domain(domain)
         state.accept_rows(identities.positions[0], identities.positions[-1])
         name = resource or domain.resource
@@ -572,6 +585,7 @@ class EpochPipeline(StreamRecordSink):
         self._digest.add(batch)
         self._row_counts[builder.resource] += converted.batch.num_rows
         routed = builder.converter.spec.on_bad_row is BadRowPolicy.DEAD_LETTER
+        self._bytes += converted.batch.nbytes
         await self._writer.submit(batch, self._route_refused if routed else None)
 
     async def _route_refused(self, batch: SinkBatch, result: PartialResult) -> None:

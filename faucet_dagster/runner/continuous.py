@@ -1,40 +1,53 @@
 """The continuous runner: epochs sealed at safe source boundaries, committed, certified, then acknowledged.
 
-:meth:`StreamRunner.run_epoch` is the single commit order of DESIGN.md section 4, in one function:
+:meth:`StreamRunner._run_epoch` is the single commit order of DESIGN.md section 4, in one function:
 
 1. hold a current lease (renewed; its fencing token is part of the epoch id);
 2. ``begin_epoch`` on the sink session;
-3. ``read`` until a safe boundary that meets the limits; the pipeline flushes and seals;
+3. ``read`` until a safe boundary: in one call until one that meets the limits (:meth:`run_epoch`), or,
+   between sensor ticks, until a tick asks for a seal (:meth:`tick`, :mod:`.open_epoch`); the pipeline
+   flushes and seals;
 4. ``commit_epoch`` -> receipts;
 5. persist the epoch certificate in the state store;
 6. ``acknowledge(coverage, authority)`` on the source session;
 7. return the certificate; reporting it to Dagster is the caller's job (the sensor reports from the
    store, which remembers what was reported). Reporting never gates the acknowledgement.
 
-Failures and interruptions:
+Two ways to drive it, never mixed on one runner:
+
+* :meth:`run_epoch` / :meth:`run_epochs`: one epoch (or several, within a budget) per call, read in
+  the call (workers, benchmarks, tests);
+* :meth:`tick`: under a sensor. The first tick starts a reader task on the runner's event loop that
+  runs epochs back to back, reading into the open epoch *between* ticks; each tick asks for a seal and
+  waits (within its budget) for the epoch to be sealed at its next safe boundary, committed, certified
+  and acknowledged. A tick lasts a seal and a commit, not a read; a source transaction spans as many
+  ticks as it needs (:mod:`.open_epoch`).
+
+Failures and interruptions (:mod:`.sessions` holds the sessions):
 
 * before 4 (read, seal, a refused commit): the epoch is aborted and the source session closed, so the
   next epoch reopens it at the certified positions (the rewind);
-* a cancelled read never counts as a finished transaction: the epoch is aborted and rewound;
+* a cancelled read never counts as a finished transaction: the epoch is aborted and rewound; a process
+  that dies with an open epoch leaves nothing of it at a transactional sink, and the next owner reads
+  it again from the certified positions;
 * between 4 and 6 (an uncertain commit, a certificate that could not be persisted): nothing is
   acknowledged and both sessions are dropped; the next open asks the sink what it last committed;
-* on every open, the sink's ``last_committed()`` is reconciled with the last certificate: a sink one
-  epoch ahead (a crash between 4 and 5) is recovered by reading again from the certified positions
-  at least to the sink's watermark; the sink suppresses the rows it already holds, as it documents,
-  and that epoch's certificate is persisted under the sequence the sink committed. A source that is
-  not deterministic (its re-read would not give the rows the sink committed: a new snapshot, say) is
-  not re-read into a sink with an atomic watermark: that epoch is certified from the sink's own
-  watermark (coverage up to it; no receipts, no rows, an empty digest) and the source opens there;
+* on every open, the sink's ``last_committed()`` is reconciled with the last certificate
+  (:func:`.recovery.reconcile`): a sink one epoch ahead (a crash between 4 and 5) is recovered by
+  reading again from the certified positions at least to the sink's watermark; the sink suppresses
+  the rows it already holds, as it documents, and that epoch's certificate is persisted under the
+  sequence the sink committed. A source that is not deterministic is not re-read into a sink with an
+  atomic watermark: that epoch is certified from the sink's own watermark (coverage up to it; no
+  receipts, no rows, an empty digest) and the source opens there;
 * a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
   lease until an operator runs ``faucet streams release``.
 
 Leases (DESIGN.md section 5, :mod:`.lease`): the lease is short (``lease_seconds``, 15 s by default)
-and renewed in the background while the runner holds it, between calls too, so a worker that dies
-(kill -9) is taken over within seconds. A hand-over request (a newer worker found the lease live)
-interrupts a running read; once the epoch in progress has ended, the sessions are closed (everything
-certified is acknowledged; the rest is replayed by the next owner) and the lease released.
-
-A :class:`StreamRunner` keeps its sessions open across calls (sensor ticks), always on one event loop.
+and renewed in the background while the runner holds it, between calls and ticks too, so a worker that
+dies (kill -9) is taken over within seconds. A hand-over request (a newer worker found the lease live)
+seals the open epoch if it reaches a boundary within ``HANDOVER_SEAL_SECONDS`` (else interrupts it);
+then the sessions are closed (everything certified is acknowledged; the rest is replayed by the next
+owner) and the lease passed on.
 
 The ``fault_point(...)`` lines mark where the fault harness (:mod:`faucet_dagster.testing.faults`)
 crashes or stops a worker; they do nothing unless a fault worker process armed one.
@@ -43,53 +56,41 @@ crashes or stops a worker; they do nothing unless a fault worker process armed o
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from faucet_dagster.pipeline import (
-    DeadLetterRoute,
-    EpochPipeline,
-    Pipeline,
-    PipelineOptions,
-    ResourceSchema,
-)
-from faucet_dagster.pipeline.schema import BadRowPolicy
+from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline, Pipeline, ResourceSchema
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import (
     CancelToken,
     Coverage,
-    Delivery,
-    DomainCoverage,
     EpochCertificate,
     EpochId,
     FaucetError,
-    IntegrityError,
-    Membership,
     Mode,
     OwnershipLost,
-    Position,
     ReadLimits,
-    RejectedRecord,
-    SinkCommitState,
     SourceLag,
-    StreamingSink,
-    StreamingSinkSession,
     StreamSession,
-    StreamSource,
     UncertainOutcome,
-    WorkerIdentity,
-    WritePolicy,
-    compare_positions,
 )
 from faucet_dagster.runner.faults import Point, fault_point
 from faucet_dagster.runner.lease import StreamLease
+from faucet_dagster.runner.open_epoch import EpochClock, Pending
+from faucet_dagster.runner.recovery import Stopwatch, merge, reaches
+from faucet_dagster.runner.sessions import StreamSessions
+from faucet_dagster.runner.spec import (
+    DEFAULT_EPOCH_LIMITS,
+    DEFAULT_LEASE_SECONDS,
+    CutShort,
+    StoreDeadLetterRoute,
+    StreamSpec,
+    default_worker_id,
+)
 from faucet_dagster.state import Lease, StateStore
 
 logger = logging.getLogger(__name__)
@@ -98,88 +99,22 @@ T = TypeVar("T")
 
 LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
-DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
-DEFAULT_LEASE_SECONDS = 15.0
 MIN_FINISH_RESERVE = 0.5
-"""Seconds of a budget always kept for sealing, committing, certifying and acknowledging."""
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """One continuous stream: its source and sink, what is read, how it is written, how epochs end.
-
-    ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
-    ``key``). ``limits`` are the per-epoch read targets. ``lease_seconds`` is how long a lease lives
-    without renewal (the runner renews it in the background every third of that): how long a
-    worker that died without releasing it holds the stream up.
-    """
-
-    name: str
-    source: StreamSource
-    sink: StreamingSink
-    resources: tuple[str, ...]
-    policy: WritePolicy = WritePolicy.APPEND
-    key: tuple[str, ...] = ()
-    schemas: Mapping[str, ResourceSchema] = field(default_factory=dict)
-    default_schema: ResourceSchema | None = None
-    delivery: Delivery | None = None
-    limits: ReadLimits = DEFAULT_EPOCH_LIMITS
-    membership: Membership = field(default_factory=Membership)
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
-
-    @property
-    def dead_letter(self) -> bool:
-        """True when some resource routes bad rows to the dead-letter route."""
-        specs = [*self.schemas.values(), self.default_schema or ResourceSchema()]
-        return any(spec.on_bad_row is BadRowPolicy.DEAD_LETTER for spec in specs)
-
-
-class StoreDeadLetterRoute(DeadLetterRoute):
-    """Dead letters kept in the state store, keyed by event identity (a replay stores nothing twice)."""
-
-    def __init__(self, store: StateStore, stream: str) -> None:
-        self._store = store
-        self._stream = stream
-
-    async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
-        await asyncio.to_thread(self._store.record_dead_letters, self._stream, epoch.sequence, records)
-
-    async def withdraw(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
-        await asyncio.to_thread(self._store.withdraw_dead_letters, self._stream, records)
-
-
-@dataclass(frozen=True)
-class CutShort:
-    """An epoch its deadline interrupted after it had read rows, before a safe boundary: nothing of it
-    was certified, and the next read starts again at the certified positions. Repeated, it means the
-    source cannot reach a boundary within one budget (a source transaction larger than a tick reads)
-    and the stream makes no progress until the budget grows."""
-
-    epoch: EpochId
-    rows: int
-    seconds: float
-
-    def describe(self) -> str:
-        return (
-            f"epoch {self.epoch.sequence} read {self.rows} rows in {self.seconds:.1f}s without reaching a "
-            "safe source boundary (an open source transaction) before the budget ended; nothing was "
-            "certified. If this repeats, one source transaction is larger than a tick can read: give "
-            "the stream a larger budget (budget_seconds, DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS)"
-        )
-
-
-def default_worker_id() -> str:
-    """A worker id unique to this process instance (a restarted process is a new worker)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+"""Seconds of a call's budget always kept for sealing, committing, certifying and acknowledging."""
+HANDOVER_SEAL_SECONDS = 1.5
+"""How long a hand-over waits for the open epoch to reach a boundary and be certified before it
+interrupts it (its rows are then read again by the next owner). Well inside the time a newer worker
+waits for the hand-over (``lease.HANDOVER_WAIT_SECONDS``, or its tick's budget if shorter)."""
+LEASE_MARGIN = 0.5
+"""Seconds of a tick kept after the first lease attempt, to report its outcome."""
 
 
 class StreamRunner:
     """Runs one stream's epochs, keeping the source and sink sessions open between calls.
 
-    Not thread-safe: one caller at a time, always on the same event loop (the sessions' clients are
-    bound to it). ``cancel`` is the exception: any thread may call it to interrupt the current read.
-    Epochs and :meth:`close` are serialized on the loop with the lease keeper, which hands the stream
+    One caller at a time, always on the same event loop (the sessions' clients are bound to it).
+    ``cancel`` is the exception: any thread may call it to interrupt the current read. Epochs, ticks'
+    reader and :meth:`close` are serialized on the loop with the lease keeper, which hands the stream
     over between two epochs. ``started`` (seconds since 1970, default: now) orders workers for
     hand-overs: a runner created later takes a stream over from a live earlier one.
     """
@@ -225,38 +160,34 @@ class StreamRunner:
             on_handover=self._hand_over,
             on_lost=self._interrupt_read,
         )
-        self._source_session: StreamSession | None = None
-        self._sink_session: StreamingSinkSession | None = None
-        self._sessions_token: int | None = None
-        self._certified: tuple[Position, ...] = ()
-        self._next_sequence = 0
-        self._recover_to: tuple[Position, ...] = ()
-        # The coverage of an epoch the sink committed before its certificate, to certify as the sink
-        # holds it: for a source whose re-read would not give the same rows (see the module docstring).
-        self._adopted: Coverage | None = None
-        self._adopts = (
-            not spec.source.capabilities().deterministic and spec.sink.capabilities().atomic_watermark
-        )
+        self._sessions = StreamSessions(spec, store, self.worker_id)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cancel: CancelToken | None = None
         self._cancel_requested = False
         self._cancel_lock = threading.Lock()
         self.cut_short: CutShort | None = None
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
-        (None: no epoch of that call was cut short)."""
+        (None: no epoch of that call was cut short; epochs read between ticks are never cut short)."""
         self._serial: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
-        self._finish_seconds = 1.0  # until measured: a fresh process's first tick keeps room too
+        self._finish_seconds = 1.0  # until measured: a fresh process's first call keeps room too
         """The slowest recent seal-to-acknowledgement time (decaying): what a budget keeps for it."""
+        self._clock = EpochClock(spec.limits)
+        self._reader: asyncio.Task[None] | None = None
+        self._reader_failure: BaseException | None = None
+        self._lease_deadline: float | None = None
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
-        nothing is certified (``run_epoch`` returns None). Thread-safe."""
+        nothing is certified (``run_epoch`` returns None); a reader between ticks stops. Thread-safe."""
+        self._clock.stopping = True
         with self._cancel_lock:
             token, loop = self._cancel, self._loop
             if token is not None and loop is not None:
                 loop.call_soon_threadsafe(token.cancel)
             else:
                 self._cancel_requested = True
+
+    # -- epochs in one call -----------------------------------------------------------------------
 
     async def run_epochs(self, budget_seconds: float) -> list[EpochCertificate]:
         """Run epochs until ``budget_seconds`` are spent or the source has nothing new.
@@ -301,23 +232,114 @@ class StreamRunner:
         (after it). ``deadline`` also bounds the wait for a hand-over.
         """
         async with self._serialized():
-            return await self._run_epoch(limits or self.spec.limits, deadline)
+            return await self._run_epoch(limits or self.spec.limits, deadline, None)
 
-    async def _run_epoch(self, limits: ReadLimits, deadline: float | None) -> EpochCertificate | None:
-        """:meth:`run_epoch`, serialized: the one commit order."""
-        timings = _Stopwatch()
+    # -- epochs that span ticks -------------------------------------------------------------------
+
+    async def tick(self, budget_seconds: float, *, stop_after: float | None = None) -> Pending | None:
+        """One sensor tick: seal the open epoch at its next safe boundary and wait, within
+        ``budget_seconds``, until it is committed, certified and acknowledged; while the epochs sealed
+        are full (a backlog), seal the next ones too. Returns None when done, or what was still
+        pending when the budget ended (the reader goes on; a later tick reports the certificate).
+
+        The first tick (and the first after a failure) starts the reader. A failure of the reader is
+        raised by the next tick, once; the tick after it starts a new reader. The reader stops when
+        no tick came for ``stop_after`` seconds (its open epoch is aborted and its lease released).
+        The certificates are in the store; the sensor reports them from there.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_seconds
+        clock = self._clock
+        clock.last_tick, clock.stop_after = loop.time(), stop_after
+        self._lease_deadline = deadline - LEASE_MARGIN
+        self.cut_short = None
+        if self._reader is None or self._reader.done():
+            failure, self._reader_failure, self._reader = self._reader_failure, None, None
+            if failure is not None:
+                raise failure
+            clock.stopping = clock.stopped_idle = False
+            clock.since = loop.time()
+            self._reader = loop.create_task(self._read_between_ticks(), name=f"faucet-read-{self.spec.name}")
+        reader = self._reader
+        while True:
+            target = clock.request()
+            while clock.served < target:
+                if reader.done():
+                    failure, self._reader_failure = self._reader_failure, None
+                    if failure is not None:
+                        raise failure
+                    return clock.pending(loop.time())
+                left = deadline - loop.time()
+                if left <= 0:
+                    return clock.pending(loop.time())
+                await clock.wait(left)
+            if not clock.full:
+                return None
+
+    async def _read_between_ticks(self) -> None:
+        """The reader: epochs back to back, each read between ticks until a tick seals it."""
+        clock = self._clock
+        try:
+            while not clock.stopping:
+                clock.phase = "starting"
+                try:
+                    async with self._serialized():
+                        await self._run_epoch(self.spec.limits, self._lease_deadline, clock)
+                finally:
+                    clock.ended()
+        except Exception as exc:  # noqa: BLE001 - handed to the next tick, which raises it
+            self._reader_failure = exc
+        finally:
+            clock.changed()
+        if clock.stopped_idle:
+            logger.warning(
+                "stream %s: no tick for %.0fs; the open epoch was rolled back and the lease released",
+                self.spec.name,
+                clock.stop_after or 0.0,
+            )
+            async with self._serialized():
+                await self._close(release=True)
+
+    async def _stop_reader(self, *, seal_within: float = 0.0) -> None:
+        """Stop the reader (if it runs, and it is not the caller): with ``seal_within``, first let the
+        open epoch be sealed and certified if that takes no longer; then interrupt it (rolled back)."""
+        reader = self._reader
+        if reader is None or reader is asyncio.current_task():
+            return
+        clock = self._clock
+        if seal_within > 0 and not reader.done():
+            loop = asyncio.get_running_loop()
+            ends, target = loop.time() + seal_within, clock.request()
+            while clock.served < target and not reader.done() and loop.time() < ends:
+                await clock.wait(ends - loop.time())
+        clock.stopping = True
+        clock.changed()
+        self._interrupt_read()
+        await asyncio.wait([reader])
+        self._reader = None
+        self._reader_failure = None
+
+    # -- the one commit order ---------------------------------------------------------------------
+
+    async def _run_epoch(
+        self, limits: ReadLimits, deadline: float | None, clock: EpochClock | None
+    ) -> EpochCertificate | None:
+        """One epoch, serialized: the one commit order. ``clock`` set: read between ticks until a
+        tick asks for the seal (:meth:`EpochClock.read`); else read in this call to the limits."""
+        timings = Stopwatch()
         started = time.perf_counter()
+        sessions = self._sessions
 
         # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
         try:
             lease = await self._lease.hold(deadline)
         except OwnershipLost as exc:
-            await self._drop_sessions(exc)
+            await sessions.drop(exc)
             raise
-        source_session, sink_session = await self._open_sessions(lease)
-        epoch = EpochId(self.spec.name, self._next_sequence, lease.fencing_token)
+        source_session, sink_session = await sessions.open(lease)
+        epoch = EpochId(self.spec.name, sessions.next_sequence, lease.fencing_token)
         timings.lap("lease")
-        adopted, self._adopted = self._adopted, None
+        adopted, sessions.adopted = sessions.adopted, None
         if adopted is not None:
             # The sink committed this epoch, no certificate names it, and the source cannot re-read it
             # exactly: steps 5 and 6 with the sink's own watermark as the coverage, nothing read.
@@ -336,11 +358,10 @@ class StreamRunner:
             )
             try:
                 await asyncio.to_thread(self.store.append_certificate, certificate, lease)
-                self._certified = _advance(self._certified, adopted)
-                self._next_sequence = epoch.sequence + 1
+                sessions.certify(epoch, adopted)
                 await source_session.acknowledge(adopted, self._authority)
             except BaseException as exc:
-                await self._drop_sessions(exc)
+                await sessions.drop(exc)
                 raise
             logger.warning("stream %s: certified %s from the destination's watermark", self.spec.name, epoch)
             return certificate
@@ -349,15 +370,20 @@ class StreamRunner:
         await self._guard(sink_session.begin_epoch(epoch), epoch, None)
         timings.lap("begin")
 
-        # 3. Read until a safe boundary that meets the limits; the pipeline flushes and seals.
-        pipeline = self._pipeline.begin(epoch, sink_session, self._certified)
-        coverage = await self._guard(self._read(source_session, pipeline, limits, deadline), epoch, pipeline)
+        # 3. Read until a safe boundary (the limits, or a tick's seal); the pipeline flushes and seals.
+        pipeline = self._pipeline.begin(epoch, sink_session, sessions.certified)
+        if clock is None:
+            reading = self._read(source_session, pipeline, limits, deadline)
+        else:
+            clock.begun(epoch, pipeline, asyncio.get_running_loop().time())
+            reading = self._read_open(clock, source_session, pipeline)
+        coverage = await self._guard(reading, epoch, pipeline)
         if coverage is None or (coverage.empty and not pipeline.has_evidence):
             # Cancelled, or nothing new: nothing to commit. A session that moved is rewound.
             cut = coverage is None and deadline is not None and asyncio.get_running_loop().time() >= deadline
-            if cut and pipeline.rows_written:
+            if clock is None and cut and pipeline.rows_written:
                 self.cut_short = CutShort(epoch, pipeline.rows_written, time.perf_counter() - started)
-            await self._abort(epoch, pipeline, rewind=pipeline.has_evidence)
+            await sessions.abort(epoch, pipeline, rewind=pipeline.has_evidence)
             return None
         read_end = time.perf_counter()
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
@@ -370,10 +396,10 @@ class StreamRunner:
             receipts = await sink_session.commit_epoch(epoch, sealed.coverage)
         except UncertainOutcome as exc:
             # It may have committed: never abort it, never acknowledge; the next open reconciles.
-            await self._drop_sessions(exc)
+            await sessions.drop(exc)
             raise
         except BaseException as exc:
-            await self._abort(epoch, pipeline, rewind=True, cause=exc)
+            await sessions.abort(epoch, pipeline, rewind=True, cause=exc)
             raise
         timings.lap("commit")
         fault_point(Point.AFTER_SINK_COMMIT)
@@ -398,22 +424,16 @@ class StreamRunner:
             await asyncio.to_thread(self.store.append_certificate, certificate, lease)
         except BaseException as exc:
             # Committed but not certified: acknowledge nothing; the next open finds the sink ahead.
-            await self._drop_sessions(exc)
+            await sessions.drop(exc)
             raise
-        self._certified = _advance(self._certified, sealed.coverage)
-        self._next_sequence = epoch.sequence + 1
-        if self._recover_to:
-            logger.warning(
-                "stream %s: recovered epoch %s committed before its certificate", self.spec.name, epoch
-            )
-            self._recover_to = ()
+        sessions.certify(epoch, sealed.coverage)
 
         # 6. Acknowledge the certified coverage, each provider acknowledgement checked by the authority.
         fault_point(Point.AFTER_CERTIFICATE)
         try:
             await source_session.acknowledge(sealed.coverage, self._authority)
         except BaseException as exc:
-            await self._drop_sessions(exc)
+            await sessions.drop(exc)
             raise
 
         # 7. Report: the caller reports certificates from the store (never a precondition of step 6).
@@ -424,19 +444,23 @@ class StreamRunner:
         )
         return certificate
 
+    # -- closing and handing over ----------------------------------------------------------------
+
     async def close(self, *, release: bool = True) -> None:
-        """Close the sessions (joining outstanding reads and acknowledgements) and give the lease up.
+        """Stop the reader between ticks (its open epoch is rolled back), close the sessions (joining
+        outstanding reads and acknowledgements) and give the lease up.
 
         Waits for an epoch in progress to end first (interrupt it with :meth:`cancel`). A sink close
         that cannot promise no later effect raises :class:`UncertainOutcome` after the stream was
         marked uncertain in the store (no automatic takeover); the lease is then kept.
         """
+        await self._stop_reader()
         async with self._serialized():
             await self._close(release=release)
 
     async def _close(self, *, release: bool, hand_over: bool = False) -> None:
         self._cancel_requested = False
-        await self._drop_sessions(None)
+        await self._sessions.drop(None)
         if release:
             await self._lease.release(hand_over=hand_over)
         else:
@@ -454,6 +478,7 @@ class StreamRunner:
     async def _hand_over(self, lease: Lease, requester: str) -> None:
         """Answer a hand-over request: stop at a certified position and release ``lease``."""
         logger.info("stream %s: handing the stream over to %s", self.spec.name, requester)
+        await self._stop_reader(seal_within=HANDOVER_SEAL_SECONDS)
         self._interrupt_read()
         async with self._serialized():
             current = self._lease.current
@@ -471,124 +496,55 @@ class StreamRunner:
             if token is not None and loop is not None:
                 loop.call_soon_threadsafe(token.cancel)
 
-    # -- the steps ------------------------------------------------------------------------------
+    # -- the reads --------------------------------------------------------------------------------
 
-    async def _open_sessions(self, lease: Lease) -> tuple[StreamSession, StreamingSinkSession]:
-        """The open sessions for ``lease``'s token; (re)opened at the certified positions if needed.
-
-        Opening reconciles the sink's last commit with the last certificate.
-        """
-        if self._sessions_token is not None and self._sessions_token != lease.fencing_token:
-            await self._drop_sessions(None)
-        worker = WorkerIdentity(self.worker_id, lease.fencing_token)
-        if self._sink_session is None:
-            last = await asyncio.to_thread(self.store.last_certificate, self.spec.name)
-            self._certified = await asyncio.to_thread(self.store.certified_positions, self.spec.name)
-            self._next_sequence = (last.sequence if last else 0) + 1
-            session = await self.spec.sink.open(self.spec.name, self.spec.policy, self.spec.key, worker)
-            self._sink_session = session
-            self._sessions_token = lease.fencing_token
-            try:
-                self._recover_to = self._reconcile(await session.last_committed())
-            except BaseException as exc:
-                await self._drop_sessions(exc)
-                raise
-            if self._recover_to and self._adopts:
-                certified = {position.domain.lineage: position.value for position in self._certified}
-                self._adopted = Coverage(
-                    tuple(
-                        DomainCoverage(
-                            position.domain, certified.get(position.domain.lineage), position.value
-                        )
-                        for position in self._recover_to
-                    )
-                )
-                self._recover_to = ()
-        if self._source_session is None:
-            resume = self._certified if self._adopted is None else _advance(self._certified, self._adopted)
-            self._source_session = await self.spec.source.open(
-                self.spec.resources, resume, self.spec.membership, worker
-            )
-            self._sessions_token = lease.fencing_token
-        return self._source_session, self._sink_session
-
-    def _reconcile(self, committed: SinkCommitState | None) -> tuple[Position, ...]:
-        """Compare the sink's last commit with the certificates; return the watermark to recover to.
-
-        Empty when the sink is not ahead (or cannot say). Raises :class:`IntegrityError` when the
-        sink and the certificates disagree in a way no crash explains.
-        """
-        if committed is None:
-            return ()
-        last = self._next_sequence - 1
-        sequence = committed.epoch.sequence
-        where = self.spec.name
-        if sequence > last + 1 or sequence < last:
-            raise IntegrityError(
-                f"the destination last committed epoch {committed.epoch}, the last certificate is {last}: "
-                "certificates or destination data were lost or restored",
-                where=where,
-            )
-        certified = {position.domain.lineage: position for position in self._certified}
-        # Only the domains the uncertified epoch moved past their certified position are recovered:
-        # a sink may report every domain it holds, and an epoch may cover some of them only.
-        ahead: list[Position] = []
-        for watermark in committed.watermarks:
-            position = certified.get(watermark.domain.lineage)
-            order = 1 if position is None else compare_positions(watermark, position)
-            if order > 0:
-                ahead.append(watermark)
-            if sequence == last and order != 0:
-                raise IntegrityError(
-                    f"the destination's watermark {watermark.value} in {watermark.domain} differs from "
-                    f"the certified position {position.value if position else None}",
-                    where=where,
-                )
-            if sequence == last + 1 and order < 0:
-                raise IntegrityError(
-                    f"the destination committed epoch {committed.epoch} behind the certified position "
-                    f"in {watermark.domain}",
-                    where=where,
-                )
-        if sequence == last:
-            return ()
-        logger.warning(
-            "stream %s: the destination committed epoch %s but no certificate was persisted; recovering it",
-            self.spec.name,
-            committed.epoch,
-        )
-        return tuple(ahead) or committed.watermarks
+    @contextlib.contextmanager
+    def _cancellable(self) -> Iterator[CancelToken]:
+        """A cancel token for the reads of one epoch, reachable by :meth:`cancel` meanwhile."""
+        token = CancelToken()
+        with self._cancel_lock:
+            self._loop, self._cancel = asyncio.get_running_loop(), token
+            if self._cancel_requested:
+                self._cancel_requested = False
+                token.cancel()
+        try:
+            yield token
+        finally:
+            with self._cancel_lock:
+                self._cancel = None
 
     async def _read(
         self, session: StreamSession, pipeline: EpochPipeline, limits: ReadLimits, deadline: float | None
     ) -> Coverage | None:
         """Read to a safe boundary (while recovering, on to the sink's watermark); None when cancelled."""
-        loop = asyncio.get_running_loop()
-        token = CancelToken()
-        with self._cancel_lock:
-            self._loop, self._cancel = loop, token
-            if self._cancel_requested:
-                self._cancel_requested = False
-                token.cancel()
-        timer = None if deadline is None else loop.call_at(deadline, token.cancel)
-        try:
-            coverage = await session.read(pipeline, limits, token)
-            while self._recover_to and not token.cancelled and not _reaches(coverage, self._recover_to):
-                more = await session.read(pipeline, limits, token)
-                if more.empty:
-                    logger.warning(
-                        "stream %s: the source has nothing more, short of the destination's watermark; "
-                        "the recovery is tried again on the next run",
-                        self.spec.name,
-                    )
-                    return None
-                coverage = _merge(coverage, more)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            with self._cancel_lock:
-                self._cancel = None
+        recover_to = self._sessions.recover_to
+        with self._cancellable() as token:
+            loop = asyncio.get_running_loop()
+            timer = None if deadline is None else loop.call_at(deadline, token.cancel)
+            try:
+                coverage = await session.read(pipeline, limits, token)
+                while recover_to and not token.cancelled and not reaches(coverage, recover_to):
+                    more = await session.read(pipeline, limits, token)
+                    if more.empty:
+                        logger.warning(
+                            "stream %s: the source has nothing more, short of the destination's watermark; "
+                            "the recovery is tried again on the next run",
+                            self.spec.name,
+                        )
+                        return None
+                    coverage = merge(coverage, more)
+            finally:
+                if timer is not None:
+                    timer.cancel()
         # Cancellation is an interruption, never evidence that a transaction or the recovery ended.
+        return None if token.cancelled else coverage
+
+    async def _read_open(
+        self, clock: EpochClock, session: StreamSession, pipeline: EpochPipeline
+    ) -> Coverage | None:
+        """Read into the open epoch between ticks until a tick asks for the seal; None when cancelled."""
+        with self._cancellable() as token:
+            coverage = await clock.read(session, pipeline, token, self._sessions.recover_to)
         return None if token.cancelled else coverage
 
     async def _source_lag(self, session: StreamSession) -> tuple[SourceLag, ...]:
@@ -605,117 +561,22 @@ class StreamRunner:
         await self._lease.check()
         fault_point(Point.DURING_ACK)
 
-    # -- failure handling -----------------------------------------------------------------------
-
     async def _guard(self, step: Awaitable[T], epoch: EpochId, pipeline: EpochPipeline | None) -> T:
         """Await a step before the commit; on failure abort the epoch, rewind, and re-raise."""
         try:
             return await step
         except BaseException as exc:
-            await self._abort(epoch, pipeline, rewind=True, cause=exc)
+            await self._sessions.abort(epoch, pipeline, rewind=True, cause=exc)
             raise
 
-    async def _abort(
-        self,
-        epoch: EpochId,
-        pipeline: EpochPipeline | None,
-        *,
-        rewind: bool,
-        cause: BaseException | None = None,
-    ) -> None:
-        """Abort ``epoch`` at the sink; with ``rewind``, close the source session so it reopens at the
-        certified positions. Failures while cleaning up are attached to ``cause`` (or raised)."""
-        if pipeline is not None:
-            inflight = await pipeline.discard()
-            if inflight is not None and cause is not None and inflight is not cause:
-                cause.add_note(f"a batch in flight failed too: {inflight!r}")
-        sink_session = self._sink_session
-        if sink_session is not None:
-            try:
-                await sink_session.abort_epoch(epoch)
-            except FaucetError as exc:
-                if cause is None:
-                    await self._drop_sessions(exc)
-                    raise
-                cause.add_note(f"aborting epoch {epoch} failed too: {exc}")
-                await self._drop_sessions(cause)
-                return
-        if rewind:
-            await self._close_source(cause)
 
-    async def _close_source(self, cause: BaseException | None) -> None:
-        session, self._source_session = self._source_session, None
-        if session is None:
-            return
-        try:
-            await session.close()
-        except FaucetError as exc:
-            if cause is None:
-                raise
-            cause.add_note(f"closing the source session failed too: {exc}")
-
-    async def _drop_sessions(self, cause: BaseException | None) -> None:
-        """Close both sessions. An uncertain sink close marks the stream uncertain in the store.
-
-        With a ``cause`` (already failing), close failures are attached to it; without, raised.
-        """
-        await self._close_source(cause)
-        session, self._sink_session = self._sink_session, None
-        self._sessions_token = None
-        self._recover_to = ()
-        self._adopted = None
-        if session is None:
-            return
-        try:
-            await session.close_session()
-        except UncertainOutcome as exc:
-            await asyncio.to_thread(self.store.mark_uncertain, self.spec.name, exc.message)
-            if cause is None:
-                raise
-            cause.add_note(f"closing the sink session was uncertain; the stream is marked uncertain: {exc}")
-        except FaucetError as exc:
-            if cause is None:
-                raise
-            cause.add_note(f"closing the sink session failed too: {exc}")
-
-
-class _Stopwatch:
-    """Seconds spent in each step of an epoch, for its certificate."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[name] = round(now - self._last, 6)
-        self._last = now
-
-
-def _advance(certified: tuple[Position, ...], coverage: Coverage) -> tuple[Position, ...]:
-    """The certified positions after ``coverage`` was certified."""
-    positions = {position.domain.lineage: position for position in certified}
-    for position in coverage.end_positions():
-        positions[position.domain.lineage] = position
-    return tuple(positions.values())
-
-
-def _reaches(coverage: Coverage, targets: Sequence[Position]) -> bool:
-    """True when ``coverage`` ends at or past every target position."""
-    ends = {position.domain.lineage: position for position in coverage.end_positions()}
-    for target in targets:
-        end = ends.get(target.domain.lineage)
-        if end is None or compare_positions(end, target) < 0:
-            return False
-    return True
-
-
-def _merge(first: Coverage, then: Coverage) -> Coverage:
-    """Two reads of one epoch as one coverage: each domain from its first start to its last end."""
-    merged = {item.domain: item for item in first.domains}
-    for item in then.domains:
-        earlier = merged.get(item.domain)
-        merged[item.domain] = (
-            item if earlier is None else DomainCoverage(item.domain, earlier.start, item.end)
-        )
-    return Coverage(tuple(merged.values()))
+__all__ = [
+    "DEFAULT_EPOCH_LIMITS",
+    "DEFAULT_LEASE_SECONDS",
+    "CutShort",
+    "Pending",
+    "StoreDeadLetterRoute",
+    "StreamRunner",
+    "StreamSpec",
+    "default_worker_id",
+]

@@ -1,0 +1,101 @@
+"""What a continuous stream is (:class:`StreamSpec`), its defaults, and the small values the runner
+reports (:class:`CutShort`) or routes through (:class:`StoreDeadLetterRoute`)."""
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from faucet_dagster.pipeline import DeadLetterRoute, PipelineOptions, ResourceSchema
+from faucet_dagster.pipeline.schema import BadRowPolicy
+from faucet_dagster.protocol import (
+    Delivery,
+    EpochId,
+    Membership,
+    ReadLimits,
+    RejectedRecord,
+    StreamingSink,
+    StreamSource,
+    WritePolicy,
+)
+from faucet_dagster.state import StateStore
+
+DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
+DEFAULT_LEASE_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One continuous stream: its source and sink, what is read, how it is written, how epochs end.
+
+    ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
+    ``key``). ``limits`` are the per-epoch read targets: an epoch run in one call
+    (:meth:`~faucet_dagster.runner.continuous.StreamRunner.run_epoch`) ends at the first safe boundary
+    after any of them; an epoch read between ticks stops reading at the first safe boundary after
+    ``limits.records`` rows or ``limits.bytes`` bytes until a tick seals it (its memory bound: nothing
+    is dropped). ``lease_seconds`` is how long a lease lives without renewal (the runner renews it in
+    the background every third of that): how long a worker that died without releasing it holds the
+    stream up.
+    """
+
+    name: str
+    source: StreamSource
+    sink: StreamingSink
+    resources: tuple[str, ...]
+    policy: WritePolicy = WritePolicy.APPEND
+    key: tuple[str, ...] = ()
+    schemas: Mapping[str, ResourceSchema] = field(default_factory=dict)
+    default_schema: ResourceSchema | None = None
+    delivery: Delivery | None = None
+    limits: ReadLimits = DEFAULT_EPOCH_LIMITS
+    membership: Membership = field(default_factory=Membership)
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+
+    @property
+    def dead_letter(self) -> bool:
+        """True when some resource routes bad rows to the dead-letter route."""
+        specs = [*self.schemas.values(), self.default_schema or ResourceSchema()]
+        return any(spec.on_bad_row is BadRowPolicy.DEAD_LETTER for spec in specs)
+
+
+class StoreDeadLetterRoute(DeadLetterRoute):
+    """Dead letters kept in the state store, keyed by event identity (a replay stores nothing twice)."""
+
+    def __init__(self, store: StateStore, stream: str) -> None:
+        self._store = store
+        self._stream = stream
+
+    async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        await asyncio.to_thread(self._store.record_dead_letters, self._stream, epoch.sequence, records)
+
+    async def withdraw(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
+        await asyncio.to_thread(self._store.withdraw_dead_letters, self._stream, records)
+
+
+@dataclass(frozen=True)
+class CutShort:
+    """An epoch run in one call whose deadline interrupted it after it had read rows, before a safe
+    boundary: nothing of it was certified, and the next read starts again at the certified positions.
+    Repeated, it means the source cannot reach a boundary within one call's budget (a source
+    transaction larger than that call reads). Epochs read between sensor ticks are never cut short:
+    they span as many ticks as their transactions need."""
+
+    epoch: EpochId
+    rows: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (
+            f"epoch {self.epoch.sequence} read {self.rows} rows in {self.seconds:.1f}s without reaching a "
+            "safe source boundary (an open source transaction) before the budget ended; nothing was "
+            "certified. If this repeats, one source transaction is larger than one call's budget reads: "
+            "give the call a larger budget, or run the stream under a sensor, whose epochs span ticks"
+        )
+
+
+def default_worker_id() -> str:
+    """A worker id unique to this process instance (a restarted process is a new worker)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
