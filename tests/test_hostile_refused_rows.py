@@ -33,6 +33,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner
+from faucet_dagster.runner.spec import StoreDeadLetterRoute
 from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
 
@@ -261,3 +262,64 @@ def test_an_epoch_that_fails_to_commit_withdraws_its_dead_letters_and_its_replay
     assert certificate is not None and certificate.dead_lettered == {topic: 2}
     assert sorted(json.loads(letter["payload"])["id"] for letter in letters) == [NEGATIVE, NUL]
     assert table_ids(postgres_url, table) == [i for i in range(ROWS) if i not in (NEGATIVE, NUL)]
+
+
+def test_dead_letters_of_an_epoch_whose_owner_died_before_committing_do_not_outlive_its_replay(
+    kafka_bootstrap: str,
+    postgres_url: str,
+    unique_name: Callable[..., str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stream, topic, table = make_stream(
+        kafka_bootstrap, postgres_url, unique_name, tmp_path, WritePolicy.APPEND, True
+    )
+    assert stream.state_url is not None
+    store = StateStore(stream.state_url)
+    commit = PostgresStreamingSinkSession.commit_epoch
+    died = [ConnectionFailed("the worker dies before its commit (injected)")]
+
+    async def dying_once(self: PostgresStreamingSinkSession, epoch: EpochId, coverage: Coverage) -> Any:
+        if died:
+            # What kill -9 leaves behind here: the dead letters are routed, nothing is committed,
+            # and nobody withdraws them.
+            monkeypatch.setattr(StoreDeadLetterRoute, "withdraw", keep_them)
+            raise died.pop()
+        return await commit(self, epoch, coverage)
+
+    async def keep_them(self: StoreDeadLetterRoute, epoch: EpochId, records: Any) -> None:
+        return None
+
+    monkeypatch.setattr(PostgresStreamingSinkSession, "commit_epoch", dying_once)
+
+    async def first_owner() -> None:
+        runner = StreamRunner(stream.build_spec(), store, worker_id="dead")
+        try:
+            with pytest.raises(ConnectionFailed):
+                await runner.run_epoch()
+        finally:
+            await runner.close()
+
+    async def next_owner() -> EpochCertificate | None:
+        runner = StreamRunner(stream.build_spec(), store, worker_id="next")
+        try:
+            return await runner.run_epoch()
+        finally:
+            await runner.close()
+
+    try:
+        asyncio.run(first_owner())
+        assert len(store.dead_letters(stream.name)) == 2, "the dead owner's letters are left behind"
+        # Before the replay the constraint is dropped: the row it refused now lands.
+        with psycopg.connect(postgres_url) as connection:
+            connection.execute(f'ALTER TABLE "{table}" DROP CONSTRAINT score_not_negative')
+        monkeypatch.undo()
+        certificate = asyncio.run(next_owner())
+        letters = store.dead_letters(stream.name)
+    finally:
+        store.close()
+    assert certificate is not None and certificate.dead_lettered == {topic: 1}
+    assert [json.loads(letter["payload"])["id"] for letter in letters] == [NUL], (
+        "no letter for a row that landed"
+    )
+    assert table_ids(postgres_url, table) == [i for i in range(ROWS) if i != NUL]

@@ -15,11 +15,13 @@ from faucet_dagster.protocol import (
     Delivery,
     DomainCoverage,
     EpochCertificate,
+    EventIdentity,
     IncarnationChanged,
     IntegrityError,
     OrderingDomain,
     OwnershipLost,
     Receipt,
+    RejectedRecord,
     UncertainOutcome,
 )
 from faucet_dagster.state import Lease, LeaseBusy, StateStore, default_state_url
@@ -256,3 +258,34 @@ def test_a_store_of_an_earlier_version_gets_the_new_lease_columns(store_url: str
         assert lease.fencing_token == 5
     with StateStore(url) as again:  # opening a migrated store changes nothing
         assert again.status("s")[0].owner == "new"
+
+
+def letters(*offsets: int) -> list[RejectedRecord]:
+    return [
+        RejectedRecord(EventIdentity(DOMAIN, str(offset)), "refused", b"{}", f"orders @ {offset}", "orders")
+        for offset in offsets
+    ]
+
+
+def test_a_zombie_withdraws_only_the_dead_letters_it_routed_not_its_successors(store: StateStore) -> None:
+    # Owner 1 (now a zombie) and owner 2 both routed epoch 3's refused rows 5 and 6; owner 2 also 7.
+    store.record_dead_letters("s", 3, 1, letters(5, 6))
+    store.record_dead_letters("s", 3, 2, letters(5, 6, 7))  # owner 2 takes 5 and 6 over
+    store.record_dead_letters("s", 3, 1, letters(5))  # an older owner never takes one back
+    # The zombie's commit is fenced: its abort withdraws what it routed, which owner 2 now holds.
+    assert store.withdraw_dead_letters("s", 1, letters(5, 6)) == 0
+    assert [(row["event"], row["fencing_token"]) for row in store.dead_letters("s")] == [
+        (f"{DOMAIN.key()}@{offset}#0", 2) for offset in (5, 6, 7)
+    ]
+    assert store.withdraw_dead_letters("s", 2, letters(7)) == 1
+
+
+def test_a_new_owner_discards_the_dead_letters_of_epochs_that_never_committed(store: StateStore) -> None:
+    store.record_dead_letters("s", 4, 1, letters(1))  # epoch 4: committed
+    store.record_dead_letters("s", 5, 1, letters(2))  # epoch 5: its owner died before committing
+    store.record_dead_letters("s", 5, 2, letters(3))  # the new owner's own epoch 5 (an earlier attempt)
+    assert store.discard_uncommitted_dead_letters("s", 4, 2) == 1
+    assert [row["event"] for row in store.dead_letters("s")] == [
+        f"{DOMAIN.key()}@1#0",
+        f"{DOMAIN.key()}@3#0",
+    ]

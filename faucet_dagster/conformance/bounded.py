@@ -20,8 +20,10 @@ import contextlib
 import ctypes
 import functools
 import json
+import threading
 import tracemalloc
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -482,7 +484,8 @@ async def _interrupted_writes(subject: Subject, first_token: CommitToken) -> Non
     Counting loop steps, not time, makes the points independent of the machine's speed: a write
     advances at most one wait per step, so every wait of the write is an interruption point.
     """
-    read_back = subject.sink_setup.read_back
+    threads = _CountingExecutor()
+    asyncio.get_running_loop().set_default_executor(threads)
     steps, token, point = 0, first_token.sequence, 0
     while point < _MAX_POINTS:
         point += 1
@@ -499,17 +502,8 @@ async def _interrupted_writes(subject: Subject, first_token: CommitToken) -> Non
             write.exception()  # an interrupted write may fail: only what it left matters
         with contextlib.suppress(FaucetError):
             await subject.within(sink.close(), REPLAY_RULE, "Sink.close")
-        # Work handed to a thread goes on after the interruption: look until the rows show or the
-        # destination settles.
-        landed = bool(set(pairs(page)) & set(pairs(await read_back())))
-        if not landed and not finished:
-            await asyncio.sleep(subject.options.settle_seconds)
-            landed = bool(set(pairs(page)) & set(pairs(await read_back())))
-        probe = subject.sink()
-        try:
-            stored = await subject.within(probe.last_committed_token(), REPLAY_RULE, "last_committed_token")
-        finally:
-            await subject.within(probe.close(), REPLAY_RULE, "Sink.close")
+        await threads.idle(subject.options.timeout)
+        landed, stored = await _settled_write(subject, page, patient=not finished)
         has_token = stored is not None and stored.sequence >= token
         if landed != has_token:
             raise ConformanceFailure(
@@ -522,6 +516,61 @@ async def _interrupted_writes(subject: Subject, first_token: CommitToken) -> Non
         if finished:
             return
         steps = steps + 1 if steps < 8 else steps * 2
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    """The event loop's default executor while writes are interrupted: it knows when the work a
+    cancelled write handed to a thread (``asyncio.to_thread``) has finished, so the battery reads
+    the destination after it, however slow the machine, instead of after a guessed delay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> "Future[Any]":
+        with self._lock:
+            self._pending += 1
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: "Future[Any]") -> None:
+        with self._lock:
+            self._pending -= 1
+
+    async def idle(self, timeout: float) -> None:
+        """Return once no submitted work is running or queued (or after ``timeout`` seconds)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._pending and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
+
+async def _settled_write(
+    subject: Subject, page: list[dict[str, Any]], *, patient: bool
+) -> tuple[bool, CommitToken | None]:
+    """Whether rows of ``page`` are in the destination, and its last committed token, read so that a
+    commit landing between the two reads is read again. Work a sink runs outside the loop's default
+    executor may still land: a ``patient`` look (the write was interrupted) looks again after
+    ``settle_seconds`` when the rows have not shown."""
+    read_back = subject.sink_setup.read_back
+    for look in range(2 if patient else 1):
+        if look:
+            await asyncio.sleep(subject.options.settle_seconds)
+        while True:
+            landed = bool(set(pairs(page)) & set(pairs(await read_back())))
+            probe = subject.sink()
+            try:
+                stored = await subject.within(
+                    probe.last_committed_token(), REPLAY_RULE, "last_committed_token"
+                )
+            finally:
+                await subject.within(probe.close(), REPLAY_RULE, "Sink.close")
+            if landed == bool(set(pairs(page)) & set(pairs(await read_back()))):
+                break
+        if landed:
+            break
+    return landed, stored
 
 
 async def _keyed_replay(

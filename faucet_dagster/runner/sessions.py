@@ -46,9 +46,8 @@ class StreamSessions:
         self.next_sequence = 0
         self.recover_to: tuple[Position, ...] = ()
         self.adopted: Coverage | None = None
-        self._adopts = (
-            not spec.source.capabilities().deterministic and spec.sink.capabilities().atomic_watermark
-        )
+        self._atomic = spec.sink.capabilities().atomic_watermark
+        self._adopts = not spec.source.capabilities().deterministic and self._atomic
 
     async def open(self, lease: Lease) -> tuple[StreamSession, StreamingSinkSession]:
         """The open sessions for ``lease``'s token; (re)opened at the certified positions if needed.
@@ -68,6 +67,14 @@ class StreamSessions:
             try:
                 committed = await session.last_committed()
                 self.recover_to = reconcile(self.spec.name, committed, self.certified, self.next_sequence - 1)
+                # What an older owner dead-lettered for an epoch the destination does not hold never
+                # committed: its replay routes again what it still rejects. A sink whose watermark is
+                # not committed with the data may hold the epoch after it, whose dead letters stay.
+                held = self.next_sequence - 1 if committed is None else committed.epoch.sequence
+                through = held if self._atomic else held + 1
+                await asyncio.to_thread(
+                    self.store.discard_uncommitted_dead_letters, self.spec.name, through, lease.fencing_token
+                )
             except BaseException as exc:
                 await self.drop(exc)
                 raise

@@ -69,10 +69,12 @@ class StoreDeadLetterRoute(DeadLetterRoute):
         self._stream = stream
 
     async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
-        await asyncio.to_thread(self._store.record_dead_letters, self._stream, epoch.sequence, records)
+        await asyncio.to_thread(
+            self._store.record_dead_letters, self._stream, epoch.sequence, epoch.fencing_token, records
+        )
 
     async def withdraw(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
-        await asyncio.to_thread(self._store.withdraw_dead_letters, self._stream, records)
+        await asyncio.to_thread(self._store.withdraw_dead_letters, self._stream, epoch.fencing_token, records)
 
 
 @dataclass(frozen=True)

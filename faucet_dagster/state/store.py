@@ -82,8 +82,11 @@ streams_table = sa.Table(
     sa.Column("handover_started", sa.Float, nullable=True),
 )
 
-ADDED_STREAM_COLUMNS = ("lease_started", "handover_to", "handover_started")
-"""Columns of ``faucet_streams`` a store created by an earlier version lacks: all nullable."""
+ADDED_COLUMNS = {
+    "faucet_streams": ("lease_started", "handover_to", "handover_started"),
+    "faucet_dead_letters": ("fencing_token",),
+}
+"""Columns a store created by an earlier version lacks, per table: all nullable."""
 
 certificates_table = sa.Table(
     "faucet_certificates",
@@ -122,6 +125,9 @@ dead_letters_table = sa.Table(
     sa.Column("payload", sa.LargeBinary, nullable=False),
     sa.Column("sequence", sa.BigInteger, nullable=False),
     sa.Column("created_at", sa.String(40), nullable=False),
+    # The fencing token of the owner whose epoch routed it: a zombie's withdrawal, and the cleanup of
+    # an epoch that never committed, touch only what an older owner routed.
+    sa.Column("fencing_token", sa.BigInteger, nullable=True),
 )
 
 
@@ -550,14 +556,16 @@ class StateStore:
 
     # -- dead letters ---------------------------------------------------------------------------
 
-    def record_dead_letters(self, stream: str, sequence: int, letters: Sequence[RejectedRecord]) -> int:
-        """Store records routed to the dead-letter route; one already stored (same identity) is not
-        stored again.
-
-        Returns how many were new.
+    def record_dead_letters(
+        self, stream: str, sequence: int, fencing_token: int, letters: Sequence[RejectedRecord]
+    ) -> None:
+        """Store records routed to the dead-letter route by epoch ``sequence`` of the owner holding
+        ``fencing_token``. One already stored (same identity) is not stored twice: it is kept, or
+        taken over by this epoch when an older owner routed it (its epoch never committed, or it
+        is the same record routed again after a takeover).
         """
         if not letters:
-            return 0
+            return
         rows = [
             {
                 "stream": stream,
@@ -569,23 +577,51 @@ class StateStore:
                 "payload": letter.payload,
                 "sequence": sequence,
                 "created_at": _utc_now(),
+                "fencing_token": fencing_token,
             }
             for letter in letters
         ]
-        insert = sqlite_insert if self._sqlite else postgresql_insert
+        insert = (sqlite_insert if self._sqlite else postgresql_insert)(dead_letters_table)
+        table = dead_letters_table.c
+        upsert = insert.on_conflict_do_update(
+            index_elements=[table.stream, table.identity],
+            set_={name: insert.excluded[name] for name in ("reason", "origin", "sequence", "fencing_token")},
+            where=sa.or_(table.fencing_token.is_(None), table.fencing_token < insert.excluded.fencing_token),
+        )
         with self._transaction("record dead letters") as conn:
-            result = conn.execute(insert(dead_letters_table).on_conflict_do_nothing(), rows)
-            return int(result.rowcount)
+            conn.execute(upsert, rows)
 
-    def withdraw_dead_letters(self, stream: str, letters: Sequence[RejectedRecord]) -> int:
-        """Remove ``letters`` (routed by an epoch that was then aborted); returns how many were stored."""
+    def withdraw_dead_letters(
+        self, stream: str, fencing_token: int, letters: Sequence[RejectedRecord]
+    ) -> int:
+        """Remove ``letters``, routed by an epoch of the owner holding ``fencing_token`` that was then
+        aborted; a letter a newer owner has taken over stays. Returns how many were removed."""
         if not letters:
             return 0
         with self._transaction("withdraw dead letters") as conn:
             result = conn.execute(
                 sa.delete(dead_letters_table).where(
                     dead_letters_table.c.stream == stream,
+                    dead_letters_table.c.fencing_token == fencing_token,
                     dead_letters_table.c.identity.in_([letter.identity.digest() for letter in letters]),
+                )
+            )
+            return int(result.rowcount)
+
+    def discard_uncommitted_dead_letters(
+        self, stream: str, committed_through: int, fencing_token: int
+    ) -> int:
+        """Remove the dead letters older owners routed for epochs after ``committed_through`` (the last
+        epoch the destination may hold): those epochs never committed (their owner died or was fenced
+        before it could withdraw them), and their replay routes again whatever it still rejects.
+        Called by a new owner, holding ``fencing_token``, before its first epoch. Returns how many."""
+        table = dead_letters_table.c
+        with self._transaction("discard the dead letters of uncommitted epochs") as conn:
+            result = conn.execute(
+                sa.delete(dead_letters_table).where(
+                    table.stream == stream,
+                    table.sequence > committed_through,
+                    sa.or_(table.fencing_token.is_(None), table.fencing_token < fencing_token),
                 )
             )
             return int(result.rowcount)
@@ -791,26 +827,27 @@ class StateStore:
 
 
 def _add_missing_columns(engine: Engine) -> None:
-    """Add the columns of :data:`ADDED_STREAM_COLUMNS` a store of an earlier version lacks.
+    """Add the columns of :data:`ADDED_COLUMNS` a store of an earlier version lacks.
 
     All are nullable, so ``ALTER TABLE ... ADD COLUMN`` works on SQLite and PostgreSQL alike; a
     process adding them at the same moment as this one makes the statement fail, and the columns
     are there when it is inspected again.
     """
-    for attempt in range(2):
-        present = {column["name"] for column in sa.inspect(engine).get_columns(streams_table.name)}
-        missing = [name for name in ADDED_STREAM_COLUMNS if name not in present]
-        if not missing:
-            return
-        try:
-            with engine.begin() as conn:
-                for name in missing:
-                    column = streams_table.c[name]
-                    kind = column.type.compile(dialect=engine.dialect)
-                    conn.exec_driver_sql(f"ALTER TABLE {streams_table.name} ADD COLUMN {name} {kind}")
-        except SQLAlchemyError:
-            if attempt:
-                raise
+    for table_name, columns in ADDED_COLUMNS.items():
+        table = metadata.tables[table_name]
+        for attempt in range(2):
+            present = {column["name"] for column in sa.inspect(engine).get_columns(table_name)}
+            missing = [name for name in columns if name not in present]
+            if not missing:
+                break
+            try:
+                with engine.begin() as conn:
+                    for name in missing:
+                        kind = table.c[name].type.compile(dialect=engine.dialect)
+                        conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {name} {kind}")
+            except SQLAlchemyError:
+                if attempt:
+                    raise
 
 
 def _configure_sqlite(engine: Engine) -> None:
