@@ -198,8 +198,10 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
             ),
         ]
         for stream in streams:
-            sensor = faucet_stream_sensor(stream, budget_seconds=5)
             try:
+                # A config refused without I/O fails the definition (as `dg check defs` would); its
+                # error is searched like the others.
+                sensor = faucet_stream_sensor(stream, budget_seconds=5)
                 # The stream's reader opens its sessions in the background: a failure to open them is
                 # raised by the tick during which it happens, or by the next one.
                 for _ in range(6):
