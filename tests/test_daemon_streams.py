@@ -151,6 +151,7 @@ class Deployment:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_default_signals,
             )
 
     def code_servers(self) -> list[psutil.Process]:
@@ -237,6 +238,15 @@ class Deployment:
             f"{[round(g, 1) for g in gaps[:5]]} s; latency p50 {p50:.1f} s, p95 {p95:.1f} s, "
             f"max {latencies[-1]:.1f} s"
         )
+
+
+def _default_signals() -> None:
+    """In a started process, before it runs: every signal unblocked and SIGINT/SIGTERM at their
+    defaults, as a supervisor starts a code server, whatever the test process inherited or set (a
+    blocked or ignored SIGTERM would make a redeploy's SIGTERM do nothing)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
 
 
 def _is_code_server(process: psutil.Process) -> bool:
