@@ -12,6 +12,7 @@ boundary. What holds, with the stream's and the sensor's defaults (limits, budge
   an open transaction says that, instead of "0 runs requested".
 """
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +22,9 @@ import dagster as dg
 import psutil
 import psycopg
 import pytest
+from faucet_postgres.stream_sink import PostgresStreamingSinkSession
 
-from faucet_dagster.protocol import WritePolicy
+from faucet_dagster.protocol import EpochId, PartialResult, SinkBatch, WritePolicy
 from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.state import StateStore
@@ -144,8 +146,43 @@ def test_a_backlog_of_20000_one_row_transactions_drains_with_the_default_setting
     )
 
 
+class StalledDestination:
+    """Holds the streaming sink inside an epoch once it has staged rows, until released: a destination
+    that is slow in mid-transaction. The fault is injected at one exact point (after an ``apply``
+    returned) so that a tick certainly comes while a source transaction is half read, whatever the
+    machine's speed: a fast machine otherwise reads and certifies a 1,000,000-row transaction within
+    one tick's budget, and nothing would span ticks."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.released = threading.Event()
+        self.held = threading.Event()
+        apply, apply_partial = PostgresStreamingSinkSession.apply, PostgresStreamingSinkSession.apply_partial
+
+        async def held_apply(session: PostgresStreamingSinkSession, epoch: EpochId, batch: SinkBatch) -> None:
+            await apply(session, epoch, batch)
+            await self.hold(batch)
+
+        async def held_apply_partial(
+            session: PostgresStreamingSinkSession, epoch: EpochId, batch: SinkBatch
+        ) -> PartialResult:
+            result = await apply_partial(session, epoch, batch)
+            await self.hold(batch)
+            return result
+
+        monkeypatch.setattr(PostgresStreamingSinkSession, "apply", held_apply)
+        monkeypatch.setattr(PostgresStreamingSinkSession, "apply_partial", held_apply_partial)
+
+    async def hold(self, batch: SinkBatch) -> None:
+        while batch.records.num_rows and not self.released.is_set():
+            self.held.set()
+            await asyncio.sleep(0.05)
+
+
 @pytest.mark.slow
-def test_one_million_row_transaction_spans_ticks_with_the_default_settings(cdc: Cdc) -> None:
+def test_one_million_row_transaction_spans_ticks_with_the_default_settings(
+    cdc: Cdc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stall = StalledDestination(monkeypatch)
     process = psutil.Process()
     baseline = process.memory_info().rss
     peak = {"rss": baseline}
@@ -169,6 +206,8 @@ def test_one_million_row_transaction_spans_ticks_with_the_default_settings(cdc: 
             if rows_certified(cdc):
                 break
             waited.append(str(result.skip_message))
+            if "open for" in waited[-1]:
+                stall.released.set()  # a tick saw the transaction half read: let the destination go on
             [(visible,)] = cdc.execute("SELECT count(*) FROM lines", url=cdc.target_url)
             assert visible == 0, "rows of the open transaction are visible before its certificate"
         for _ in range(3):  # whatever the last tick left to report
@@ -186,6 +225,7 @@ def test_one_million_row_transaction_spans_ticks_with_the_default_settings(cdc: 
     assert cdc.digest(cdc.target_url) == cdc.digest(cdc.source_url)
     # A tick that waited said why: the open epoch's rows so far, or its commit in progress (before the
     # server's decoding reached the transaction, there was nothing new to read yet).
+    assert stall.held.is_set(), "the destination was never held in mid-transaction"
     assert any("open for" in reason for reason in waited), "no tick waited on the open transaction"
     spanning = waited[next(i for i, reason in enumerate(waited) if "open for" in reason) :]
     assert all("open for" in reason or "being committed" in reason for reason in spanning), waited
