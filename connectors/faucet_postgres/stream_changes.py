@@ -30,7 +30,7 @@ from faucet_dagster.protocol import (
     OrderingDomain,
     default_codec_registry,
 )
-from faucet_postgres import changes, refusals
+from faucet_postgres import change_apply, changes, refusals
 from faucet_postgres.common import is_row_error, row_error_reason
 from faucet_postgres.stream_state import Epoch, PendingChanges, Target
 from faucet_postgres.stream_tables import Tables
@@ -73,7 +73,7 @@ class ChangeApplier:
             )
         positions = _integer_positions(domain, identities, where)
         if pending is None or pending.stage.layout != layout or pending.schema != records.schema:
-            counts = changes.NO_CHANGES
+            counts = change_apply.NO_CHANGES
             if pending is not None:
                 # The source table's columns changed (DDL) within the epoch: the changes before it are
                 # applied now, so the new columns' backfill reaches exactly their rows. That needs
@@ -107,7 +107,7 @@ class ChangeApplier:
 
     async def _apply_pending(
         self, conn: Connection, state: Epoch, table: str, pending: PendingChanges
-    ) -> changes.ChangeCounts:
+    ) -> change_apply.ChangeCounts:
         """Apply one table's stage; the counts so far plus this stage's."""
         where = f"{self._where} table {table}"
         try:
@@ -133,7 +133,7 @@ class ChangeApplier:
 
     async def _apply_stage(
         self, conn: Connection, pending: PendingChanges, where: str
-    ) -> changes.ChangeCounts:
+    ) -> change_apply.ChangeCounts:
         """Apply one table's stage under a savepoint. A change the destination refuses (a constraint,
         SQLSTATE class 22 or 23) raises DataError naming its position in the source (an LSN, an offset),
         its key and the constraint, found by bisection over the stage's keys. APPLY_CHANGES never
@@ -145,11 +145,11 @@ class ChangeApplier:
             raise _refused_change(exc, where, pending.ordering) from exc
         try:
             async with refusals.savepoint(conn):
-                return await changes.apply_stage(conn, target, pending.stage, where)
+                return await change_apply.apply_stage(conn, target, pending.stage, where)
         except psycopg.Error as exc:
             if not is_row_error(exc):
                 raise
-            found = await changes.refused_change(conn, target, pending.stage, where)
+            found = await change_apply.refused_change(conn, target, pending.stage, where)
             if found is None:
                 raise DataError(
                     f"the destination refused the epoch's changes: {row_error_reason(exc)} (no single "

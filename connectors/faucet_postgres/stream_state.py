@@ -21,7 +21,7 @@ from faucet_dagster.protocol import (
     SinkBatch,
     default_codec_registry,
 )
-from faucet_postgres import changes
+from faucet_postgres import change_apply, changes
 from faucet_postgres.common import PgColumn, table_name
 
 
@@ -67,7 +67,7 @@ class PendingChanges:
     schema: pa.Schema
     ordering: OrderingDomain
     """The domain the changes come from (its codec prints a position)."""
-    counts: changes.ChangeCounts = changes.NO_CHANGES
+    counts: change_apply.ChangeCounts = change_apply.NO_CHANGES
     last_position: int = 0
     """The highest position staged."""
 
