@@ -101,20 +101,42 @@ def make_stream(
 
 
 def run_epoch(stream: FaucetStream) -> EpochCertificate | None:
-    assert stream.state_url is not None
-    store = StateStore(stream.state_url)
-
-    async def scenario() -> EpochCertificate | None:
-        runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
-        try:
-            return await runner.run_epoch()
-        finally:
-            await runner.close()
-
+    store = state_store(stream)
     try:
-        return asyncio.run(scenario())
+        return asyncio.run(one_epoch(stream, store, "w1"))
     finally:
         store.close()
+
+
+def state_store(stream: FaucetStream) -> StateStore:
+    assert stream.state_url is not None
+    return StateStore(stream.state_url)
+
+
+async def one_epoch(stream: FaucetStream, store: StateStore, worker: str) -> EpochCertificate | None:
+    """One epoch of ``stream`` by a runner of its own, as worker ``worker``."""
+    runner = StreamRunner(stream.build_spec(), store, worker_id=worker)
+    try:
+        return await runner.run_epoch()
+    finally:
+        await runner.close()
+
+
+def fail_first_commit(
+    monkeypatch: pytest.MonkeyPatch, error: ConnectionFailed, before: Callable[[bool], None]
+) -> None:
+    """The sink's first ``commit_epoch`` raises ``error`` instead of committing; the later ones commit.
+    ``before(failing)`` runs at the start of every commit (``failing``: this one raises)."""
+    commit = PostgresStreamingSinkSession.commit_epoch
+    pending = [error]
+
+    async def failing_once(self: PostgresStreamingSinkSession, epoch: EpochId, coverage: Coverage) -> Any:
+        before(bool(pending))
+        if pending:
+            raise pending.pop()
+        return await commit(self, epoch, coverage)
+
+    monkeypatch.setattr(PostgresStreamingSinkSession, "commit_epoch", failing_once)
 
 
 @pytest.mark.parametrize("policy", [WritePolicy.APPEND, WritePolicy.VERSIONED_UPSERT])
@@ -132,8 +154,7 @@ def test_refused_rows_are_dead_lettered_with_the_reason_and_the_rest_commits_wit
     assert table_ids(postgres_url, table) == [i for i in range(ROWS) if i not in bad]
     assert certificate.dead_lettered == {topic: len(bad)}
     assert certificate.row_counts == {topic: ROWS - len(bad)}
-    assert stream.state_url is not None
-    store = StateStore(stream.state_url)
+    store = state_store(stream)
     try:
         letters = {
             int(json.loads(letter["payload"])["id"]): letter for letter in store.dead_letters(stream.name)
@@ -165,8 +186,7 @@ def test_a_refused_row_without_a_dead_letter_route_names_its_offset_and_the_cons
     assert f"/{topic}/0/" in error.where and f"@{NEGATIVE}#" in error.where, error.where
     assert "score_not_negative" in error.message and "1 more row(s)" in error.message, error.message
     assert table_ids(postgres_url, table) == [], "the epoch is atomic: nothing of it committed"
-    assert stream.state_url is not None
-    store = StateStore(stream.state_url)
+    store = state_store(stream)
     try:
         assert store.last_certificate(stream.name) is None
         assert store.dead_letters(stream.name) == []
@@ -228,19 +248,13 @@ def test_an_epoch_that_fails_to_commit_withdraws_its_dead_letters_and_its_replay
     stream, topic, table = make_stream(
         kafka_bootstrap, postgres_url, unique_name, tmp_path, WritePolicy.APPEND, True
     )
-    assert stream.state_url is not None
-    store = StateStore(stream.state_url)
-    commit = PostgresStreamingSinkSession.commit_epoch
-    failures = [ConnectionFailed("the commit is refused once (injected)")]
+    store = state_store(stream)
     seen: list[list[dict[str, Any]]] = []
 
-    async def failing_once(self: PostgresStreamingSinkSession, epoch: EpochId, coverage: Coverage) -> Any:
+    def routed(failing: bool) -> None:
         seen.append(store.dead_letters(stream.name))  # routed before the commit
-        if failures:
-            raise failures.pop()
-        return await commit(self, epoch, coverage)
 
-    monkeypatch.setattr(PostgresStreamingSinkSession, "commit_epoch", failing_once)
+    fail_first_commit(monkeypatch, ConnectionFailed("the commit is refused once (injected)"), routed)
 
     async def scenario() -> EpochCertificate | None:
         runner = StreamRunner(stream.build_spec(), store, worker_id="w1")
@@ -274,47 +288,28 @@ def test_dead_letters_of_an_epoch_whose_owner_died_before_committing_do_not_outl
     stream, topic, table = make_stream(
         kafka_bootstrap, postgres_url, unique_name, tmp_path, WritePolicy.APPEND, True
     )
-    assert stream.state_url is not None
-    store = StateStore(stream.state_url)
-    commit = PostgresStreamingSinkSession.commit_epoch
-    died = [ConnectionFailed("the worker dies before its commit (injected)")]
+    store = state_store(stream)
 
-    async def dying_once(self: PostgresStreamingSinkSession, epoch: EpochId, coverage: Coverage) -> Any:
-        if died:
+    def dying(failing: bool) -> None:
+        if failing:
             # What kill -9 leaves behind here: the dead letters are routed, nothing is committed,
             # and nobody withdraws them.
             monkeypatch.setattr(StoreDeadLetterRoute, "withdraw", keep_them)
-            raise died.pop()
-        return await commit(self, epoch, coverage)
 
     async def keep_them(self: StoreDeadLetterRoute, epoch: EpochId, records: Any) -> None:
         return None
 
-    monkeypatch.setattr(PostgresStreamingSinkSession, "commit_epoch", dying_once)
-
-    async def first_owner() -> None:
-        runner = StreamRunner(stream.build_spec(), store, worker_id="dead")
-        try:
-            with pytest.raises(ConnectionFailed):
-                await runner.run_epoch()
-        finally:
-            await runner.close()
-
-    async def next_owner() -> EpochCertificate | None:
-        runner = StreamRunner(stream.build_spec(), store, worker_id="next")
-        try:
-            return await runner.run_epoch()
-        finally:
-            await runner.close()
+    fail_first_commit(monkeypatch, ConnectionFailed("the worker dies before its commit (injected)"), dying)
 
     try:
-        asyncio.run(first_owner())
+        with pytest.raises(ConnectionFailed):
+            asyncio.run(one_epoch(stream, store, "dead"))
         assert len(store.dead_letters(stream.name)) == 2, "the dead owner's letters are left behind"
         # Before the replay the constraint is dropped: the row it refused now lands.
         with psycopg.connect(postgres_url) as connection:
             connection.execute(f'ALTER TABLE "{table}" DROP CONSTRAINT score_not_negative')
         monkeypatch.undo()
-        certificate = asyncio.run(next_owner())
+        certificate = asyncio.run(one_epoch(stream, store, "next"))
         letters = store.dead_letters(stream.name)
     finally:
         store.close()

@@ -14,16 +14,8 @@ How, in one transaction:
    :data:`COPY_ROWS` (binary where the types allow, see :func:`faucet_postgres.common.copy_batch`):
    a source transaction is often a few rows, and a COPY per transaction would cost a round trip each.
    Nothing touches the destination yet.
-3. :func:`apply_stage` keeps, per key, the last change in ``(position, ordinal)`` order
-   (``DISTINCT ON``), fills an unchanged column from the latest earlier change of the same key that
-   carried it, then deletes, updates and inserts in one statement. A key's net result is its last
-   change: a delete removes the row, an insert or an update leaves the row as the change carries it
-   (columns still unchanged keep the destination's value). Applying is lenient so a replay or a
-   snapshot overlap converges: an insert of a present key updates it, an update of an absent key
-   inserts it, a delete of an absent key does nothing. Such surprises are counted
-   (:class:`ChangeCounts`): a consistent replica started from nothing (or from a snapshot) has none,
-   and the streaming sink refuses an epoch that has any (the bounded sink, whose at-least-once reruns
-   rely on converging, does not).
+3. :func:`faucet_postgres.change_apply.apply_stage` applies the stage to the destination by key
+   (see there).
 
 The key is the one configured, else the columns whose field metadata ``faucet.key`` is ``"true"``
 (what the PostgreSQL change source marks: the replica identity, under FULL the primary key). The key should
@@ -52,12 +44,10 @@ from faucet_dagster.protocol import (
     UNCHANGED_COLUMN,
     ConfigError,
     DataError,
-    IntegrityError,
     Operation,
     SchemaError,
 )
 from faucet_postgres.common import PgColumn, copy_batch
-from faucet_postgres.multiset import multiset_statement
 from faucet_postgres.refusals import apply_finding_refusals
 
 KEY_METADATA = b"faucet.key"
@@ -74,14 +64,10 @@ OPERATIONS = (
 APPLIED_OPERATIONS = frozenset(Operation(value) for value in OPERATIONS)
 """What APPLY_CHANGES applies (the sinks' accepted operations for it)."""
 
-_POSITION = "__faucet_position"
-_ORDINAL = "__faucet_ordinal"
-_FIRST = "__faucet_first_op"
-_PRESENT = "__faucet_present"
+STAGE_POSITION = "__faucet_position"
+STAGE_ORDINAL = "__faucet_ordinal"
+"""The stage's columns of each change row's position and ordinal (its order of application)."""
 _BIGINT = PgColumn("", "int8", "bigint", -1, False)
-
-SURPRISE_CHARS = 200
-"""The longest key text an error about a diverged replica quotes."""
 
 COPY_ROWS = 32_768
 """Staged rows are held in memory until this many can be COPYed at once (or the stage is applied)."""
@@ -180,7 +166,7 @@ def staged_rows(
     arrays = [records.column(column) for column in layout.columns]
     batch = pa.RecordBatch.from_arrays(
         [*arrays, ops.cast(pa.string()), unchanged, positions, ordinals],
-        names=[*layout.columns, OPERATION_COLUMN, UNCHANGED_COLUMN, _POSITION, _ORDINAL],
+        names=[*layout.columns, OPERATION_COLUMN, UNCHANGED_COLUMN, STAGE_POSITION, STAGE_ORDINAL],
     )
     return StagedRows(batch, frozenset(names), truncated)
 
@@ -234,19 +220,22 @@ async def create_stage(
     identifier = sql.Identifier(f"_faucet_changes_{uuid.uuid4().hex[:12]}")
     await conn.execute(
         sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA").format(
-            identifier, _names(layout.columns), target
+            identifier, column_list(layout.columns), target
         )
     )
     await conn.execute(
         sql.SQL(
             "ALTER TABLE {} ADD COLUMN {} text, ADD COLUMN {} jsonb, ADD COLUMN {} bigint, "
             "ADD COLUMN {} bigint"
-        ).format(identifier, *map(sql.Identifier, (OPERATION_COLUMN, UNCHANGED_COLUMN, _POSITION, _ORDINAL)))
+        ).format(
+            identifier,
+            *map(sql.Identifier, (OPERATION_COLUMN, UNCHANGED_COLUMN, STAGE_POSITION, STAGE_ORDINAL)),
+        )
     )
     columns = {column: target_columns[column] for column in layout.columns}
     columns[OPERATION_COLUMN] = PgColumn(OPERATION_COLUMN, "text", "text", -1, False)
     columns[UNCHANGED_COLUMN] = PgColumn(UNCHANGED_COLUMN, "jsonb", "jsonb", -1, False)
-    columns[_POSITION] = columns[_ORDINAL] = _BIGINT
+    columns[STAGE_POSITION] = columns[STAGE_ORDINAL] = _BIGINT
     return ChangeStage(identifier, layout, columns)
 
 
@@ -292,418 +281,33 @@ async def copy_held(conn: "psycopg.AsyncConnection[Any]", target: ChangeStage) -
             f"the destination refused the change: {refused[0].reason}{more}",
             where=str(target.identifier),
             details={
-                "position": str(batch.column(_POSITION)[first].as_py()),
-                "ordinal": str(batch.column(_ORDINAL)[first].as_py()),
+                "position": str(batch.column(STAGE_POSITION)[first].as_py()),
+                "ordinal": str(batch.column(STAGE_ORDINAL)[first].as_py()),
             },
         )
 
 
-@dataclass(frozen=True)
-class RefusedChange:
-    """A key whose net change the destination refuses alone: its last change's position and
-    ordinal, the key as row text (at most :data:`SURPRISE_CHARS`), and the server's reason."""
-
-    position: int
-    ordinal: int
-    key: str
-    reason: str
-
-
-async def refused_change(
-    conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage, where: str
-) -> RefusedChange | None:
-    """After :func:`apply_stage` failed for a row-level reason (rolled back to its savepoint, the
-    stage COPYed and intact): the first key, in key order, whose changes ``target`` refuses when
-    applied alone, by bisection over the stage's keys under savepoints. ``None`` when no key alone
-    is refused (the refusal needs several keys together) or the stage holds a truncate."""
-    if staged.truncated or staged.rows == 0:
-        return None
-    layout = staged.layout
-    ranks = sql.Identifier(f"_faucet_keys_{uuid.uuid4().hex[:12]}")
-    rank = sql.Identifier("__faucet_rank")
-    await conn.execute(
-        sql.SQL(
-            "CREATE TEMP TABLE {ranks} ON COMMIT DROP AS SELECT {keys}, row_number() OVER (ORDER BY {keys}) "
-            "AS {rank} FROM (SELECT DISTINCT {keys} FROM {stage}) AS k"
-        ).format(ranks=ranks, keys=_names(layout.key), rank=rank, stage=staged.identifier)
-    )
-    row = await (await conn.execute(sql.SQL("SELECT count(*) FROM {}").format(ranks))).fetchone()
-    count = 0 if row is None else int(row[0])
-    same = sql.SQL(" AND ").join(
-        sql.SQL("s.{0} IS NOT DISTINCT FROM k.{0}").format(sql.Identifier(column)) for column in layout.key
-    )
-
-    async def attempt(start: int, stop: int) -> int:
-        part = sql.Identifier(f"_faucet_part_{uuid.uuid4().hex[:12]}")
-        cursor = await conn.execute(
-            sql.SQL(
-                "CREATE TEMP TABLE {part} ON COMMIT DROP AS SELECT s.* FROM {stage} AS s JOIN {ranks} AS k "
-                "ON {same} WHERE k.{rank} > %s AND k.{rank} <= %s"
-            ).format(part=part, stage=staged.identifier, ranks=ranks, same=same, rank=rank),
-            (start, stop),
-        )
-        subset = ChangeStage(part, layout, staged.columns, set(staged.unchanged), max(cursor.rowcount, 0))
-        await apply_stage(conn, target, subset, where)
-        return stop - start
-
-    _, refused = await apply_finding_refusals(conn, count, attempt)
-    if not refused:
-        return None
-    found = await (
-        await conn.execute(
-            sql.SQL(
-                "SELECT s.{position}, s.{ordinal}, ROW({keys})::text FROM {stage} AS s JOIN {ranks} AS k "
-                "ON {same} WHERE k.{rank} = %s ORDER BY s.{position} DESC, s.{ordinal} DESC LIMIT 1"
-            ).format(
-                position=sql.Identifier(_POSITION),
-                ordinal=sql.Identifier(_ORDINAL),
-                keys=_names(layout.key, "s"),
-                stage=staged.identifier,
-                ranks=ranks,
-                same=same,
-                rank=rank,
-            ),
-            (refused[0].index + 1,),
-        )
-    ).fetchone()
-    if found is None:
-        return None
-    return RefusedChange(int(found[0]), int(found[1]), str(found[2])[:SURPRISE_CHARS], refused[0].reason)
-
-
-@dataclass(frozen=True)
-class ChangeCounts:
-    """What applying a stage did to its table, counted per key (each key's net change).
-
-    ``unexpected_inserts``: keys whose first change was an insert but which were present (a replay
-    or an overlap); ``unexpected_changes``: keys whose first change was an update or a delete but
-    which were absent (a gap, or a replica not seeded; a multiset: deletes that found no row). Both
-    are 0 for a consistent replica. ``truncated``: rows a truncate removed (not counted in
-    ``deleted``). ``surprise``: one unexpected key as row text, at most :data:`SURPRISE_CHARS`
-    characters (never for a multiset, whose key is the whole row).
-    """
-
-    inserted: int
-    updated: int
-    deleted: int
-    unexpected_inserts: int
-    unexpected_changes: int
-    truncated: int = 0
-    surprise: str | None = None
-
-    def details(self) -> dict[str, str]:
-        return {
-            "rows_inserted": str(self.inserted),
-            "rows_updated": str(self.updated),
-            "rows_deleted": str(self.deleted),
-            "rows_truncated": str(self.truncated),
-            "unexpected_inserts": str(self.unexpected_inserts),
-            "unexpected_changes": str(self.unexpected_changes),
-        }
-
-    def __add__(self, other: "ChangeCounts") -> "ChangeCounts":
-        return ChangeCounts(
-            self.inserted + other.inserted,
-            self.updated + other.updated,
-            self.deleted + other.deleted,
-            self.unexpected_inserts + other.unexpected_inserts,
-            self.unexpected_changes + other.unexpected_changes,
-            self.truncated + other.truncated,
-            self.surprise or other.surprise,
-        )
-
-
-NO_CHANGES = ChangeCounts(0, 0, 0, 0, 0)
-
-
-async def apply_stage(
-    conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage, where: str
-) -> ChangeCounts:
-    """Apply the stage's changes to ``target`` in its transaction; see the module docstring.
-
-    Raises :class:`IntegrityError` when an update of a key absent from ``target`` left a column
-    unchanged (its value is known nowhere); the caller rolls the transaction back. psycopg errors
-    propagate.
-    """
-    if staged.rows == 0:
-        return NO_CHANGES
-    await copy_held(conn, staged)
-    truncated = await _truncate(conn, target, staged) if staged.truncated else 0
-    if staged.layout.multiset:
-        if staged.unchanged:
-            raise DataError("a change row of a table without a key left a column out", where=where)
-        statement = multiset_statement(target, staged.identifier, staged.layout.columns, _POSITION, _ORDINAL)
-        cursor = await conn.execute(statement)
-        counted = await cursor.fetchone()
-        assert counted is not None  # the statement returns one row
-        return ChangeCounts(int(counted[0]), 0, int(counted[1]), 0, int(counted[2]), truncated)
-    if staged.unchanged:
-        await _carry_key_changes(conn, target, staged)
-    last: sql.Composable = _last_changes(staged)
-    filled: sql.Identifier | None = None
-    if staged.unchanged:
-        filled = sql.Identifier(f"_faucet_last_{uuid.uuid4().hex[:12]}")
-        await conn.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS {}").format(filled, last))
-        for column in sorted(staged.unchanged):
-            await conn.execute(_fill(filled, staged, column))
-        last = sql.SQL("SELECT * FROM {}").format(filled)
-    cursor = await conn.execute(_apply(target, staged, last))
-    row = await cursor.fetchone()
-    if filled is not None:
-        await conn.execute(sql.SQL("DROP TABLE {}").format(filled))
-    assert row is not None  # an aggregate returns one row
-    inserted, updated, deleted, unexpected_inserts, unexpected_changes, unknown = (int(n) for n in row[:6])
-    if unknown:
-        raise IntegrityError(
-            f"{unknown} update(s) of key(s) absent from the destination left column(s) "
-            f"{', '.join(sorted(staged.unchanged))} out: their values are known nowhere (seed the replica "
-            "with a snapshot, or set REPLICA IDENTITY FULL on the source table)",
-            where=where,
-        )
-    surprise = None if row[6] is None else str(row[6])[:SURPRISE_CHARS]
-    return ChangeCounts(
-        inserted, updated, deleted, unexpected_inserts, unexpected_changes, truncated, surprise
-    )
-
-
-async def _truncate(conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage) -> int:
-    """Apply the stage's last truncate: every destination row deleted (in the epoch's transaction),
-    and every staged change up to it dropped (the truncate removed what they made). Returns how many
-    rows were deleted."""
-    position, ordinal = sql.Identifier(_POSITION), sql.Identifier(_ORDINAL)
-    await conn.execute(
-        sql.SQL(
-            "DELETE FROM {stage} WHERE ({position}, {ordinal}) <= (SELECT {position}, {ordinal} FROM "
-            "{stage} WHERE {op} = {truncate} ORDER BY {position} DESC, {ordinal} DESC LIMIT 1)"
-        ).format(
-            stage=staged.identifier,
-            position=position,
-            ordinal=ordinal,
-            op=sql.Identifier(OPERATION_COLUMN),
-            truncate=sql.Literal(Operation.TRUNCATE.value),
-        )
-    )
-    cursor = await conn.execute(sql.SQL("DELETE FROM {}").format(target))
-    return max(cursor.rowcount, 0)
-
-
-async def _carry_key_changes(
-    conn: "psycopg.AsyncConnection[Any]", target: sql.Composable, staged: ChangeStage
-) -> None:
-    """Fill the columns a key change's insert left out with the old key's values.
-
-    Such an insert follows the delete of the old key (same position, previous ordinal). The old row's
-    value of a column is the latest earlier staged change of the old key that carried it, else the
-    destination's row. One statement per column and pass; a pass resolves every insert whose source
-    is resolved (a chain of key changes in one epoch takes one pass per link). What stays unresolved
-    (the old key is nowhere) is refused by :func:`apply_stage`.
-    """
-    for column in sorted(staged.unchanged):
-        while True:
-            cursor = await conn.execute(_carry(target, staged, column))
-            if cursor.rowcount <= 0:
-                break
-
-
-def _names(columns: Sequence[str], alias: str | None = None) -> sql.Composable:
+def column_list(columns: Sequence[str], alias: str | None = None) -> sql.Composable:
+    """``columns`` as a comma-separated list of identifiers, qualified by ``alias`` if given."""
     if alias is None:
         return sql.SQL(", ").join(map(sql.Identifier, columns))
     return sql.SQL(", ").join(sql.Identifier(alias, column) for column in columns)
 
 
-def _match(layout: ChangeLayout, left: str, right: str) -> sql.Composable:
-    return sql.SQL(" AND ").join(
-        sql.SQL("{} = {}").format(sql.Identifier(left, column), sql.Identifier(right, column))
-        for column in layout.key
-    )
-
-
-def _newest_first(layout: ChangeLayout) -> sql.Composable:
-    """Per key, the latest change first: commit position, then order within the transaction."""
-    return sql.SQL("{}, s.{} DESC, s.{} DESC").format(
-        _names(layout.key, "s"), sql.Identifier(_POSITION), sql.Identifier(_ORDINAL)
-    )
-
-
-def _last_changes(staged: ChangeStage) -> sql.Composable:
-    """Each key's last change, with the operation of its first change in this stage (one sort)."""
-    layout = staged.layout
-    return sql.SQL(
-        "SELECT DISTINCT ON ({keys}) s.*, last_value(s.{op}) OVER (PARTITION BY {keys} "
-        "ORDER BY s.{position} DESC, s.{ordinal} DESC ROWS BETWEEN UNBOUNDED PRECEDING AND "
-        "UNBOUNDED FOLLOWING) AS {first} FROM {stage} AS s ORDER BY {order}"
-    ).format(
-        keys=_names(layout.key, "s"),
-        op=sql.Identifier(OPERATION_COLUMN),
-        position=sql.Identifier(_POSITION),
-        ordinal=sql.Identifier(_ORDINAL),
-        first=sql.Identifier(_FIRST),
-        stage=staged.identifier,
-        order=_newest_first(layout),
-    )
-
-
-def _fill(filled: sql.Identifier, staged: ChangeStage, column: str) -> sql.Composed:
-    """Fill ``column`` where a key's last change left it out, from the latest earlier change that
-    carried it (an insert always does, so nothing before the key's last delete is ever used)."""
-    layout = staged.layout
-    name = sql.Literal(column)
-    unchanged = sql.Identifier(UNCHANGED_COLUMN)
-    return sql.SQL(
-        "UPDATE {filled} AS l SET {column} = f.{column}, {unchanged} = l.{unchanged} - {name} FROM "
-        "(SELECT DISTINCT ON ({keys}) {keys}, s.{column} FROM {stage} AS s WHERE s.{op} <> {delete} "
-        "AND NOT coalesce(s.{unchanged} ? {name}, false) ORDER BY {order}) AS f "
-        "WHERE l.{unchanged} ? {name} AND {match}"
-    ).format(
-        filled=filled,
-        column=sql.Identifier(column),
-        unchanged=unchanged,
-        name=name,
-        keys=_names(layout.key, "s"),
-        stage=staged.identifier,
-        op=sql.Identifier(OPERATION_COLUMN),
-        delete=sql.Literal(Operation.DELETE.value),
-        order=_newest_first(layout),
-        match=_match(layout, "l", "f"),
-    )
-
-
-def _carry(target: sql.Composable, staged: ChangeStage, column: str) -> sql.Composed:
-    """One pass of :func:`_carry_key_changes` for ``column``."""
-    layout = staged.layout
-    name = sql.Literal(column)
-    old = [(sql.Identifier(key), sql.Identifier(f"__old_{key}")) for key in layout.key]
-    old_key = sql.SQL(", ").join(sql.SQL("d.{} AS {}").format(key, alias) for key, alias in old)
-
-    def matching(table: str) -> sql.Composable:
-        return sql.SQL(" AND ").join(
-            sql.SQL("{}.{} = m.{}").format(sql.Identifier(table), key, alias) for key, alias in old
-        )
-
-    same_old, in_target = matching("e"), matching("t")
-    first_key = sql.Identifier(layout.key[0])
-    return sql.SQL(
-        "WITH moved AS (SELECT m.{position}, m.{ordinal}, {old_key} FROM {stage} AS m JOIN {stage} AS d "
-        "ON d.{position} = m.{position} AND d.{ordinal} = m.{ordinal} - 1 AND d.{op} = {delete} "
-        "WHERE m.{op} = {insert} AND coalesce(m.{unchanged} ? {name}, false)), "
-        "found AS (SELECT m.{position}, m.{ordinal}, src.{column} AS value, src.pending, "
-        "src.{position} IS NOT NULL AS staged, t.{first_key} IS NOT NULL AS kept, t.{column} AS kept_value "
-        "FROM moved AS m LEFT JOIN LATERAL (SELECT e.{position}, e.{column}, "
-        "coalesce(e.{unchanged} ? {name}, false) AS pending FROM {stage} AS e WHERE {same_old} "
-        "AND e.{op} <> {delete} AND (e.{position}, e.{ordinal}) < (m.{position}, m.{ordinal}) "
-        "AND NOT (e.{op} <> {insert} AND coalesce(e.{unchanged} ? {name}, false)) "
-        "ORDER BY e.{position} DESC, e.{ordinal} DESC LIMIT 1) AS src ON true "
-        "LEFT JOIN {target} AS t ON {in_target}) "
-        "UPDATE {stage} AS s SET {column} = CASE WHEN f.staged THEN f.value ELSE f.kept_value END, "
-        "{unchanged} = s.{unchanged} - {name} FROM found AS f "
-        "WHERE s.{position} = f.{position} AND s.{ordinal} = f.{ordinal} "
-        "AND ((f.staged AND NOT f.pending) OR (NOT f.staged AND f.kept))"
-    ).format(
-        position=sql.Identifier(_POSITION),
-        ordinal=sql.Identifier(_ORDINAL),
-        old_key=old_key,
-        stage=staged.identifier,
-        op=sql.Identifier(OPERATION_COLUMN),
-        delete=sql.Literal(Operation.DELETE.value),
-        insert=sql.Literal(Operation.INSERT.value),
-        unchanged=sql.Identifier(UNCHANGED_COLUMN),
-        name=name,
-        column=sql.Identifier(column),
-        same_old=same_old,
-        first_key=first_key,
-        target=target,
-        in_target=in_target,
-    )
-
-
-def _apply(target: sql.Composable, staged: ChangeStage, last: sql.Composable) -> sql.Composed:
-    """One statement: judge each key's presence once, then delete, update and insert; count them."""
-    layout = staged.layout
-    op, present, first = (sql.Identifier(name) for name in (OPERATION_COLUMN, _PRESENT, _FIRST))
-    unchanged = sql.Identifier(UNCHANGED_COLUMN)
-    delete, insert = sql.Literal(Operation.DELETE.value), sql.Literal(Operation.INSERT.value)
-    statements = [
-        sql.SQL(
-            "judged AS MATERIALIZED (SELECT l.*, EXISTS (SELECT 1 FROM {target} AS t WHERE {match}) "
-            "AS {present} FROM ({last}) AS l)"
-        ).format(target=target, match=_match(layout, "t", "l"), present=present, last=last),
-        sql.SQL(
-            "deleted AS (DELETE FROM {target} AS t USING judged AS l WHERE l.{op} = {delete} "
-            "AND l.{present} AND {match})"
-        ).format(target=target, op=op, delete=delete, present=present, match=_match(layout, "t", "l")),
-    ]
-    if layout.others:
-        sets = sql.SQL(", ").join(
-            sql.SQL("{0} = CASE WHEN l.{1} ? {2} THEN t.{0} ELSE l.{0} END").format(
-                sql.Identifier(column), unchanged, sql.Literal(column)
-            )
-            if column in staged.unchanged
-            else sql.SQL("{0} = l.{0}").format(sql.Identifier(column))
-            for column in layout.others
-        )
-        statements.append(
-            sql.SQL(
-                "updated AS (UPDATE {target} AS t SET {sets} FROM judged AS l WHERE l.{op} <> {delete} "
-                "AND l.{present} AND {match})"
-            ).format(
-                target=target,
-                sets=sets,
-                op=op,
-                delete=delete,
-                present=present,
-                match=_match(layout, "t", "l"),
-            )
-        )
-    statements.append(
-        sql.SQL(
-            "inserted AS (INSERT INTO {target} ({columns}) SELECT {values} FROM judged AS l "
-            "WHERE l.{op} <> {delete} AND NOT l.{present})"
-        ).format(
-            target=target,
-            columns=_names(layout.columns),
-            values=_names(layout.columns, "l"),
-            op=op,
-            delete=delete,
-            present=present,
-        )
-    )
-    counts = sql.SQL(
-        "SELECT count(*) FILTER (WHERE {op} <> {delete} AND NOT {present}), "
-        "count(*) FILTER (WHERE {op} <> {delete} AND {present}), "
-        "count(*) FILTER (WHERE {op} = {delete} AND {present}), "
-        "count(*) FILTER (WHERE {first} = {insert} AND {present}), "
-        "count(*) FILTER (WHERE {first} <> {insert} AND NOT {present}), "
-        "count(*) FILTER (WHERE {op} <> {delete} AND NOT {present} AND {unchanged} IS NOT NULL "
-        "AND {unchanged} <> '[]'::jsonb), "
-        "min(ROW({keys})::text) FILTER (WHERE ({first} = {insert}) = {present}) FROM judged"
-    ).format(
-        op=op,
-        delete=delete,
-        present=present,
-        first=first,
-        insert=insert,
-        unchanged=unchanged,
-        keys=_names(layout.key),
-    )
-    return sql.SQL("WITH {} {}").format(sql.SQL(", ").join(statements), counts)
-
-
 __all__ = [
     "APPLIED_OPERATIONS",
     "KEY_METADATA",
-    "NO_CHANGES",
     "OPERATIONS",
-    "ChangeCounts",
+    "STAGE_ORDINAL",
+    "STAGE_POSITION",
     "ChangeLayout",
     "ChangeStage",
-    "RefusedChange",
     "StagedRows",
-    "apply_stage",
     "change_layout",
+    "column_list",
     "copy_held",
     "create_stage",
     "data_schema",
-    "refused_change",
     "stage",
     "staged_rows",
 ]

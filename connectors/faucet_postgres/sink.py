@@ -60,7 +60,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     bisect_rejections,
 )
-from faucet_postgres import change_schema, changes
+from faucet_postgres import change_apply, change_schema, changes
 from faucet_postgres.common import (
     PgColumn,
     add_columns,
@@ -442,7 +442,7 @@ class PostgresSink(Sink):
         )
         stage = await changes.create_stage(conn, target, columns, layout)
         await changes.stage(conn, stage, rows)
-        await changes.apply_stage(conn, target, stage, where)
+        await change_apply.apply_stage(conn, target, stage, where)
         await conn.execute(sql.SQL("DROP TABLE {}").format(stage.identifier))
 
     async def _create_stage(self, conn: Connection, schema: pa.Schema | None) -> dict[str, PgColumn] | None:

@@ -57,6 +57,8 @@ RESOURCE = "items"
 DOMAIN = OrderingDomain("conformance", RESOURCE, "0", "incarnation-1", "kafka.offset")
 """The ordering domain of the batches the battery hands a streaming sink (positions are the ids)."""
 ROW_SCHEMA = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("name", pa.string())])
+QUIET = ReadLimits(records=None, bytes=None, idle=0.5, age=None)
+"""Read limits for draining a stream source: end a read after half a second with nothing new."""
 
 
 @dataclass

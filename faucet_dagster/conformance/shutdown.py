@@ -16,7 +16,8 @@ from faucet_dagster.conformance.harness import (
 )
 from faucet_dagster.conformance.options import ConformanceFailure, Outcome
 from faucet_dagster.conformance.setup import make_rows
-from faucet_dagster.conformance.streaming import SHUTDOWN_RULE, close_and_watch, close_honestly
+from faucet_dagster.conformance.streaming.common import SHUTDOWN_RULE
+from faucet_dagster.conformance.streaming.sinks import close_and_watch, close_honestly
 from faucet_dagster.protocol import Durability, EpochId
 
 

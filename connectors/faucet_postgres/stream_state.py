@@ -1,0 +1,131 @@
+"""What a PostgreSQL streaming sink session (:mod:`faucet_postgres.stream_sink`) knows between
+calls: the destination tables it has seen (:class:`Target`) and the active epoch (:class:`Epoch`: the
+watermarks read at its begin, which judge replayed rows and the watermarks its commit writes; a
+:class:`Tally` per resource; the :class:`PendingChanges` APPLY_CHANGES staged per table).
+"""
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from psycopg import sql
+
+from faucet_dagster.protocol import (
+    Coverage,
+    EpochId,
+    Identities,
+    IntegerPositionCodec,
+    IntegrityError,
+    OrderingDomain,
+    Position,
+    SinkBatch,
+    default_codec_registry,
+)
+from faucet_postgres import change_apply, changes
+from faucet_postgres.common import PgColumn, table_name
+
+
+@dataclass
+class Target:
+    """A destination table as this session knows it."""
+
+    schema: str
+    table: str
+    columns: dict[str, PgColumn]
+    stage: sql.Identifier | None = None
+    from_changes: bool = False
+    """APPLY_CHANGES created the table (its column types follow the change rows' Arrow types)."""
+
+    @property
+    def identifier(self) -> sql.Identifier:
+        return table_name(self.schema, self.table)
+
+    @property
+    def label(self) -> str:
+        return f"{self.schema}.{self.table}"
+
+
+@dataclass
+class Tally:
+    """What an epoch did to one resource so far."""
+
+    table: str
+    written: int = 0
+    skipped: int = 0
+    first: str | None = None
+    last: str | None = None
+
+
+@dataclass
+class PendingChanges:
+    """APPLY_CHANGES: one destination table's staged changes in the active epoch (``counts`` includes
+    the stages applied before a schema change within the epoch)."""
+
+    target: Target
+    stage: changes.ChangeStage
+    domain: tuple[str, str, str]
+    schema: pa.Schema
+    ordering: OrderingDomain
+    """The domain the changes come from (its codec prints a position)."""
+    counts: change_apply.ChangeCounts = change_apply.NO_CHANGES
+    last_position: int = 0
+    """The highest position staged."""
+
+
+@dataclass
+class Epoch:
+    """The active epoch: its watermarks at begin (by domain lineage), its tallies, its staged changes
+    (by table)."""
+
+    epoch: EpochId
+    watermarks: dict[tuple[str, str, str], Position]
+    tallies: dict[str, Tally] = field(default_factory=dict)
+    changes: dict[str, PendingChanges] = field(default_factory=dict)
+    failed: bool = False
+
+    def above_watermark(
+        self, batch: SinkBatch, where: str
+    ) -> tuple[pa.RecordBatch, Identities, int, list[int] | None]:
+        """The rows of ``batch`` after its domain's watermark, their identities, how many were dropped,
+        and the kept rows' indices in ``batch`` (``None``: every row was kept)."""
+        records = batch.records
+        positions = list(batch.identities.positions)
+        mark = self.watermarks.get(batch.domain.lineage)
+        if mark is None or mark.domain.incarnation != batch.domain.incarnation or not positions:
+            return records, batch.identities, 0, None
+        codec = default_codec_registry().get(batch.domain.codec)
+        limit = codec.validate(mark.value)
+        if isinstance(codec, IntegerPositionCodec):
+            try:
+                values = pa.array(positions, pa.string()).cast(pa.int64())
+            except pa.ArrowInvalid as exc:
+                raise IntegrityError(
+                    f"a batch carries positions that are not {codec.name} positions", where=where
+                ) from exc
+            keep = pc.greater(values, limit)
+        else:
+            verdicts = {text: codec.compare(codec.validate(text), limit) > 0 for text in set(positions)}
+            keep = pa.array([verdicts[text] for text in positions], pa.bool_())
+        kept = int(pc.sum(keep).as_py() or 0)
+        if kept == len(positions):
+            return records, batch.identities, 0, None
+        indices = pc.indices_nonzero(keep).to_pylist()
+        ordinals = batch.identities.ordinals
+        identities = Identities(
+            [positions[index] for index in indices],
+            None if ordinals is None else [ordinals[index] for index in indices],
+        )
+        return records.filter(keep), identities, len(positions) - kept, indices
+
+    def next_watermarks(self, coverage: Coverage) -> list[Position]:
+        """The watermark per covered domain after this epoch: never behind the one it replaces."""
+        marks: list[Position] = []
+        for item in coverage.domains:
+            new = Position(item.domain, item.end)
+            old = self.watermarks.get(item.domain.lineage)
+            if old is not None and old.domain == item.domain:
+                codec = default_codec_registry().get(item.domain.codec)
+                if codec.compare(codec.validate(old.value), codec.validate(item.end)) >= 0:
+                    new = old
+            marks.append(new)
+        return marks
