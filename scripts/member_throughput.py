@@ -1,0 +1,145 @@
+"""Throughput of a stream divided among 1, 2 and 3 member workers, interleaved in one run.
+
+``.venv/bin/python scripts/member_throughput.py [--messages 300000] [--rounds 3] [--groups 6]``
+
+Starts the test servers (PostgreSQL, the Kafka-protocol broker, from their wheels). Each round
+measures 1, 2 and 3 workers once, in a rotating order (round r starts at ``r % 3``), so a drift of the
+shared machine's load spreads over every count. One measurement: a fresh 12-partition topic holding
+``--messages`` JSON messages (produced first, untimed), a fresh destination table, and N member
+worker processes (``python -m faucet_dagster.testing.faults.worker``, each a
+:class:`~faucet_dagster.runner.members.MemberWorker`) of one stream divided into ``--groups`` partition
+groups, the state store in the same PostgreSQL server. The clock starts when the N members are live
+in the store (they joined; the first one may have certified epochs meanwhile, which are not counted)
+and stops when the certificates count every message; the figure is the messages certified in
+between per second. Then the workers are stopped (SIGTERM, a clean stop) and the destination is
+checked to hold every message once.
+
+Prints one line per measurement and, per worker count, the median messages/s and its ratio to one
+worker's median.
+"""
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.data import produce_all
+from faucet_dagster.state import StateStore
+from faucet_dagster.state.members import MemberRegistry
+from faucet_dagster.testing import KafkaServer, PostgresServer, make_unique_name
+from faucet_dagster.testing.faults.scenarios import WorkerProcess
+from faucet_dagster.testing.faults.spec import Endpoint, WorkerSpec
+
+PARTITIONS = 12
+COLUMNS = {"i": "int64", "name": "string", "score": "float64"}
+BOUND = 600.0
+
+
+def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Namespace, logs: Path) -> float:
+    """One measurement (see the module); its messages per second."""
+    topic, stream = make_unique_name("mt_topic"), make_unique_name("mt")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, PARTITIONS, 1)])[topic].result(30)
+    values = [json.dumps({"i": i, "name": f"n{i}", "score": i / 7}).encode() for i in range(args.messages)]
+    produce_all(bootstrap, topic, [str(i).encode() for i in range(args.messages)], values)
+    base = WorkerSpec(
+        mode="continuous",
+        stream=stream,
+        worker_id="",
+        source=Endpoint(
+            "kafka",
+            {
+                "bootstrap_servers": bootstrap,
+                "topics": [topic],
+                "group_id": f"g_{stream}",
+                "format": "json",
+                "columns": COLUMNS,
+            },
+        ),
+        sink=Endpoint("postgres", {"url": postgres_url, "table": stream}),
+        resources=(topic,),
+        state_url=postgres_url,
+        epoch_records=args.epoch_records,
+        epoch_idle=1.0,
+        epoch_age=10.0,
+        batch_rows=16_384,
+        lease_seconds=10.0,
+        deadline_seconds=BOUND,
+        groups=args.groups,
+    )
+    specs = [WorkerSpec(**{**base.__dict__, "worker_id": f"{stream}_m{n}"}) for n in range(workers)]
+    processes = [WorkerProcess(spec, None, logs / f"{spec.worker_id}.log") for spec in specs]
+    store = StateStore(postgres_url)
+    registry = MemberRegistry(store)
+
+    def certified() -> int:
+        events = [event for process in processes for event in list(process.events)]
+        return sum(int(event.data["rows"]) for event in events if event.event == "certified")
+
+    try:
+        ends = time.monotonic() + BOUND
+        while len(registry.live(stream)) < workers:
+            if time.monotonic() > ends or any(p.proc.poll() is not None for p in processes):
+                raise RuntimeError(f"{workers} workers did not all join; logs in {logs}")
+            time.sleep(0.05)
+        start, before = time.perf_counter(), certified()
+        while (done := certified()) < args.messages:
+            if time.monotonic() > ends or any(p.proc.poll() is not None for p in processes):
+                raise RuntimeError(f"{done} of {args.messages} certified; logs in {logs}")
+            time.sleep(0.02)
+        seconds = time.perf_counter() - start
+    finally:
+        for process in processes:
+            process.send(signal.SIGTERM)
+        for process in processes:
+            process.wait(120)
+        store.close()
+    with psycopg.connect(postgres_url) as conn:
+        row = conn.execute(f'SELECT count(*), count(DISTINCT i) FROM "{stream}"').fetchone()
+    if row is None or row[0] != args.messages or row[1] != args.messages:
+        raise RuntimeError(f"{stream} holds {row}, expected {args.messages} distinct messages")
+    admin.delete_topics([topic])[topic].result(30)
+    return (args.messages - before) / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=6, help="partition groups (6: 6, 3 and 2 per worker)")
+    parser.add_argument("--epoch-records", type=int, default=20_000)
+    args = parser.parse_args()
+    postgres, kafka = PostgresServer.from_env().start(), KafkaServer.from_env().start()
+    rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
+    try:
+        url = postgres.create_database(make_unique_name("mt_db"))
+        with tempfile.TemporaryDirectory(prefix="faucet-members-") as tmp:
+            for round_ in range(args.rounds):
+                order = [1, 2, 3][round_ % 3 :] + [1, 2, 3][: round_ % 3]
+                for workers in order:
+                    rate = measure(url, kafka.bootstrap, workers, args, Path(tmp))
+                    rates[workers].append(rate)
+                    print(f"round {round_ + 1} workers {workers}: {rate:,.0f} messages/s", flush=True)
+    finally:
+        kafka.close()
+        postgres.close()
+    one = statistics.median(rates[1])
+    for workers, values in rates.items():
+        median = statistics.median(values)
+        spread = f"{min(values):,.0f}-{max(values):,.0f}"
+        ratio = median / one
+        print(f"workers {workers}: median {median:,.0f} messages/s ({spread}), {ratio:.2f}x one worker")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
