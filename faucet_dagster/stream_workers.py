@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 
 import dagster as dg
+from sqlalchemy.exc import SQLAlchemyError
 
 from faucet_dagster.protocol import ConfigError, EpochCertificate
 from faucet_dagster.runner.members import MemberWorker, group_stream
@@ -107,7 +108,7 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
             while True:
                 if watch.watching and loop.time() - checked >= SENSOR_CHECK_SECONDS:
                     checked = loop.time()
-                    if await asyncio.to_thread(watch.stopped):
+                    if await _sensor_stopped(context, watch):
                         why = f"its sensor {watch.sensor} is stopped"
                         return why
                 for certificate in await worker.run_round():
@@ -124,6 +125,20 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
         asyncio.run(rounds())
     finally:
         store.close()
+
+
+async def _sensor_stopped(context: dg.OpExecutionContext, watch: SensorWatch) -> bool:
+    """Whether the run's sensor is stopped; a read of the instance that fails counts as not stopped
+    (it is read again next time): a storage hiccup never ends a healthy worker."""
+    try:
+        return await asyncio.to_thread(watch.stopped)
+    except (SQLAlchemyError, dg.DagsterError, OSError) as exc:
+        # The type only: a storage error's text may hold the instance's connection string.
+        context.log.warning(
+            f"could not read the state of sensor {watch.sensor} ({type(exc).__name__}); "
+            f"reading it again in {SENSOR_CHECK_SECONDS:.0f}s"
+        )
+        return False
 
 
 def parse_cursor(cursor: str | None) -> dict[str, int]:
