@@ -5,14 +5,15 @@
 Starts the test servers (PostgreSQL, the Kafka-protocol broker, from their wheels). Each round
 measures 1, 2 and 3 workers once, in a rotating order (round r starts at ``r % 3``), so a drift of the
 shared machine's load spreads over every count. One measurement: a fresh 12-partition topic holding
-``--messages`` JSON messages (produced first, untimed), a fresh destination table, and N member
-worker processes (``python -m faucet_dagster.testing.faults.worker``, each a
+a fresh destination table, and N member worker processes
+(``python -m faucet_dagster.testing.faults.worker``, each a
 :class:`~faucet_dagster.runner.members.MemberWorker`) of one stream divided into ``--groups`` partition
-groups, the state store in the same PostgreSQL server. The clock starts when the N members are live
-in the store (they joined; the first one may have certified epochs meanwhile, which are not counted)
-and stops when the certificates count every message; the figure is the messages certified in
-between per second. Then the workers are stopped (SIGTERM, a clean stop) and the destination is
-checked to hold every message once.
+groups, the state store in the same PostgreSQL server. Once every group's lease is held by the member
+the assignment gives it (the workers joined and the groups moved: startup is not measured), the
+workers are frozen (SIGSTOP; leases of 60 s outlive it), ``--messages`` JSON messages are produced,
+and the workers are thawed (SIGCONT): the clock runs from the thaw until the certificates count every
+message. Then the workers are stopped (SIGTERM, a clean stop) and the destination is checked to hold
+every message once.
 
 Prints one line per measurement and, per worker count, the median messages/s and its ratio to one
 worker's median.
@@ -33,6 +34,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.data import produce_all
+from faucet_dagster.runner.members import group_stream
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
 from faucet_dagster.testing import KafkaServer, PostgresServer, make_unique_name
@@ -50,7 +52,8 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, PARTITIONS, 1)])[topic].result(30)
     values = [json.dumps({"i": i, "name": f"n{i}", "score": i / 7}).encode() for i in range(args.messages)]
-    produce_all(bootstrap, topic, [str(i).encode() for i in range(args.messages)], values)
+    keys = [str(i).encode() for i in range(args.messages)]
+    groups = [group_stream(stream, g, args.groups) for g in range(args.groups)]
     base = WorkerSpec(
         mode="continuous",
         stream=stream,
@@ -69,10 +72,10 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
         resources=(topic,),
         state_url=postgres_url,
         epoch_records=args.epoch_records,
-        epoch_idle=1.0,
+        epoch_idle=args.epoch_idle,
         epoch_age=10.0,
         batch_rows=16_384,
-        lease_seconds=10.0,
+        lease_seconds=60.0,
         deadline_seconds=BOUND,
         groups=args.groups,
     )
@@ -87,11 +90,30 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
 
     try:
         ends = time.monotonic() + BOUND
-        while len(registry.live(stream)) < workers:
+
+        def settled() -> bool:
+            """Every group's lease held by the member the assignment gives it (``g mod n``)."""
+            live = [member.member for member in registry.live(stream)]
+            if len(live) < workers:
+                return False
+            owners = {status.stream: status for status in store.status() if status.stream in groups}
+            return all(
+                name in owners and owners[name].lease_live and owners[name].owner == live[g % workers]
+                for g, name in enumerate(groups)
+            )
+
+        while not settled():
             if time.monotonic() > ends or any(p.proc.poll() is not None for p in processes):
-                raise RuntimeError(f"{workers} workers did not all join; logs in {logs}")
-            time.sleep(0.05)
-        start, before = time.perf_counter(), certified()
+                raise RuntimeError(f"{workers} workers did not settle; logs in {logs}")
+            time.sleep(0.1)
+        # Frozen while the messages are produced (their leases outlive it), thawed at once: the clock
+        # measures the workers only, not the producer sharing their cores.
+        for process in processes:
+            process.send(signal.SIGSTOP)
+        produce_all(bootstrap, topic, keys, values)
+        start = time.perf_counter()
+        for process in processes:
+            process.send(signal.SIGCONT)
         while (done := certified()) < args.messages:
             if time.monotonic() > ends or any(p.proc.poll() is not None for p in processes):
                 raise RuntimeError(f"{done} of {args.messages} certified; logs in {logs}")
@@ -108,7 +130,7 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
     if row is None or row[0] != args.messages or row[1] != args.messages:
         raise RuntimeError(f"{stream} holds {row}, expected {args.messages} distinct messages")
     admin.delete_topics([topic])[topic].result(30)
-    return (args.messages - before) / seconds
+    return args.messages / seconds
 
 
 def main() -> int:
@@ -116,7 +138,10 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--groups", type=int, default=6, help="partition groups (6: 6, 3 and 2 per worker)")
-    parser.add_argument("--epoch-records", type=int, default=20_000)
+    parser.add_argument("--epoch-records", type=int, default=50_000)
+    parser.add_argument(
+        "--epoch-idle", type=float, default=0.2, help="seconds without a message that end an epoch"
+    )
     args = parser.parse_args()
     postgres, kafka = PostgresServer.from_env().start(), KafkaServer.from_env().start()
     rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
