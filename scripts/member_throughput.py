@@ -15,19 +15,24 @@ and the workers are thawed (SIGCONT): the clock runs from the thaw until the cer
 message. Then the workers are stopped (SIGTERM, a clean stop) and the destination is checked to hold
 every message once.
 
-Prints one line per measurement and, per worker count, the median messages/s and its ratio to one
+Prints one line per measurement (with the cores the whole machine was busy and the cores the workers
+used, over the measured seconds) and, per worker count, the median messages/s and its ratio to one
 worker's median.
 """
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import psutil
 import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
@@ -111,7 +116,8 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
         for process in processes:
             process.send(signal.SIGSTOP)
         produce_all(bootstrap, topic, keys, values)
-        start = time.perf_counter()
+        start, machine = time.perf_counter(), psutil.cpu_times()
+        workers_cpu = [psutil.Process(p.proc.pid).cpu_times() for p in processes]
         for process in processes:
             process.send(signal.SIGCONT)
         while (done := certified()) < args.messages:
@@ -119,6 +125,11 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
                 raise RuntimeError(f"{done} of {args.messages} certified; logs in {logs}")
             time.sleep(0.02)
         seconds = time.perf_counter() - start
+        busy = _busy(machine, psutil.cpu_times()) / seconds
+        spent = sum(
+            _cpu(psutil.Process(p.proc.pid).cpu_times()) - _cpu(before)
+            for p, before in zip(processes, workers_cpu, strict=True)
+        )
     finally:
         for process in processes:
             process.send(signal.SIGTERM)
@@ -130,7 +141,28 @@ def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Name
     if row is None or row[0] != args.messages or row[1] != args.messages:
         raise RuntimeError(f"{stream} holds {row}, expected {args.messages} distinct messages")
     admin.delete_topics([topic])[topic].result(30)
-    return args.messages / seconds
+    return Figure(args.messages / seconds, busy, spent / seconds)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measurement: messages/s, the cores the whole machine was busy (of 2) and the cores the
+    workers themselves used, both averaged over the measured seconds."""
+
+    rate: float
+    machine_cores: float
+    worker_cores: float
+
+
+def _cpu(times: Any) -> float:
+    return float(times.user + times.system)
+
+
+def _busy(before: Any, after: Any) -> float:
+    """CPU seconds the whole machine spent busy (all cores) between two ``psutil.cpu_times()``."""
+    idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
+    total = sum(after) - sum(before)
+    return float(total - idle)
 
 
 def main() -> int:
@@ -144,25 +176,34 @@ def main() -> int:
     )
     args = parser.parse_args()
     postgres, kafka = PostgresServer.from_env().start(), KafkaServer.from_env().start()
-    rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
+    figures: dict[int, list[Figure]] = {1: [], 2: [], 3: []}
     try:
         url = postgres.create_database(make_unique_name("mt_db"))
         with tempfile.TemporaryDirectory(prefix="faucet-members-") as tmp:
             for round_ in range(args.rounds):
                 order = [1, 2, 3][round_ % 3 :] + [1, 2, 3][: round_ % 3]
                 for workers in order:
-                    rate = measure(url, kafka.bootstrap, workers, args, Path(tmp))
-                    rates[workers].append(rate)
-                    print(f"round {round_ + 1} workers {workers}: {rate:,.0f} messages/s", flush=True)
+                    figure = measure(url, kafka.bootstrap, workers, args, Path(tmp))
+                    figures[workers].append(figure)
+                    print(
+                        f"round {round_ + 1} workers {workers}: {figure.rate:,.0f} messages/s, machine busy "
+                        f"{figure.machine_cores:.2f} cores, workers {figure.worker_cores:.2f} cores",
+                        flush=True,
+                    )
     finally:
         kafka.close()
         postgres.close()
-    one = statistics.median(rates[1])
-    for workers, values in rates.items():
-        median = statistics.median(values)
-        spread = f"{min(values):,.0f}-{max(values):,.0f}"
-        ratio = median / one
-        print(f"workers {workers}: median {median:,.0f} messages/s ({spread}), {ratio:.2f}x one worker")
+    one = statistics.median(f.rate for f in figures[1])
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for workers, values in figures.items():
+        rates = [f.rate for f in values]
+        median = statistics.median(rates)
+        used = statistics.median(f.worker_cores for f in values)
+        busy = statistics.median(f.machine_cores for f in values)
+        print(
+            f"workers {workers}: median {median:,.0f} messages/s ({min(rates):,.0f}-{max(rates):,.0f}), "
+            f"{median / one:.2f}x one worker; workers used {used:.2f} cores, the machine {busy:.2f}"
+        )
     return 0
 
 
