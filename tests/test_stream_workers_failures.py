@@ -25,6 +25,23 @@ from faucet_dagster.worker_runs import (
     workers_stall,
 )
 
+Built = tuple[FaucetStream, dg.JobDefinition, dg.SensorDefinition, dict[str, dg.AssetChecksDefinition]]
+
+
+def workers_defs(name: str, source: FaucetConnection, sink: FaucetConnection, tmp_path: Path) -> Built:
+    """A stream on two workers, its worker job, its sensor and its checks by name."""
+    stream = FaucetStream(
+        name=name,
+        source=source.using(topics=["events"]),
+        sink=sink.using(table="events"),
+        resources=("events",),
+        state_url=f"sqlite:///{tmp_path / 'state.db'}",
+        workers=2,
+    )
+    defs = build_stream_defs([stream])
+    checks = {key.name: check for check in defs.asset_checks or [] for key in check.check_keys}
+    return stream, defs.resolve_job_def(f"{name}_workers"), defs.resolve_sensor_def(f"{name}_stream"), checks
+
 
 def test_a_worker_that_keeps_failing_is_backed_off_and_reported(
     kafka_bootstrap: str, postgres_url: str, unique_name: Callable[..., str], tmp_path: Path
@@ -41,18 +58,7 @@ def test_a_worker_that_keeps_failing_is_backed_off_and_reported(
     kafka = FaucetConnection(
         connector="kafka", config={"bootstrap_servers": kafka_bootstrap, "group_id": name}
     )
-    stream = FaucetStream(
-        name=name,
-        source=kafka.using(topics=["events"]),
-        sink=warehouse.using(table="events"),
-        resources=("events",),
-        state_url=f"sqlite:///{tmp_path / 'state.db'}",
-        workers=2,
-    )
-    defs = build_stream_defs([stream])
-    job = defs.resolve_job_def(f"{name}_workers")
-    sensor = defs.resolve_sensor_def(f"{name}_stream")
-    checks = {key.name: check for check in defs.asset_checks or [] for key in check.check_keys}
+    stream, job, sensor, checks = workers_defs(name, kafka, warehouse, tmp_path)
     instance = dg.DagsterInstance.ephemeral()
 
     def fail_once() -> None:
@@ -109,18 +115,7 @@ def test_the_health_check_names_a_worker_whose_member_lease_lapsed(
     name = unique_name("w")
     kafka = FaucetConnection(connector="kafka", config={"bootstrap_servers": "localhost:9", "group_id": name})
     warehouse = FaucetConnection(connector="postgres", config={"url": "postgresql://app@localhost:9/db"})
-    stream = FaucetStream(
-        name=name,
-        source=kafka.using(topics=["events"]),
-        sink=warehouse.using(table="events"),
-        resources=("events",),
-        state_url=f"sqlite:///{tmp_path / 'state.db'}",
-        workers=2,
-    )
-    defs = build_stream_defs([stream])
-    job = defs.resolve_job_def(f"{name}_workers")
-    sensor = defs.resolve_sensor_def(f"{name}_stream")
-    checks = {key.name: check for check in defs.asset_checks or [] for key in check.check_keys}
+    stream, job, sensor, checks = workers_defs(name, kafka, warehouse, tmp_path)
     instance = dg.DagsterInstance.ephemeral()
     # A started worker run of slot 0 whose member joined and then stopped renewing (its process froze).
     run = instance.create_run_for_job(
