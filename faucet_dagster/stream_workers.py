@@ -100,7 +100,7 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
     if not watch.watching:
         context.log.info(f"{member} was not requested by a sensor: it runs until the run is terminated")
 
-    async def rounds() -> str:
+    async def rounds() -> None:
         loop = asyncio.get_running_loop()
         checked = loop.time()
         why = "the run was terminated"
@@ -110,7 +110,7 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
                     checked = loop.time()
                     if await _sensor_stopped(context, watch):
                         why = f"its sensor {watch.sensor} is stopped"
-                        return why
+                        return
                 for certificate in await worker.run_round():
                     rows = sum(certificate.row_counts.values())
                     context.log.info(f"certified epoch {certificate.epoch} ({rows} rows)")
