@@ -73,14 +73,14 @@ from faucet_dagster.runner.open_epoch import Pending
 from faucet_dagster.state import StateStore
 from faucet_dagster.stream_health import (
     HEALTH_CHECK,
+    check_result,
     describe_certified,
-    health_evaluation,
     lag_metadata,
     metadata_table,
+    stored_health,
     table_metadata,
     throughput_metadata,
     tick_health,
-    uncertain_stall,
 )
 from faucet_dagster.stream_runners import cached_runner, close_cached_streams, stream_loop
 
@@ -332,18 +332,7 @@ def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) ->
     )
     def _check() -> dg.AssetCheckResult:
         with StateStore(stream.state_url) as store:
-            statuses = store.status(stream.name)
-            last = store.last_certificate(stream.name)
-        stall = None
-        if statuses and statuses[0].uncertain:
-            stall = uncertain_stall(stream.name, statuses[0].uncertain_reason)
-        evaluation = health_evaluation(key, stall, last)
-        return dg.AssetCheckResult(
-            passed=evaluation.passed,
-            metadata=evaluation.metadata,
-            severity=evaluation.severity,
-            description=evaluation.description,
-        )
+            return check_result(stored_health(store, key, [stream.name]))
 
     return _check
 

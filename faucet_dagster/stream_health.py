@@ -5,7 +5,9 @@
   rows per second) and Dagster's standard table keys a stream can state exactly;
 * :func:`tick_health`: the ``faucet_stream_health`` evaluation of a tick, passing when it certified,
   failing with the reason and the operator's remedy when the stream stalled (:class:`Stall`: halted on
-  an error, uncertain, waiting on a lease), and the tick's log lines.
+  an error, uncertain, waiting on a lease), and the tick's log lines;
+* :func:`stored_health`, :func:`check_result`: the evaluation an executed check returns, from the
+  state store (one piece of code for streams on one owner and on workers).
 """
 
 import contextlib
@@ -19,6 +21,7 @@ import dagster as dg
 from dagster._core.definitions.metadata import TableMetadataSet
 
 from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, OwnershipLost, SourceLag
+from faucet_dagster.state import StateStore
 
 HEALTH_CHECK = "faucet_stream_health"
 
@@ -191,6 +194,32 @@ def health_evaluation(
         metadata=metadata,
         severity=dg.AssetCheckSeverity.ERROR if stall is None else stall.severity,
         description="the stream certifies epochs" if stall is None else stall.describe(),
+    )
+
+
+def stored_health(
+    store: StateStore, asset_key: dg.AssetKey, streams: Sequence[str], stall: Stall | None = None
+) -> dg.AssetCheckEvaluation:
+    """The ``faucet_stream_health`` evaluation from the state store, for a stream certified under
+    ``streams`` (its own name, or its partition groups' names): failing with ``stall`` when given,
+    else while one of them is marked uncertain, else passing with the lag of the newest certificate."""
+    names = set(streams)  # every known stream's status: one not started yet has none
+    statuses = [status for status in store.status() if status.stream in names]
+    if stall is None:
+        stuck = next((status for status in statuses if status.uncertain), None)
+        stall = None if stuck is None else uncertain_stall(stuck.stream, stuck.uncertain_reason)
+    lasts = [store.last_certificate(status.stream) for status in statuses]
+    newest = max((c for c in lasts if c is not None), key=lambda c: c.created_at, default=None)
+    return health_evaluation(asset_key, stall, newest)
+
+
+def check_result(evaluation: dg.AssetCheckEvaluation) -> dg.AssetCheckResult:
+    """An evaluation as what an executed asset check returns."""
+    return dg.AssetCheckResult(
+        passed=evaluation.passed,
+        metadata=evaluation.metadata,
+        severity=evaluation.severity,
+        description=evaluation.description,
     )
 
 

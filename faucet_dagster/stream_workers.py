@@ -3,21 +3,22 @@
 :func:`build_worker_defs` gives a stream with ``workers > 1``:
 
 * a job ``<stream>_workers`` of one op that runs a :class:`~faucet_dagster.runner.members.MemberWorker`
-  (member id: the run id) round after round until the run is terminated: it holds its member lease
-  and the leases of its partition groups, runs their epochs continuously, logs every certified epoch
-  to the run's logs, and on termination closes its groups at certified positions and releases every
-  lease;
+  (member id: the run id) round after round: it holds its member lease and the leases of its
+  partition groups, runs their epochs continuously and logs every certified epoch to the run's logs.
+  It ends when its sensor is stopped (checked every :data:`SENSOR_CHECK_SECONDS` between rounds, from
+  Dagster's state of the sensor: :class:`~faucet_dagster.worker_runs.SensorWatch`): the round in
+  progress certifies its epochs, the groups close at those certified positions, every lease is
+  released and the run succeeds, its last log line saying why. A terminated run closes and releases
+  the same way;
 * a sensor ``<stream>_stream`` that, each tick, reports every group's new certificates as
   materializations of the sink asset (each once: the cursor holds a report mark per group, as the
-  single-worker sensor's does for its stream) and keeps N workers: it counts the runs of the job that
-  are queued, starting, or started and not dead, marks a dead one failed, and requests a run for
-  each missing worker. A started run is dead when its member lease lapsed
-  :data:`DEAD_AFTER_SECONDS` ago (at least three leases: its process died, a kill -9 or a lost node)
-  or when it never joined within :data:`START_GRACE_SECONDS`. The runs go through the
-  instance's run coordinator and run launcher, so the Kubernetes, Docker or ECS launcher places them.
-
-Stopping the sensor stops requesting runs; the running workers are stopped by terminating their runs
-(each closes and releases on termination).
+  single-worker sensor's does for its stream) and keeps a run in each of the N worker slots
+  (:mod:`faucet_dagster.worker_runs`): a started run whose member lease lapsed long enough (its
+  process died) is marked failed and replaced, and a slot whose runs failed
+  :data:`~faucet_dagster.worker_runs.MAX_FAILURES` times in a row is backed off and reported, its
+  last error and the remedy in the tick and in the ``faucet_stream_health`` evaluation. The runs go
+  through the instance's run coordinator and run launcher, so the Kubernetes, Docker or ECS launcher
+  places them.
 """
 
 import asyncio
@@ -28,8 +29,9 @@ import time
 from collections.abc import Sequence
 
 import dagster as dg
+from sqlalchemy.exc import SQLAlchemyError
 
-from faucet_dagster.protocol import ConfigError
+from faucet_dagster.protocol import ConfigError, EpochCertificate
 from faucet_dagster.runner.members import MemberWorker, group_stream
 from faucet_dagster.sensors import (
     CERTIFICATE_CHECK,
@@ -42,22 +44,21 @@ from faucet_dagster.sensors import (
 )
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
-from faucet_dagster.stream_health import HEALTH_CHECK, health_evaluation, uncertain_stall
+from faucet_dagster.stream_health import HEALTH_CHECK, check_result, health_evaluation, stored_health
+from faucet_dagster.worker_runs import (
+    SLOT_TAG,
+    STREAM_TAG,
+    SensorWatch,
+    Slot,
+    SlotState,
+    census,
+    workers_stall,
+)
 
 logger = logging.getLogger(__name__)
 
-STREAM_TAG = "faucet/stream"
-START_GRACE_SECONDS = 120.0
-"""How long a started worker run may take to join the membership before it is counted as dead."""
-DEAD_AFTER_SECONDS = 20.0
-"""How long (at least three leases) a worker run's member lease must have lapsed before the run is
-counted as dead: a loaded worker that renews late, then joins again, is not replaced."""
-IN_PROGRESS = (
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-)
+SENSOR_CHECK_SECONDS = 5.0
+"""How often a worker run reads its sensor's state (between rounds: one indexed read each time)."""
 CURSOR_VERSION = 1
 
 
@@ -65,13 +66,16 @@ def worker_job_name(stream: FaucetStream) -> str:
     return f"{stream.name}_workers"
 
 
-def worker_job(stream: FaucetStream) -> dg.JobDefinition:
-    """The per-stream job: one op running a member worker until the run is terminated."""
+def worker_job(
+    stream: FaucetStream, default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED
+) -> dg.JobDefinition:
+    """The per-stream job: one op running a member worker until its sensor stops or the run is
+    terminated (``default_status``: the sensor's, what its status is when Dagster stores none)."""
     resource_keys = {e.resource_key for e in (stream.source, stream.sink) if e.resource_key}
 
     @dg.op(name=f"{stream.name}_worker", required_resource_keys=resource_keys or None)
     def _worker(context: dg.OpExecutionContext) -> None:
-        run_worker(context, stream)
+        run_worker(context, stream, SensorWatch(context.instance, context.dagster_run, default_status))
 
     @dg.job(
         name=worker_job_name(stream),
@@ -85,27 +89,56 @@ def worker_job(stream: FaucetStream) -> dg.JobDefinition:
     return _job
 
 
-def run_worker(context: dg.OpExecutionContext, stream: FaucetStream) -> None:
-    """Run a member of ``stream`` (id: the run id) until the run is terminated, then close it."""
+def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: SensorWatch) -> None:
+    """Run a member of ``stream`` (id: the run id) until ``watch`` says its sensor stopped or the run
+    is terminated, then close its groups at certified positions and leave (see the module)."""
     spec = stream.build_spec(context.resources)
     store = StateStore(stream.state_url)
     worker = MemberWorker(spec, store, groups=stream.group_count, worker_id=context.run_id)
-    context.log.info(f"faucet stream {stream.name}: member {context.run_id} (pid {os.getpid()}) joins")
+    member = f"faucet stream {stream.name}: member {context.run_id}"
+    context.log.info(f"{member} (pid {os.getpid()}) joins")
+    if not watch.watching:
+        context.log.info(f"{member} was not requested by a sensor: it runs until the run is terminated")
 
     async def rounds() -> None:
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        why = "the run was terminated"
         try:
             while True:
+                if watch.watching and loop.time() - checked >= SENSOR_CHECK_SECONDS:
+                    checked = loop.time()
+                    if await _sensor_stopped(context, watch):
+                        why = f"its sensor {watch.sensor} is stopped"
+                        return
                 for certificate in await worker.run_round():
                     rows = sum(certificate.row_counts.values())
                     context.log.info(f"certified epoch {certificate.epoch} ({rows} rows)")
+        except BaseException as exc:
+            why = f"the run ends on {type(exc).__name__}"
+            raise
         finally:
             await worker.close()
-            context.log.info(f"faucet stream {stream.name}: member {context.run_id} left")
+            context.log.info(f"{member} left ({why}): its groups closed at certified positions")
 
     try:
         asyncio.run(rounds())
     finally:
         store.close()
+
+
+async def _sensor_stopped(context: dg.OpExecutionContext, watch: SensorWatch) -> bool:
+    """Whether the run's sensor is stopped; a read of the instance that fails counts as not stopped
+    (it is read again next time): a storage hiccup never ends a healthy worker."""
+    try:
+        return await asyncio.to_thread(watch.stopped)
+    except (SQLAlchemyError, dg.DagsterError, OSError) as exc:
+        # The type only: a storage error's text may hold the instance's connection string.
+        context.log.warning(
+            f"could not read the state of sensor {watch.sensor} ({type(exc).__name__}); "
+            f"reading it again in {SENSOR_CHECK_SECONDS:.0f}s"
+        )
+        return False
 
 
 def parse_cursor(cursor: str | None) -> dict[str, int]:
@@ -132,7 +165,7 @@ def workers_sensor(
     minimum_interval_seconds: int = 30,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.SensorDefinition:
-    """The sensor reporting every group's certificates and keeping ``stream.workers`` runs."""
+    """The sensor reporting every group's certificates and keeping a run in each worker slot."""
     key = stream.asset_spec(asset_key).key
 
     @dg.sensor(
@@ -147,27 +180,45 @@ def workers_sensor(
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         with StateStore(stream.state_url) as store:
-            events, cursor = _reports(store, stream, key, parse_cursor(context.cursor))
-            registry = MemberRegistry(store)
-            live = {member.member for member in registry.live(stream.name)}
-            lapsed = registry.lapsed(stream.name)
-        requests = _missing_workers(context, stream, job, live, lapsed)
+            events, cursor, newest = _reports(store, stream, key, parse_cursor(context.cursor))
+            slots = _census(context.instance, store, stream)
+        now = time.time()
+        requests = _keep_workers(context, stream, slots, now)
+        requested = {int(request.tags[SLOT_TAG]) for request in requests}
+        stall = workers_stall(stream.name, slots, now, requested)
+        if stall is not None:
+            context.log.warning(f"stream {stream.name} {stall.describe()}")
+        if stall is not None or events:
+            events.append(health_evaluation(key, stall, newest))
+        # Dagster shows a tick without run requests by its skip reason: a stall says what is wrong.
+        skip = stall.describe() if stall else None if events else "no new certified epoch; every worker runs"
         return dg.SensorResult(
-            run_requests=requests,
-            asset_events=events,
-            cursor=cursor,
-            skip_reason=None if events or requests else "no new certified epoch; every worker runs",
+            run_requests=requests, asset_events=events, cursor=cursor, skip_reason=None if requests else skip
         )
 
     return _sensor
 
 
+def _census(instance: dg.DagsterInstance, store: StateStore, stream: FaucetStream) -> tuple[Slot, ...]:
+    registry = MemberRegistry(store)
+    return census(
+        instance,
+        stream.name,
+        worker_job_name(stream),
+        stream.workers,
+        registry.live(stream.name),
+        registry.lapsed(stream.name),
+        lease_seconds=stream.lease_seconds,
+    )
+
+
 def _reports(
     store: StateStore, stream: FaucetStream, key: dg.AssetKey, confirmed: dict[str, int]
-) -> tuple[list[dg.AssetMaterialization | dg.AssetCheckEvaluation], str]:
-    """Every group's certificates after its report mark, as events; the next cursor."""
+) -> tuple[list[dg.AssetMaterialization | dg.AssetCheckEvaluation], str, EpochCertificate | None]:
+    """Every group's certificates after its report mark, as events; the next cursor; the newest one."""
     events: list[dg.AssetMaterialization | dg.AssetCheckEvaluation] = []
     marks: dict[str, int] = {}
+    newest: EpochCertificate | None = None
     per_group = max(1, MAX_REPORTS_PER_TICK // stream.group_count)
     for group in range(stream.group_count):
         name = group_stream(stream.name, group, stream.group_count)
@@ -179,40 +230,29 @@ def _reports(
         certificates = store.certificates(name, after=reported, limit=per_group)
         for certificate in certificates:
             events.extend(certificate_events(certificate, key))
+            if newest is None or certificate.created_at > newest.created_at:
+                newest = certificate
         marks[name] = certificates[-1].sequence if certificates else reported
-    return events, json.dumps({"version": CURSOR_VERSION, "reported_through": marks})
+    return events, json.dumps({"version": CURSOR_VERSION, "reported_through": marks}), newest
 
 
-def _missing_workers(
-    context: dg.SensorEvaluationContext,
-    stream: FaucetStream,
-    job: dg.JobDefinition,
-    live: set[str],
-    lapsed: dict[str, float | None],
+def _keep_workers(
+    context: dg.SensorEvaluationContext, stream: FaucetStream, slots: Sequence[Slot], now: float
 ) -> list[dg.RunRequest]:
-    """Run requests for the workers missing; a started run whose member lapsed is marked failed."""
-    runs = context.instance.get_runs(
-        filters=dg.RunsFilter(job_name=job.name, statuses=list(IN_PROGRESS), tags={STREAM_TAG: stream.name})
-    )
-    now = time.time()
-    counted = 0
-    for run in runs:
-        if run.run_id in live:
-            counted += 1
-            continue
-        record = context.instance.get_run_record_by_id(run.run_id)
-        started = None if record is None else record.start_time or record.create_timestamp.timestamp()
-        since = lapsed.get(run.run_id)
-        dead = since is not None and since > max(DEAD_AFTER_SECONDS, 3 * stream.lease_seconds)
-        stale = run.run_id not in lapsed and started is not None and now - started > START_GRACE_SECONDS
-        if run.status is dg.DagsterRunStatus.STARTED and (dead or stale):
-            context.log.warning(f"worker run {run.run_id} of {stream.name} has no live member: failed")
+    """Mark dead runs failed; a run request for each slot without a run that is not backing off."""
+    requests = []
+    for slot in slots:
+        if slot.dead and slot.run is not None:
+            context.log.warning(f"worker run {slot.run.run_id} of {stream.name} has no live member: failed")
             context.instance.report_run_failed(
-                run, f"the faucet member lease of this worker of {stream.name} lapsed: its process died"
+                slot.run, f"the faucet member lease of this worker of {stream.name} lapsed: its process died"
             )
+        elif slot.state is not SlotState.EMPTY:
             continue
-        counted += 1
-    return [dg.RunRequest(tags={STREAM_TAG: stream.name}) for _ in range(max(0, stream.workers - counted))]
+        if slot.backing_off(now):
+            continue
+        requests.append(dg.RunRequest(tags={STREAM_TAG: stream.name, SLOT_TAG: str(slot.slot)}))
+    return requests
 
 
 def build_worker_defs(
@@ -223,7 +263,7 @@ def build_worker_defs(
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> tuple[dg.AssetSpec, Sequence[dg.AssetChecksDefinition], dg.SensorDefinition, dg.JobDefinition]:
     """The sink asset, its checks, the workers sensor and the worker job of a stream with workers."""
-    job = worker_job(stream)
+    job = worker_job(stream, default_status)
     sensor = workers_sensor(
         stream,
         job,
@@ -269,28 +309,19 @@ def worker_certificate_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg
 
 
 def worker_health_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg.AssetChecksDefinition:
-    """The ``faucet_stream_health`` check of a stream on workers: failing while a partition group is
-    marked uncertain, else passing with the lag of the newest certificate of any group."""
+    """The ``faucet_stream_health`` check of a stream on workers: failing while a worker slot has no
+    live worker (its run's member lease lapsed, its runs keep failing, or it has no run), naming the
+    slot, or while a partition group is marked uncertain; else passing with the lag of the newest
+    certificate of any group."""
 
     @dg.asset_check(
         asset=asset_key,
         name=HEALTH_CHECK,
-        description="No partition group of the stream is marked uncertain; the lag of the newest epoch.",
+        description="Every worker of the stream is live and no partition group is marked uncertain.",
     )
-    def _check() -> dg.AssetCheckResult:
-        names = set(_groups(stream))
+    def _check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         with StateStore(stream.state_url) as store:
-            statuses = [status for status in store.status() if status.stream in names]
-            lasts = [store.last_certificate(status.stream) for status in statuses]
-        stuck = next((status for status in statuses if status.uncertain), None)
-        stall = None if stuck is None else uncertain_stall(stuck.stream, stuck.uncertain_reason)
-        newest = max((c for c in lasts if c is not None), key=lambda c: c.created_at, default=None)
-        evaluation = health_evaluation(asset_key, stall, newest)
-        return dg.AssetCheckResult(
-            passed=evaluation.passed,
-            metadata=evaluation.metadata,
-            severity=evaluation.severity,
-            description=evaluation.description,
-        )
+            stall = workers_stall(stream.name, _census(context.instance, store, stream))
+            return check_result(stored_health(store, asset_key, _groups(stream), stall))
 
     return _check

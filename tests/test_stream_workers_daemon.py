@@ -2,6 +2,8 @@
 two long-running worker runs, their members split a 12-partition Kafka topic's partition groups, a
 kill -9 of one run's process makes the sensor mark that run failed and request a replacement, and the
 stream goes on: every message in PostgreSQL once, each partition owned by one fenced worker at a time.
+Stopping the sensor (``dagster sensor stop``) then stops both workers: each closes at certified
+positions, releases its leases and its run succeeds.
 """
 
 import json
@@ -162,6 +164,29 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
             return row is not None and row[0] >= total
 
         wait_for(f"all {total} messages in the destination", all_in, daemon, log)
+        # The operator stops the sensor: each worker run notices, closes at certified positions, leaves
+        # and succeeds; the sensor requests nothing more.
+        stopped_by = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "dagster"),
+                "sensor",
+                "stop",
+                f"{stream}_stream",
+                "-f",
+                "streams.py",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            timeout=BOUND,
+        )
+        assert stopped_by.returncode == 0, stopped_by.stderr.decode()[-3000:]
+        wait_for(
+            "both worker runs succeed after the sensor stopped",
+            lambda: len(runs(dg.DagsterRunStatus.SUCCESS)) == 2,
+            daemon,
+            log,
+        )
     finally:
         stop.set()
         # The sensor first (no replacement requested while the workers stop), then the workers' processes:
@@ -179,12 +204,14 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
         _, alive = psutil.wait_procs(workers, timeout=60)
         for process in alive:
             process.kill()
-    assert not alive, "every worker stopped on SIGTERM"
+    assert not alive, "every worker stopped when its sensor stopped (or, after a failure, on SIGTERM)"
+    assert len(runs()) == 3, "no run requested once the sensor stopped"
     stopped = [run for run in runs() if run.run_id != victim and pid_of(run.run_id) is not None]
     assert len(stopped) == 2
     for run in stopped:
-        said = [e.user_message or "" for e in instance.all_logs(run.run_id)]
-        assert f"member {run.run_id} left" in " ".join(said), f"{run.run_id} closed and released"
+        said = " ".join(e.user_message or "" for e in instance.all_logs(run.run_id))
+        assert f"member {run.run_id} left (its sensor {stream}_stream is stopped)" in said, said[-2000:]
+        assert run.status is dg.DagsterRunStatus.SUCCESS
     with psycopg.connect(postgres_url) as conn:
         ids = [row[0] for row in conn.execute("SELECT id FROM events ORDER BY id")]
     assert ids == list(range(total)), "every message exactly once"

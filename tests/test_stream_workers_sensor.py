@@ -18,6 +18,7 @@ from faucet_dagster.sensors import CERTIFICATE_CHECK
 from faucet_dagster.state import StateStore
 from faucet_dagster.stream_health import HEALTH_CHECK
 from faucet_dagster.stream_workers import STREAM_TAG
+from faucet_dagster.worker_runs import SLOT_TAG
 
 
 def test_a_yaml_stream_with_two_workers_requests_two_runs_and_reports_each_group(
@@ -50,6 +51,7 @@ streams:
     first = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
     assert len(first.run_requests or []) == 2, "two worker runs requested"
     assert all(request.tags[STREAM_TAG] == name for request in first.run_requests or [])
+    assert sorted(request.tags[SLOT_TAG] for request in first.run_requests or []) == ["0", "1"]
     assert not first.asset_events
 
     produce_json(kafka_bootstrap, topic, 0, 1_200, partitions=12)
@@ -87,5 +89,8 @@ streams:
     checks = {key.name: check for check in defs.asset_checks or [] for key in check.check_keys}
     result = checks[CERTIFICATE_CHECK]()
     assert result.passed and result.metadata["faucet/certificates_checked"].value == len(certified)
-    health = checks[HEALTH_CHECK]()
-    assert health.passed, health.description
+    health = checks[HEALTH_CHECK](dg.build_asset_check_context(instance=instance))
+    # The certificates are fine, but no worker slot has a run (nothing launched the runs requested).
+    assert not health.passed
+    assert f"worker 0 of {name} has no live run" in str(health.description)
+    assert f"worker 1 of {name} has no live run" in str(health.description)

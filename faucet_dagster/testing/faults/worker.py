@@ -41,6 +41,7 @@ from faucet_dagster.pipeline import PipelineOptions
 from faucet_dagster.protocol import (
     CommitToken,
     Coverage,
+    EpochCertificate,
     EpochId,
     ErrorKind,
     FaucetError,
@@ -239,12 +240,38 @@ def stream_spec(spec: WorkerSpec) -> StreamSpec:
     )
 
 
-async def run_member(spec: WorkerSpec, events: Events, stop: StopRequest) -> int:
-    """Rounds of a member of a stream divided into ``spec.groups`` groups, until a clean stop, a
-    halt, or the deadline; a ``certified`` event per certificate (with its group stream)."""
+class _Epochs:
+    """What the continuous loop drives: one stream's runner, or a member of a divided stream."""
+
+    def __init__(self, spec: WorkerSpec, store: StateStore) -> None:
+        stream = stream_spec(spec)
+        self._driver: MemberWorker | StreamRunner = (
+            MemberWorker(stream, store, groups=spec.groups, worker_id=spec.worker_id)
+            if spec.groups
+            else StreamRunner(stream, store, worker_id=spec.worker_id)
+        )
+
+    def cancel(self) -> None:
+        self._driver.cancel()
+
+    async def step(self) -> list[EpochCertificate]:
+        """One epoch (a stream) or one round, an epoch per group held (a member)."""
+        if isinstance(self._driver, MemberWorker):
+            return await self._driver.run_round()
+        certificate = await self._driver.run_epoch()
+        return [] if certificate is None else [certificate]
+
+    async def close(self) -> None:
+        await self._driver.close()
+
+
+async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) -> int:
+    """Epochs until the targets are certified, a clean stop, a halt, or the deadline (see module); a
+    member of a stream divided into ``spec.groups`` groups runs rounds, a ``certified`` event per
+    certificate naming its group stream, until a clean stop, a halt or the deadline."""
     store = StateStore(spec.state_url)
-    worker = MemberWorker(stream_spec(spec), store, groups=spec.groups, worker_id=spec.worker_id)
-    stop.on_request(worker.cancel)
+    epochs = _Epochs(spec, store)
+    stop.on_request(epochs.cancel)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + spec.deadline_seconds
     code = EXIT_DONE
@@ -256,7 +283,7 @@ async def run_member(spec: WorkerSpec, events: Events, stop: StopRequest) -> int
                 code = EXIT_DEADLINE
                 break
             try:
-                certificates = await worker.run_round()
+                certificates = await epochs.step()
             except FaucetError as exc:
                 if await retried(exc, spec, events):
                     continue
@@ -271,59 +298,17 @@ async def run_member(spec: WorkerSpec, events: Events, stop: StopRequest) -> int
                     rows=sum(certificate.row_counts.values()),
                     fencing_token=certificate.fencing_token,
                 )
-        try:
-            await worker.close()
-        except FaucetError as exc:
-            events.emit("error", during="close", **describe(exc))
-            code = EXIT_HALTED
-    finally:
-        store.close()
-    if stop.requested and code == EXIT_DONE:
-        events.emit("stopped", certified=certified)
-    return code
-
-
-async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) -> int:
-    """Epochs until the targets are certified, a clean stop, a halt, or the deadline (see module)."""
-    if spec.groups:
-        return await run_member(spec, events, stop)
-    store = StateStore(spec.state_url)
-    runner = StreamRunner(stream_spec(spec), store, worker_id=spec.worker_id)
-    stop.on_request(runner.cancel)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + spec.deadline_seconds
-    code = EXIT_DONE
-    certified = 0
-    try:
-        while not stop.requested:
-            if loop.time() >= deadline:
-                events.emit("deadline", certified=certified)
-                code = EXIT_DEADLINE
-                break
-            try:
-                certificate = await runner.run_epoch()
-            except FaucetError as exc:
-                if await retried(exc, spec, events):
-                    continue
-                code = EXIT_HALTED
-                break
-            if certificate is not None:
-                certified += 1
-                events.emit(
-                    "certified",
-                    sequence=certificate.sequence,
-                    rows=sum(certificate.row_counts.values()),
-                    fencing_token=certificate.fencing_token,
-                )
                 if spec.stop_after_epochs is not None and certified == spec.stop_after_epochs:
                     loop.call_later(spec.stop_delay, stop.request)
             # Checked after an epoch ran, so even a worker with nothing left opens its sessions (and
             # halts on a source that changed under the certified positions).
-            if reached(await asyncio.to_thread(store.certified_positions, spec.stream), spec.targets):
+            if spec.targets and reached(
+                await asyncio.to_thread(store.certified_positions, spec.stream), spec.targets
+            ):
                 events.emit("done", certified=certified)
                 break
         try:
-            await runner.close()
+            await epochs.close()
         except FaucetError as exc:
             events.emit("error", during="close", **describe(exc))
             code = EXIT_HALTED
