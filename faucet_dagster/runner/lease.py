@@ -66,25 +66,15 @@ class StreamLease:
         return self._lease
 
     async def hold(self, deadline: float | None) -> Lease:
-        """The lease, newly taken (from a free or expired lease, from a holder that hands over, or
-        from one whose lease ends before ``deadline``, on the loop's clock; at most
-        ``HANDOVER_WAIT_SECONDS`` from now), or held: renewed unless the keeper renewed it less than
-        a third of the lease ago (it renews every third, so at least two thirds of the lease are left
-        either way, and the epoch costs no store round trip). Starts the keeper. Raises
-        :class:`OwnershipLost`.
-
-        A lease held without a round trip may have been released by an operator meanwhile; the
-        epoch's certificate append and every acknowledgement's authority still check it in the store,
-        and the destination's fence refuses the commit once a successor holds the stream.
-        """
-        loop = asyncio.get_running_loop()
-        keeper_runs = self._keeper is not None and not self._keeper.done() and self._keeper.get_loop() is loop
+        """The lease, renewed, or newly taken: from a free or expired lease, from a holder that hands
+        over, or from one whose lease ends before ``deadline`` (on the loop's clock; at most
+        ``HANDOVER_WAIT_SECONDS`` from now). Starts the keeper. Raises :class:`OwnershipLost`."""
         try:
             if self._lease is None:
                 started = time.monotonic()
                 self._lease = await self._take(deadline)
                 self._renewed = started
-            elif not keeper_runs or time.monotonic() - self._renewed >= self._ttl / 3:
+            else:
                 await self._renew(self._lease)
         except OwnershipLost:
             self._lease = None
@@ -92,7 +82,8 @@ class StreamLease:
         lease = self._lease
         if lease is None:  # given up meanwhile (a hand-over or a close)
             raise OwnershipLost(f"{self._owner} gave the lease on {self._stream!r} up", where=self._stream)
-        if not keeper_runs:
+        loop = asyncio.get_running_loop()
+        if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
             self._keeper = loop.create_task(self._keep(), name=f"faucet-lease-{self._stream}")
         return lease
 
