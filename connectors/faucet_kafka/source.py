@@ -96,6 +96,11 @@ def _capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapab
     )
 
 
+INLINE_DECODE_MESSAGES = 512
+"""Consume batches up to this many messages are decoded on the event loop (the hand-off to a worker
+thread would cost more than parsing them)."""
+
+
 class _Deliverer:
     """Decodes one partition's messages and hands rows (and malformed records) to their destination."""
 
@@ -113,12 +118,30 @@ class _Deliverer:
                     raise DataError(run.reason, where=where)
         return runs
 
+    async def decode_all(
+        self, batches: Sequence[tuple[PartitionState, Sequence[Message]]]
+    ) -> list[list[JsonRun]]:
+        """:meth:`decode` each partition's batch, in a worker thread when they hold more than
+        ``INLINE_DECODE_MESSAGES`` messages: Arrow parses without the GIL, so the event loop meanwhile
+        drives the sink's write in flight (the COPY of the batch before) instead of waiting for it."""
+
+        def decode() -> list[list[JsonRun]]:
+            return [self.decode(state, messages) for state, messages in batches]
+
+        if sum(len(messages) for _, messages in batches) <= INLINE_DECODE_MESSAGES:
+            return decode()
+        return await asyncio.to_thread(decode)
+
     async def write(
-        self, sink: StreamRecordSink, state: PartitionState, messages: Sequence[Message], offsets: list[int]
+        self,
+        sink: StreamRecordSink,
+        state: PartitionState,
+        messages: Sequence[Message],
+        offsets: list[int],
+        runs: Sequence[JsonRun],
     ) -> None:
-        """Write the rows of ``messages`` (at ``offsets``) to ``sink``, rejecting malformed ones, in
-        offset order."""
-        runs = self.decode(state, messages)
+        """Write the decoded ``runs`` of ``messages`` (at ``offsets``) to ``sink``, rejecting malformed
+        ones, in offset order."""
         positions = list(map(str, offsets))
         for run in runs:
             if run.rows is not None:
@@ -225,10 +248,14 @@ class KafkaStreamSession(StreamSession):
                 )
                 if messages and not done and not cancel.cancelled:
                     pending = poll()
-                for key, batch in reader.group(messages).items():
-                    offsets = offsets_of(batch)
+                groups = [(key, batch, offsets_of(batch)) for key, batch in reader.group(messages).items()]
+                for key, _, offsets in groups:
                     tracker.observe(key, offsets)
-                    await self._deliverer.write(sink, reader.parts[key], batch, offsets)
+                decoded = await self._deliverer.decode_all(
+                    [(reader.parts[key], batch) for key, batch, _ in groups]
+                )
+                for (key, batch, offsets), runs in zip(groups, decoded, strict=True):
+                    await self._deliverer.write(sink, reader.parts[key], batch, offsets, runs)
                 if done:
                     break
         finally:

@@ -609,6 +609,19 @@ class PushConsumer:
             f"stream sequence {seq} is not the end of anything this session read", where=self.where
         )
 
+    def stamp_of(self, seq: int) -> int | None:
+        """The server timestamp (nanoseconds since 1970) of message ``seq``, read from the
+        acknowledgement subject it came with, while a read holds it (covered, not yet acknowledged);
+        None otherwise."""
+        for chunk in self.covered:
+            if chunk.first <= seq <= chunk.last and self._prefix is not None:
+                index = pc.index(chunk.seqs, seq).as_py()
+                if index >= 0:
+                    # <delivered>.<stream seq>.<consumer seq>.<timestamp>.<pending>[.<token>]
+                    fields = str(chunk.msgs[index].reply)[len(self._prefix) :].split(".")
+                    return int(fields[3]) if len(fields) > 3 and fields[3].isdigit() else None
+        return None
+
     def _drop_acknowledged(self, end: int) -> None:
         while self.covered and self.covered[0].last <= end:
             self.covered.popleft()

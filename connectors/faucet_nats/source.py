@@ -23,7 +23,7 @@ pages whose bookmark is the last sequence they hold.
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import nats.errors
@@ -452,7 +452,9 @@ class NatsStreamSession(StreamSession):
         """Stream sequences after where the reads reached, up to the stream's last sequence (with a
         subject filter, other subjects' messages count too), and how much older the message there is
         than the newest one by their server timestamps. One STREAM.INFO request, and one message read
-        when behind. Nothing for a worker that does not own the domain."""
+        when behind and the message where the reads reached is no longer held by the session (its
+        acknowledgement subject carries its timestamp until it is acknowledged). Nothing for a worker
+        that does not own the domain."""
         consumer = self._consumer
         if consumer is None or self._closed:
             return ()
@@ -463,7 +465,11 @@ class NatsStreamSession(StreamSession):
         seconds: float | None = 0.0
         if behind:
             seconds = None
-            at = await self._message_time(api, reached) if reached > 0 else None
+            held = consumer.stamp_of(reached) if reached > 0 else None
+            if held is not None:
+                at: datetime | None = _EPOCH + timedelta(microseconds=held // 1000)
+            else:
+                at = await self._message_time(api, reached) if reached > 0 else None
             newest = _rfc3339(head.last_time)
             if at is not None and newest is not None:
                 seconds = max(0.0, (newest - at).total_seconds())
@@ -502,6 +508,9 @@ class NatsStreamSession(StreamSession):
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("the session is closed", where=self._where)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _rfc3339(text: str) -> datetime | None:

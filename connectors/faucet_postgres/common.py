@@ -417,6 +417,10 @@ def encode_copy(batch: pa.RecordBatch, columns: Mapping[str, PgColumn] | None) -
     return CopyPayload("csv", (_csv(batch),))
 
 
+INLINE_ENCODE_ROWS = 256
+"""Batches up to this many rows are encoded for COPY on the event loop (:func:`copy_batch`)."""
+
+
 async def copy_batch(
     conn: "psycopg.AsyncConnection[Any]",
     target: "sql.Composable",
@@ -426,12 +430,16 @@ async def copy_batch(
     """COPY ``batch`` into ``target`` (a table identifier) inside the connection's current transaction.
 
     The batch's column names are the destination columns. Encoding runs in a worker thread so the event
-    loop stays free. Returns the number of rows copied; psycopg errors propagate unchanged (the caller
-    knows what it was doing: wrap them with :func:`pg_error`).
+    loop stays free, except for a batch of at most ``INLINE_ENCODE_ROWS`` rows, encoded on the loop (in
+    microseconds: the hand-off to a thread would cost more). Returns the number of rows copied; psycopg
+    errors propagate unchanged (the caller knows what it was doing: wrap them with :func:`pg_error`).
     """
     if batch.num_rows == 0:
         return 0
-    payload = await asyncio.to_thread(encode_copy, batch, columns)
+    if batch.num_rows <= INLINE_ENCODE_ROWS:
+        payload = encode_copy(batch, columns)
+    else:
+        payload = await asyncio.to_thread(encode_copy, batch, columns)
     names = sql.SQL(", ").join(map(sql.Identifier, batch.schema.names))
     options = sql.SQL("FORMAT binary" if payload.format == "binary" else "FORMAT csv")
     statement = sql.SQL("COPY {} ({}) FROM STDIN ({})").format(target, names, options)

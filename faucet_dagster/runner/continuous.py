@@ -61,7 +61,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline, Pipeline, ResourceSchema
 from faucet_dagster.planner import Plan, plan
@@ -388,7 +388,8 @@ class StreamRunner:
         read_end = time.perf_counter()
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline)
         timings.lap("read_and_seal")
-        lag = await self._source_lag(source_session)
+        # The source's lag (informational, for the certificate) is asked while the sink commits.
+        lagging = asyncio.ensure_future(self._source_lag(source_session))
 
         # 4. Commit at the sink: durable as the policy promises once it returns.
         fault_point(Point.BEFORE_SINK_COMMIT)
@@ -396,13 +397,20 @@ class StreamRunner:
             receipts = await sink_session.commit_epoch(epoch, sealed.coverage)
         except UncertainOutcome as exc:
             # It may have committed: never abort it, never acknowledge; the next open reconciles.
+            await _cancelled(lagging)
             await sessions.drop(exc)
             raise
         except BaseException as exc:
+            await _cancelled(lagging)
             await sessions.abort(epoch, pipeline, rewind=True, cause=exc)
             raise
         timings.lap("commit")
         fault_point(Point.AFTER_SINK_COMMIT)
+        try:
+            lag = await lagging
+        except BaseException as exc:  # cancelled: committed, not certified; the next open reconciles
+            await sessions.drop(exc)
+            raise
 
         # 5. Persist the certificate: from here on, the epoch is certified.
         certificate = EpochCertificate(
@@ -568,6 +576,12 @@ class StreamRunner:
         except BaseException as exc:
             await self._sessions.abort(epoch, pipeline, rewind=True, cause=exc)
             raise
+
+
+async def _cancelled(task: "asyncio.Future[Any]") -> None:
+    """Cancel ``task`` and wait until it ended (its outcome is not wanted)."""
+    task.cancel()
+    await asyncio.wait([task])
 
 
 __all__ = [

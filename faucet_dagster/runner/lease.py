@@ -55,6 +55,10 @@ class StreamLease:
         self._on_lost = on_lost
         self._lease: Lease | None = None
         self._keeper: asyncio.Task[None] | None = None
+        self._renewed = 0.0
+        """``time.monotonic()`` before the store last took or renewed the lease for ``ttl`` seconds:
+        it lives at least until ``_renewed + ttl`` unless the holder gives it up or an operator
+        releases it."""
 
     @property
     def current(self) -> Lease | None:
@@ -67,19 +71,28 @@ class StreamLease:
         ``HANDOVER_WAIT_SECONDS`` from now). Starts the keeper. Raises :class:`OwnershipLost`."""
         try:
             if self._lease is None:
+                started = time.monotonic()
                 self._lease = await self._take(deadline)
+                self._renewed = started
             else:
-                self._lease = await asyncio.to_thread(self._store.renew_lease, self._lease, self._ttl)
+                await self._renew(self._lease)
         except OwnershipLost:
             self._lease = None
             raise
+        lease = self._lease
+        if lease is None:  # given up meanwhile (a hand-over or a close)
+            raise OwnershipLost(f"{self._owner} gave the lease on {self._stream!r} up", where=self._stream)
         loop = asyncio.get_running_loop()
         if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
             self._keeper = loop.create_task(self._keep(), name=f"faucet-lease-{self._stream}")
-        return self._lease
+        return lease
 
     async def check(self) -> None:
-        """Raise :class:`OwnershipLost` unless the lease is still held (the acknowledgement's authority)."""
+        """Raise :class:`OwnershipLost` unless the lease is still held (the acknowledgement's authority).
+
+        Always asks the store (one read): the lease may have been released by an operator and taken
+        by another worker since the certificate was appended, and that must refuse the acknowledgement.
+        """
         lease = self._lease
         if lease is None:
             raise OwnershipLost(f"{self._owner} holds no lease on {self._stream!r}", where=self._stream)
@@ -102,6 +115,12 @@ class StreamLease:
             keeper.cancel()
         lease, self._lease = self._lease, None
         return lease
+
+    async def _renew(self, lease: Lease) -> None:
+        started = time.monotonic()
+        renewed = await asyncio.to_thread(self._store.renew_lease, lease, self._ttl)
+        if lease is self._lease:
+            self._lease, self._renewed = renewed, started
 
     async def _take(self, deadline: float | None) -> Lease:
         loop = asyncio.get_running_loop()
@@ -127,7 +146,6 @@ class StreamLease:
         """
         renew_every = self._ttl / 3
         poll = min(LEASE_POLL_SECONDS, renew_every)
-        renewed = time.monotonic()
         while self._lease is not None:
             await asyncio.sleep(poll)
             lease = self._lease
@@ -138,9 +156,8 @@ class StreamLease:
                 if requester is not None:
                     await self._on_handover(lease, requester)
                     return
-                if time.monotonic() - renewed >= renew_every and lease is self._lease:
-                    self._lease = await asyncio.to_thread(self._store.renew_lease, lease, self._ttl)
-                    renewed = time.monotonic()
+                if time.monotonic() - self._renewed >= renew_every and lease is self._lease:
+                    await self._renew(lease)
             except OwnershipLost as exc:
                 logger.warning("stream %s: %s", self._stream, exc)
                 self._on_lost()

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import sqlalchemy as sa
 
 from faucet_dagster.protocol import OwnershipLost
-from faucet_dagster.state.store import StateStore, db_now
+from faucet_dagster.state.store import StateStore
+from faucet_dagster.state.tables import db_now
 
 GROUP_STREAM = re.compile(r"(?P<stream>.+)\[(?P<group>\d+)/(?P<groups>\d+)\]")
 """How a partition group's stream is named: ``<stream>[g/groups]``."""

@@ -41,8 +41,6 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError, DatabaseError, SQLAlchemyError
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import FunctionElement
 
 from faucet_dagster.protocol import (
     CodecRegistry,
@@ -60,92 +58,19 @@ from faucet_dagster.protocol import (
     UncertainOutcome,
     default_codec_registry,
 )
+from faucet_dagster.state import tables as q
+from faucet_dagster.state.tables import (
+    ADDED_COLUMNS,
+    certificates_table,
+    db_now,
+    dead_letters_table,
+    metadata,
+    positions_table,
+    streams_table,
+)
 
 STATE_URL_ENV = "FAUCET_STATE_URL"
 STATE_FILE_NAME = "faucet_state.db"
-
-metadata = sa.MetaData()
-
-streams_table = sa.Table(
-    "faucet_streams",
-    metadata,
-    sa.Column("stream", sa.String(255), primary_key=True),
-    sa.Column("lease_owner", sa.String(255), nullable=True),
-    sa.Column("fencing_token", sa.BigInteger, nullable=False),
-    sa.Column("lease_expires", sa.Float, nullable=True),
-    sa.Column("uncertain", sa.Boolean, nullable=False),
-    sa.Column("uncertain_reason", sa.Text, nullable=True),
-    sa.Column("reported_through", sa.BigInteger, nullable=False),
-    # Added after the first release: _add_missing_columns adds them to an existing store.
-    sa.Column("lease_started", sa.Float, nullable=True),
-    sa.Column("handover_to", sa.String(255), nullable=True),
-    sa.Column("handover_started", sa.Float, nullable=True),
-)
-
-ADDED_COLUMNS = {
-    "faucet_streams": ("lease_started", "handover_to", "handover_started"),
-    "faucet_dead_letters": ("fencing_token",),
-}
-"""Columns a store created by an earlier version lacks, per table: all nullable."""
-
-certificates_table = sa.Table(
-    "faucet_certificates",
-    metadata,
-    sa.Column("stream", sa.String(255), primary_key=True),
-    sa.Column("sequence", sa.BigInteger, primary_key=True, autoincrement=False),
-    sa.Column("fencing_token", sa.BigInteger, nullable=False),
-    sa.Column("worker", sa.String(255), nullable=False),
-    sa.Column("fingerprint", sa.String(64), nullable=False),
-    sa.Column("body", sa.Text, nullable=False),
-    sa.Column("created_at", sa.String(40), nullable=False),
-)
-
-positions_table = sa.Table(
-    "faucet_positions",
-    metadata,
-    sa.Column("stream", sa.String(255), primary_key=True),
-    sa.Column("source", sa.String(255), primary_key=True),
-    sa.Column("resource", sa.String(255), primary_key=True),
-    sa.Column("partition", sa.String(255), primary_key=True),
-    sa.Column("incarnation", sa.String(255), nullable=False),
-    sa.Column("codec", sa.String(255), nullable=False),
-    sa.Column("position", sa.String(255), nullable=False),
-    sa.Column("sequence", sa.BigInteger, nullable=False),
-)
-
-dead_letters_table = sa.Table(
-    "faucet_dead_letters",
-    metadata,
-    sa.Column("stream", sa.String(255), primary_key=True),
-    sa.Column("identity", sa.String(64), primary_key=True),
-    sa.Column("event", sa.Text, nullable=False),
-    sa.Column("resource", sa.String(255), nullable=False),
-    sa.Column("reason", sa.Text, nullable=False),
-    sa.Column("origin", sa.Text, nullable=False),
-    sa.Column("payload", sa.LargeBinary, nullable=False),
-    sa.Column("sequence", sa.BigInteger, nullable=False),
-    sa.Column("created_at", sa.String(40), nullable=False),
-    # The fencing token of the owner whose epoch routed it: a zombie's withdrawal, and the cleanup of
-    # an epoch that never committed, touch only what an older owner routed.
-    sa.Column("fencing_token", sa.BigInteger, nullable=True),
-)
-
-
-class db_now(FunctionElement[float]):
-    """Seconds since 1970 on the database's clock: every worker's lease is judged by one clock."""
-
-    type = sa.Float()
-    inherit_cache = True
-
-
-@compiles(db_now, "sqlite")
-def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
-    return "((julianday('now') - 2440587.5) * 86400.0)"
-
-
-@compiles(db_now, "postgresql")
-def _db_now_postgresql(element: db_now, compiler: Any, **kw: Any) -> str:
-    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
 
 
 @dataclass(frozen=True)
@@ -257,6 +182,9 @@ class StateStore:
         if self._sqlite and parsed.database not in (None, "", ":memory:"):
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         self._engine: Engine = sa.create_engine(parsed, pool_pre_ping=not self._sqlite)
+        self._new_stream = (sqlite_insert if self._sqlite else postgresql_insert)(
+            streams_table
+        ).on_conflict_do_nothing()
         if self._sqlite:
             _configure_sqlite(self._engine)
         with self._translate("create the tables"):
@@ -375,35 +303,22 @@ class StateStore:
     def handover_requested(self, lease: Lease) -> str | None:
         """The worker that asked ``lease``'s holder to hand the stream over, or None (also when the
         lease is no longer held)."""
-        with self._transaction("read hand-over requests") as conn:
-            requester = conn.execute(
-                sa.select(streams_table.c.handover_to).where(*self._holds(lease))
-            ).scalar_one_or_none()
+        with self._transaction("read hand-over requests", read_only=True) as conn:
+            requester = conn.execute(q.HANDOVER_TO, _held(lease)).scalar_one_or_none()
             return None if requester is None else str(requester)
 
     def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         """Extend a live lease by ``ttl`` seconds from now; :class:`OwnershipLost` if it is not held."""
         with self._transaction("renew a lease") as conn:
-            now = conn.execute(sa.select(db_now())).scalar_one()
-            updated = conn.execute(
-                streams_table.update()
-                .where(*self._holds(lease), streams_table.c.lease_expires > now)
-                .values(lease_expires=now + ttl)
-            )
-            if updated.rowcount != 1:
+            expires = conn.execute(q.RENEW_LEASE, {**_held(lease), "ttl": ttl}).scalar_one_or_none()
+            if expires is None:
                 raise self._lost(conn, lease)
-            return replace(lease, expires_at=now + ttl)
+            return replace(lease, expires_at=float(expires))
 
     def check_lease(self, lease: Lease) -> None:
         """Raise :class:`OwnershipLost` unless ``lease`` is still held, live and with its token."""
-        with self._transaction("check a lease") as conn:
-            now = conn.execute(sa.select(db_now())).scalar_one()
-            held = conn.execute(
-                sa.select(streams_table.c.stream).where(
-                    *self._holds(lease), streams_table.c.lease_expires > now
-                )
-            ).first()
-            if held is None:
+        with self._transaction("check a lease", read_only=True) as conn:
+            if conn.execute(q.CHECK_LEASE, _held(lease)).first() is None:
                 raise self._lost(conn, lease)
 
     def release_lease(self, lease: Lease) -> bool:
@@ -454,14 +369,20 @@ class StateStore:
         stream = certificate.stream
         canonical = self._canonical(certificate)
         fingerprint = _fingerprint(canonical)
+        body = canonical.to_json()
         with self._transaction("append a certificate") as conn:
-            _, now = self._locked_stream(conn, stream)
-            stored = conn.execute(
-                sa.select(certificates_table.c.fingerprint).where(
-                    certificates_table.c.stream == stream,
-                    certificates_table.c.sequence == certificate.sequence,
-                )
-            ).scalar_one_or_none()
+            # The stream row, locked (a lease was taken on it, so it exists unless nothing was leased).
+            row = conn.execute(q.LOCKED_STREAM_ROW, {"stream": stream}).first()
+            last_row = conn.execute(q.LAST_CERTIFICATE, {"stream": stream}).first()
+            last = 0 if last_row is None else int(last_row.sequence)
+            if certificate.sequence > last:
+                stored = None
+            elif certificate.sequence == last:
+                stored = last_row.fingerprint if last_row is not None else None
+            else:
+                stored = conn.execute(
+                    q.FINGERPRINT_AT, {"stream": stream, "sequence": certificate.sequence}
+                ).scalar_one_or_none()
             if stored == fingerprint:
                 return False
             # Ownership before consistency: a worker that lost its lease (a zombie) is told so, not
@@ -472,36 +393,30 @@ class StateStore:
                     f"of {lease.owner}@{lease.fencing_token}",
                     where=stream,
                 )
-            held = conn.execute(
-                sa.select(streams_table.c.stream).where(
-                    *self._holds(lease), streams_table.c.lease_expires > now
-                )
-            ).first()
-            if held is None:
+            if row is None or not _live(row, lease):
                 raise self._lost(conn, lease)
             if stored is not None:
                 raise IntegrityError(
                     f"certificate {certificate.certificate_id} conflicts with the one already stored",
                     where=stream,
                 )
-            last = self._last_sequence(conn, stream)
             if certificate.sequence != last + 1:
                 raise IntegrityError(
                     f"certificate {certificate.sequence} does not follow the last certified epoch {last}",
                     where=stream,
                 )
-            for item in canonical.coverage:
-                self._advance(conn, stream, certificate.sequence, item)
+            self._advance(conn, stream, certificate.sequence, canonical.coverage)
             conn.execute(
-                certificates_table.insert().values(
-                    stream=stream,
-                    sequence=certificate.sequence,
-                    fencing_token=certificate.fencing_token,
-                    worker=certificate.worker,
-                    fingerprint=fingerprint,
-                    body=canonical.to_json(),
-                    created_at=certificate.created_at or _utc_now(),
-                )
+                q.INSERT_CERTIFICATE,
+                {
+                    "stream": stream,
+                    "sequence": certificate.sequence,
+                    "fencing_token": certificate.fencing_token,
+                    "worker": certificate.worker,
+                    "fingerprint": fingerprint,
+                    "body": body,
+                    "created_at": certificate.created_at or _utc_now(),
+                },
             )
             return True
 
@@ -663,23 +578,26 @@ class StateStore:
             raise ConnectionFailed(f"could not {action}: {type(exc).__name__}", where=self._where) from exc
 
     @contextmanager
-    def _transaction(self, action: str) -> Iterator[Connection]:
-        with self._translate(action), self._engine.begin() as conn:
-            yield conn
+    def _transaction(self, action: str, *, read_only: bool = False) -> Iterator[Connection]:
+        """One transaction. ``read_only`` (it writes nothing): on SQLite a deferred ``BEGIN``, a WAL
+        reader that neither waits for the write lock nor makes a writer wait."""
+        with self._translate(action):
+            if not read_only:
+                with self._engine.begin() as conn:
+                    yield conn
+                return
+            with self._engine.connect() as conn:
+                conn.execution_options(**{_READ_ONLY: True})
+                with conn.begin():
+                    yield conn
 
     def _locked_stream(self, conn: Connection, stream: str) -> tuple[Any, float]:
         """The stream's row (created if new), locked for this transaction, and the database time."""
-        insert = sqlite_insert if self._sqlite else postgresql_insert
         conn.execute(
-            insert(streams_table)
-            .values(stream=stream, fencing_token=0, uncertain=False, reported_through=0)
-            .on_conflict_do_nothing()
+            self._new_stream,
+            {"stream": stream, "fencing_token": 0, "uncertain": False, "reported_through": 0},
         )
-        row = conn.execute(
-            sa.select(streams_table, db_now().label("now"))
-            .where(streams_table.c.stream == stream)
-            .with_for_update()
-        ).one()
+        row = conn.execute(q.LOCKED_STREAM_ROW, {"stream": stream}).one()
         return row, float(row.now)
 
     def _holds(self, lease: Lease) -> tuple[sa.ColumnElement[bool], ...]:
@@ -735,55 +653,72 @@ class StateStore:
             coverage.append(DomainCoverage(item.domain, canonical(item.domain, item.start), end))
         return replace(certificate, coverage=tuple(coverage))
 
-    def _advance(self, conn: Connection, stream: str, sequence: int, item: DomainCoverage) -> None:
-        """Move one domain's certified position from ``item.start`` to ``item.end`` (checked)."""
-        domain = item.domain
-        where = str(domain)
-        codec = self._codecs.get(domain.codec)
-        key = (
-            positions_table.c.stream == stream,
-            positions_table.c.source == domain.source,
-            positions_table.c.resource == domain.resource,
-            positions_table.c.partition == domain.partition,
-        )
-        stored = conn.execute(sa.select(positions_table).where(*key)).first()
-        start = None if item.start is None else codec.validate(item.start)
-        end = codec.validate(item.end)
-        if start is not None and codec.compare(end, start) < 0:
-            raise IntegrityError(f"coverage goes back from {item.start} to {item.end}", where=where)
-        if stored is None:
-            conn.execute(
-                positions_table.insert().values(
-                    stream=stream,
-                    source=domain.source,
-                    resource=domain.resource,
-                    partition=domain.partition,
-                    incarnation=domain.incarnation,
-                    codec=domain.codec,
-                    position=item.end,
-                    sequence=sequence,
+    def _advance(
+        self, conn: Connection, stream: str, sequence: int, coverage: Sequence[DomainCoverage]
+    ) -> None:
+        """Move each covered domain's certified position from ``item.start`` to ``item.end`` (checked):
+        one read of the stream's positions, then one insert or update per domain."""
+        stored_rows = {
+            (row.source, row.resource, row.partition): row
+            for row in conn.execute(q.POSITIONS_OF, {"stream": stream})
+        }
+        inserts: list[dict[str, Any]] = []
+        moves: list[dict[str, Any]] = []
+        for item in coverage:
+            domain = item.domain
+            where = str(domain)
+            codec = self._codecs.get(domain.codec)
+            stored = stored_rows.get(domain.lineage)
+            start = None if item.start is None else codec.validate(item.start)
+            end = codec.validate(item.end)
+            if start is not None and codec.compare(end, start) < 0:
+                raise IntegrityError(f"coverage goes back from {item.start} to {item.end}", where=where)
+            if stored is None:
+                inserts.append(
+                    {
+                        "stream": stream,
+                        "source": domain.source,
+                        "resource": domain.resource,
+                        "partition": domain.partition,
+                        "incarnation": domain.incarnation,
+                        "codec": domain.codec,
+                        "position": item.end,
+                        "sequence": sequence,
+                    }
                 )
+                continue
+            if stored.incarnation != domain.incarnation:
+                raise IncarnationChanged(
+                    f"coverage of incarnation {domain.incarnation!r} follows certified positions of "
+                    f"{stored.incarnation!r}",
+                    where=where,
+                )
+            if stored.codec != domain.codec:
+                raise IntegrityError(
+                    f"coverage uses codec {domain.codec!r}, the certified {stored.codec!r}", where=where
+                )
+            certified = codec.validate(stored.position)
+            if start is None or codec.compare(start, certified) != 0:
+                order = codec.compare(end, certified)
+                problem = "goes back before" if order < 0 else "does not start at"
+                raise IntegrityError(
+                    f"coverage {item.start}..{item.end} {problem} the certified position {stored.position}",
+                    where=where,
+                )
+            moves.append(
+                {
+                    "at_stream": stream,
+                    "at_source": domain.source,
+                    "at_resource": domain.resource,
+                    "at_partition": domain.partition,
+                    "to_position": item.end,
+                    "to_sequence": sequence,
+                }
             )
-            return
-        if stored.incarnation != domain.incarnation:
-            raise IncarnationChanged(
-                f"coverage of incarnation {domain.incarnation!r} follows certified positions of "
-                f"{stored.incarnation!r}",
-                where=where,
-            )
-        if stored.codec != domain.codec:
-            raise IntegrityError(
-                f"coverage uses codec {domain.codec!r}, the certified {stored.codec!r}", where=where
-            )
-        certified = codec.validate(stored.position)
-        if start is None or codec.compare(start, certified) != 0:
-            order = codec.compare(end, certified)
-            problem = "goes back before" if order < 0 else "does not start at"
-            raise IntegrityError(
-                f"coverage {item.start}..{item.end} {problem} the certified position {stored.position}",
-                where=where,
-            )
-        conn.execute(positions_table.update().where(*key).values(position=item.end, sequence=sequence))
+        if inserts:
+            conn.execute(q.INSERT_POSITION, inserts)
+        if moves:
+            conn.execute(q.MOVE_POSITION, moves)
 
     def _positions(self, conn: Connection, stream: str) -> tuple[Position, ...]:
         rows = conn.execute(
@@ -865,7 +800,27 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
+
+
+_READ_ONLY = "faucet_read_only"
+"""The execution option of a transaction that writes nothing (:meth:`StateStore._transaction`)."""
+
+
+def _held(lease: Lease) -> dict[str, Any]:
+    """The bind parameters of :data:`tables.HOLDS` for ``lease``."""
+    return {"held_stream": lease.stream, "held_owner": lease.owner, "held_token": lease.fencing_token}
+
+
+def _live(row: Any, lease: Lease) -> bool:
+    """Whether a stream row (with the database time as ``now``) shows ``lease`` held and live."""
+    return bool(
+        row.lease_owner == lease.owner
+        and row.fencing_token == lease.fencing_token
+        and not row.uncertain
+        and row.lease_expires is not None
+        and row.lease_expires > row.now
+    )
 
 
 def _fingerprint(certificate: EpochCertificate) -> str:
