@@ -1,6 +1,7 @@
 """Helpers for end-to-end stream tests: sensor ticks on a persistent instance, and reading NATS back."""
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,36 +12,62 @@ from faucet_dagster.protocol import ConnectionFailed, EpochCertificate
 from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.state import StateStore
 
+DRAIN_SECONDS = 600.0
+"""How long :func:`evaluate_ticks` goes on ticking for the rows it expects: generous, for a loaded machine."""
+
 
 def evaluate_ticks(
-    stream: FaucetStream, before_ticks: Sequence[Callable[[], None]], budget_seconds: float = 8
+    stream: FaucetStream,
+    before_ticks: Sequence[Callable[[], None]],
+    budget_seconds: float = 8,
+    *,
+    rows: int,
 ) -> tuple[list[int], list[EpochCertificate]]:
-    """Run ``before()`` then one sensor tick, for each of ``before_ticks``, on one instance.
+    """Run ``before()`` then one sensor tick, for each of ``before_ticks``, on one instance; then tick on
+    until the certificates hold ``rows`` rows (for at most :data:`DRAIN_SECONDS`): how much one tick
+    drains within its budget depends on the machine's speed, what is certified in the end does not.
 
     Returns the certificate sequences the ticks reported (in order, each materialization checked to
     carry the plan's delivery) and the certificates in the state store. The sensor caches its runner
     (open sessions) per process: :func:`close_cached_streams` closes it here, while the servers still
     run.
     """
+    assert stream.state_url is not None
     sensor = faucet_stream_sensor(stream, budget_seconds=budget_seconds)
     reported: list[int] = []
     cursor: str | None = None
+    store = StateStore(stream.state_url)
     try:
         with dg.instance_for_test() as instance:
-            for before in before_ticks:
-                before()
+
+            def tick() -> None:
+                nonlocal cursor
                 result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
                 cursor = result.cursor
                 for event in result.asset_events:
                     if isinstance(event, dg.AssetMaterialization):
                         reported.append(int(str(event.metadata["faucet/sequence"].value)))
-    finally:
-        close_cached_streams()
-    store = StateStore(stream.state_url)
-    try:
+
+            for before in before_ticks:
+                before()
+                tick()
+            ends = time.monotonic() + DRAIN_SECONDS
+            while certified_rows(store.certificates(stream.name)) < rows:
+                assert time.monotonic() < ends, f"{rows} rows not certified in {DRAIN_SECONDS:.0f}s"
+                tick()
+            # What the last tick certified without reporting it, the next one reports.
+            for _ in range(3):
+                if reported[-1:] == [len(store.certificates(stream.name))]:
+                    break
+                tick()
         return reported, store.certificates(stream.name)
     finally:
+        close_cached_streams()
         store.close()
+
+
+def certified_rows(certificates: Sequence[EpochCertificate]) -> int:
+    return sum(sum(c.row_counts.values()) for c in certificates)
 
 
 def lose_certificate(store: StateStore, monkeypatch: Any, nth: int) -> None:

@@ -141,6 +141,7 @@ def test_kafka_to_nats_through_sensor_ticks_reports_each_certificate_once(
     sequences, certificates = evaluate_ticks(
         stream,
         [partial(produce_json, kafka_bootstrap, pair["topic"], batch * 600, 600) for batch in range(3)],
+        rows=1800,
     )
     assert sequences == list(range(1, len(sequences) + 1)), "each certificate reported once, in order"
     assert [c.sequence for c in certificates] == sequences

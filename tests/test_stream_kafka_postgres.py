@@ -75,6 +75,7 @@ def test_100k_kafka_messages_reach_postgres_once_through_sensor_ticks(
         stream,
         [partial(produce_dataset, kafka_bootstrap, topic, batch * 50_000, 50_000) for batch in range(2)],
         budget_seconds=25,
+        rows=100_000,
     )
     assert sequences == [c.sequence for c in certificates] == list(range(1, len(certificates) + 1))
     assert sum(sum(c.row_counts.values()) for c in certificates) == 100_000

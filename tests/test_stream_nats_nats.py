@@ -55,7 +55,9 @@ def test_nats_to_nats_through_sensor_ticks_lands_every_message_once(
         state_url=f"sqlite:///{tmp_path / 'state.db'}",
     )
     sequences, certificates = evaluate_ticks(
-        stream, [partial(asyncio.run, publish(nats_url, source, batch * 500, 500)) for batch in range(2)]
+        stream,
+        [partial(asyncio.run, publish(nats_url, source, batch * 500, 500)) for batch in range(2)],
+        rows=1000,
     )
     assert sequences == list(range(1, len(sequences) + 1))
     assert sum(sum(c.row_counts.values()) for c in certificates) == 1000
