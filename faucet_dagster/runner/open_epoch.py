@@ -5,10 +5,12 @@ Under a sensor, the runner reads in the background (:meth:`StreamRunner.tick
 source session reads into it in short reads (at most ``READ_SLICE_SECONDS`` each outside a source
 transaction), each ending at a safe source boundary. A tick asks for a seal (:meth:`EpochClock.request`);
 the open epoch serves it at the end of the read in progress, that is at the next safe boundary, after at
-least one read of its own: the runner then seals, commits, certifies, acknowledges and begins the next
-epoch. A read inside a source transaction goes on until the transaction ends, however many ticks that
-takes; its rows reach the sink as they are read (a transactional sink holds them in its open epoch,
-invisible until the commit), so memory stays bounded by the pipeline's batches, never by the transaction.
+least one read of its own (when the last read found nothing, after one more begun after the request, so
+what reached the source before the tick is in the epoch it seals): the runner then seals, commits,
+certifies, acknowledges and begins the next epoch. A read inside a source transaction goes on until
+the transaction ends, however many ticks that takes; its rows reach the sink as they are read (a
+transactional sink holds them in its open epoch, invisible until the commit), so memory stays bounded
+by the pipeline's batches, never by the transaction.
 
 Bounds: the open epoch stops reading at the first safe boundary after ``limits.records`` rows or
 ``limits.bytes`` bytes (it is *full*), and waits for a tick; nothing is dropped. One open for
@@ -172,6 +174,10 @@ class EpochClock:
         loop = asyncio.get_running_loop()
         coverage = Coverage()
         reads = 0
+        # A read that found nothing before the seal was requested is not the epoch's last: one more
+        # read takes what reached the source before the tick (a read that returned rows ends the epoch
+        # at once, so a tick never waits on a further read of a busy source).
+        stale, asked = False, 0
         while not (cancel.cancelled or self.stopping):
             if self.idle_too_long(loop.time()):
                 self.stopping = self.stopped_idle = True
@@ -179,6 +185,8 @@ class EpochClock:
             recovering = bool(recover_to) and not reaches(coverage, recover_to)
             self.phase = "recovering" if recovering else "reading"
             due = self.requested > self._sealing or loop.time() - self.since >= MAX_OPEN_SECONDS
+            if stale and self.requested > asked:
+                due = False
             if reads and not recovering and due:
                 self._sealing = self.requested
                 self.full = self.slice(pipeline) is None
@@ -191,8 +199,10 @@ class EpochClock:
                 # Full: read nothing more until a tick seals it (the provider keeps the rest).
                 await self.wait(READ_SLICE_SECONDS, cancel)
                 continue
+            asked = self.requested
             more = await session.read(pipeline, limits, cancel)
             reads += 1
+            stale = more.empty
             if cancel.cancelled:
                 break
             coverage = merge(coverage, more)
