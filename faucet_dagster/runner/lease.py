@@ -68,11 +68,12 @@ class StreamLease:
     async def hold(self, deadline: float | None, *, patient: bool = False) -> Lease:
         """The lease, renewed, or newly taken: from a free or expired lease, from a holder that hands
         over, or from one whose lease ends before ``deadline`` (on the loop's clock; at most
-        ``HANDOVER_WAIT_SECONDS`` from now). ``patient`` (a reader between ticks, whose tick does not
-        wait for it): a holder this worker asked to hand over is waited for up to the lease's length
-        past ``deadline`` and ``HANDOVER_WAIT_SECONDS``, so the lease of a holder that died (it cannot
-        answer) is taken the moment it expires; a holder that was not asked (it started later) is
-        waited for only as without ``patient``. While it waits, :attr:`waiting` says on whom. Starts
+        ``HANDOVER_WAIT_SECONDS`` from now). ``patient`` (a reader between ticks, whose tick does
+        not wait for it): a holder this worker asked to hand over is waited for as long as the lease
+        it holds can last (its time left, at least ``ttl``), past ``deadline`` and
+        ``HANDOVER_WAIT_SECONDS``, so the lease of a holder that died (it cannot answer) is taken the
+        moment it expires; a holder that was not asked (it started later) is waited for only as
+        without ``patient``. While it waits, :attr:`waiting` says on whom. Starts
         the keeper. Raises :class:`OwnershipLost`."""
         try:
             if self._lease is None:
@@ -117,8 +118,7 @@ class StreamLease:
         give_up = loop.time() + HANDOVER_WAIT_SECONDS
         if deadline is not None:
             give_up = min(give_up, deadline)
-        # A dead holder's lease was renewed at most ``ttl`` before it expires: one poll more sees it free.
-        asked_give_up = max(give_up, loop.time() + self._ttl + 2 * LEASE_POLL_SECONDS) if patient else give_up
+        asked_give_up: float | None = None
         try:
             while True:
                 result = await asyncio.to_thread(
@@ -127,6 +127,12 @@ class StreamLease:
                 if isinstance(result, Lease):
                     return result
                 now = loop.time()
+                if asked_give_up is None:
+                    # As long as the lease seen first can last (a dead holder renews it no more), and
+                    # one poll more to see it free; a live holder that neither renews nor answers is
+                    # not waited for longer.
+                    longest = max(self._ttl, result.seconds_left) + 2 * LEASE_POLL_SECONDS
+                    asked_give_up = max(give_up, now + longest) if patient else give_up
                 ends = asked_give_up if result.handover_requested else give_up
                 if not (result.handover_requested or now + result.seconds_left <= ends) or now >= ends:
                     raise OwnershipLost(result.describe(), where=self._stream)
