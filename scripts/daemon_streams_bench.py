@@ -177,7 +177,8 @@ def print_ticks(home: Path, since: float | None = None, until: float | None = No
                 f"p50 {durations[len(durations) // 2]:.1f}, max {durations[-1]:.1f}"
             )
             for tick in ticks[:3]:
-                print(f"  {tick.status.value}: {tick.skip_reason or tick.error}")
+                said = tick.skip_reason or (tick.error.message.splitlines()[0] if tick.error else "")
+                print(f"  {tick.status.value}: {said}")
 
 
 if __name__ == "__main__":
