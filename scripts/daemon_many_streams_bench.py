@@ -16,7 +16,6 @@ the starts of two of its ticks (what "every stream still ticks about every inter
 import argparse
 import itertools
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import dagster as dg
 import psycopg
 import test_daemon_streams as daemon_test
+from daemon_streams_bench import with_test_servers
 
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing import NatsServer, PostgresServer, make_unique_name
@@ -73,13 +73,7 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=30)
     args = parser.parse_args()
     daemon_test.RATE = args.rate
-    postgres, nats_server = PostgresServer.from_env().start(), NatsServer.from_env().start()
-    try:
-        with tempfile.TemporaryDirectory(prefix="faucet-daemon-many-") as tmp:
-            return run(Path(tmp), postgres, nats_server, args)
-    finally:
-        nats_server.close()
-        postgres.close()
+    return with_test_servers(run, args)
 
 
 def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argparse.Namespace) -> int:

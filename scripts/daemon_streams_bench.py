@@ -21,6 +21,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -42,13 +43,24 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
     args = parser.parse_args()
     daemon_test.RATE = args.rate
+    return with_test_servers(run, args, keep=args.keep)
+
+
+def with_test_servers(
+    run_in: Callable[[Path, PostgresServer, NatsServer, argparse.Namespace], int],
+    args: argparse.Namespace,
+    *,
+    keep: Path | None = None,
+) -> int:
+    """``run_in(directory, postgres, nats, args)`` with the test servers started (stopped after it),
+    in a temporary directory, or ``keep`` (created) to keep the logs."""
     postgres, nats_server = PostgresServer.from_env().start(), NatsServer.from_env().start()
     try:
-        if args.keep is not None:
-            args.keep.mkdir(parents=True)
-            return run(args.keep, postgres, nats_server, args)
+        if keep is not None:
+            keep.mkdir(parents=True)
+            return run_in(keep, postgres, nats_server, args)
         with tempfile.TemporaryDirectory(prefix="faucet-daemon-bench-") as tmp:
-            return run(Path(tmp), postgres, nats_server, args)
+            return run_in(Path(tmp), postgres, nats_server, args)
     finally:
         nats_server.close()
         postgres.close()
