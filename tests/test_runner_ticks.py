@@ -245,3 +245,21 @@ def test_a_first_tick_that_finds_a_dead_holders_lease_certifies_once_it_expires_
     assert certificate.fencing_token > dead.fencing_token
     assert loop.run(stream.tick(10)) is None  # the next tick finds it certified (the sensor reports it)
     loop.run(stream.close())
+
+
+def test_closing_a_runner_that_waits_for_a_dead_holders_lease_stops_waiting(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    """A process that stops while its reader waits out a dead holder's lease (at exit, a hand-over)
+    stops waiting: it closes without taking the lease, which the dead holder keeps until it expires."""
+    dead = store.try_acquire_lease("s", "dead", 60.0, started=1.0)
+    assert isinstance(dead, Lease)
+    log = MemoryLog()
+    log.append(10)
+    stream = runner(store, MemorySource(log), MemorySink(), started=2.0)
+    pending = loop.run(stream.tick(0.5))
+    assert pending is not None and pending.lease_wait is not None, pending
+    loop.run(stream.close())
+    status = store.status("s")[0]
+    assert status.owner == "dead" and status.fencing_token == dead.fencing_token, status
+    assert not store.certificates("s")

@@ -339,7 +339,7 @@ class StreamRunner:
         # between ticks waits out a holder it asked to hand over (one killed cannot answer), its tick
         # reporting the wait; the seal that tick asked for is then served without waiting for another.
         try:
-            lease = await self._lease.hold(deadline, patient=clock is not None)
+            lease = await self._lease.hold(deadline, patient=None if clock is None else clock.going)
         except OwnershipLost as exc:
             await sessions.drop(exc)
             raise

@@ -65,16 +65,16 @@ class StreamLease:
         """The lease held, as last renewed (None: not held)."""
         return self._lease
 
-    async def hold(self, deadline: float | None, *, patient: bool = False) -> Lease:
+    async def hold(self, deadline: float | None, *, patient: Callable[[], bool] | None = None) -> Lease:
         """The lease, renewed, or newly taken: from a free or expired lease, from a holder that hands
         over, or from one whose lease ends before ``deadline`` (on the loop's clock; at most
-        ``HANDOVER_WAIT_SECONDS`` from now). ``patient`` (a reader between ticks, whose tick does
-        not wait for it): a holder this worker asked to hand over is waited for as long as the lease
-        it holds can last (its time left, at least ``ttl``), past ``deadline`` and
-        ``HANDOVER_WAIT_SECONDS``, so the lease of a holder that died (it cannot answer) is taken the
-        moment it expires; a holder that was not asked (it started later) is waited for only as
-        without ``patient``. While it waits, :attr:`waiting` says on whom. Starts
-        the keeper. Raises :class:`OwnershipLost`."""
+        ``HANDOVER_WAIT_SECONDS`` from now). While ``patient()`` is true (a reader between ticks,
+        whose tick does not wait for it; false once it is stopped), a holder this worker asked to
+        hand over is waited for as long as the lease it holds can last (its time left, at least
+        ``ttl``), past ``deadline`` and ``HANDOVER_WAIT_SECONDS``, so the lease of a holder that died
+        (it cannot answer) is taken the moment it expires; a holder that was not asked (it started
+        later) is waited for only as without ``patient``. While it waits, :attr:`waiting` says on
+        whom. Starts the keeper. Raises :class:`OwnershipLost`."""
         try:
             if self._lease is None:
                 self._lease = await self._take(deadline, patient)
@@ -113,7 +113,7 @@ class StreamLease:
         lease, self._lease = self._lease, None
         return lease
 
-    async def _take(self, deadline: float | None, patient: bool) -> Lease:
+    async def _take(self, deadline: float | None, patient: Callable[[], bool] | None) -> Lease:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + HANDOVER_WAIT_SECONDS
         if deadline is not None:
@@ -129,11 +129,12 @@ class StreamLease:
                 now = loop.time()
                 if asked_give_up is None:
                     # As long as the lease seen first can last (a dead holder renews it no more), and
-                    # one poll more to see it free; a live holder that neither renews nor answers is
-                    # not waited for longer.
+                    # one poll more to see it free; a live holder that keeps renewing it and never
+                    # answers is not waited for longer.
                     longest = max(self._ttl, result.seconds_left) + 2 * LEASE_POLL_SECONDS
-                    asked_give_up = max(give_up, now + longest) if patient else give_up
-                ends = asked_give_up if result.handover_requested else give_up
+                    asked_give_up = max(give_up, now + longest)
+                waits = result.handover_requested and patient is not None and patient()
+                ends = asked_give_up if waits else give_up
                 if not (result.handover_requested or now + result.seconds_left <= ends) or now >= ends:
                     raise OwnershipLost(result.describe(), where=self._stream)
                 self.waiting = result.describe()

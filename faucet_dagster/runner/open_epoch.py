@@ -145,6 +145,10 @@ class EpochClock:
         self.since = asyncio.get_running_loop().time()
         self.changed()
 
+    def going(self) -> bool:
+        """False once the reader is asked to stop."""
+        return not self.stopping
+
     def pending(self, now: float) -> Pending:
         rows = 0 if self.pipeline is None else self.pipeline.rows_read
         return Pending(self.phase, self.epoch, rows, max(0.0, now - self.since))
