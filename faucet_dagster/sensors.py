@@ -511,6 +511,8 @@ def _tick(
         else:
             if pending is not None:
                 skip = pending.describe()
+                if pending.lease_wait is not None:  # stalled on a lease, as a refused one is
+                    lost = OwnershipLost(pending.lease_wait, where=stream.name)
         finally:
             handle.lock.release()
     else:

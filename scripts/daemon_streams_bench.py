@@ -1,13 +1,16 @@
 """Measure a NATS -> PostgreSQL stream under a real ``dagster-daemon run`` with its own code servers.
 
-``.venv/bin/python scripts/daemon_streams_bench.py [--seconds 300] [--rate 450] [--interval 30]``
+``.venv/bin/python scripts/daemon_streams_bench.py [--seconds 300] [--rate 450] [--interval 30]
+[--kills 1] [--separate-server]``
 
 Starts the test servers (PostgreSQL, NATS from their wheels), the stream project of
 ``tests/test_daemon_streams.py`` with ``minimum_interval_seconds=--interval`` and the default budget,
-and ``dagster-daemon run -f streams.py`` (the daemon's own code servers, replaced every 60 s). Publishes
-``--rate`` numbered messages per second; after ``--seconds`` fault-free, kills the live code server
-with SIGKILL and waits for the next certificate; then stops publishing, waits until everything is
-certified, and checks the destination holds every message exactly once. Prints: the longest gaps
+and ``dagster-daemon run -f streams.py`` (the daemon's own code servers, replaced every 60 s), or with
+``--separate-server`` one ``dagster api grpc`` code server named by a ``workspace.yaml`` (restarted at
+once after each kill, as a supervisor does). Publishes ``--rate`` numbered messages per second; after
+``--seconds`` fault-free, ``--kills`` times: kills the live code server with SIGKILL, waits for the
+next certificate and prints the sensor ticks from the kill to it; then stops publishing, waits until
+everything is certified, and checks the destination holds every message exactly once. Prints: the longest gaps
 between certificates and the publish -> certified latency (p50, p95, max) of the fault-free part, the
 longest sensor tick the daemon logged, and the time from the kill to the next certificate.
 """
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -34,16 +38,29 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=300)
     parser.add_argument("--rate", type=int, default=450)
     parser.add_argument("--interval", type=int, default=30)
+    parser.add_argument("--kills", type=int, default=1)
+    parser.add_argument("--separate-server", action="store_true", help="one `dagster api grpc` server")
     parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
     args = parser.parse_args()
     daemon_test.RATE = args.rate
+    return with_test_servers(run, args, keep=args.keep)
+
+
+def with_test_servers(
+    run_in: Callable[[Path, PostgresServer, NatsServer, argparse.Namespace], int],
+    args: argparse.Namespace,
+    *,
+    keep: Path | None = None,
+) -> int:
+    """``run_in(directory, postgres, nats, args)`` with the test servers started (stopped after it),
+    in a temporary directory, or ``keep`` (created) to keep the logs."""
     postgres, nats_server = PostgresServer.from_env().start(), NatsServer.from_env().start()
     try:
-        if args.keep is not None:
-            args.keep.mkdir(parents=True)
-            return run(args.keep, postgres, nats_server, args)
+        if keep is not None:
+            keep.mkdir(parents=True)
+            return run_in(keep, postgres, nats_server, args)
         with tempfile.TemporaryDirectory(prefix="faucet-daemon-bench-") as tmp:
-            return run(Path(tmp), postgres, nats_server, args)
+            return run_in(Path(tmp), postgres, nats_server, args)
     finally:
         nats_server.close()
         postgres.close()
@@ -72,7 +89,18 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
     try:
         publisher.start()
         began = time.time()
-        deployment.start_daemon()
+        port = 0
+        if args.separate_server:
+            with daemon_test.socket.socket() as probe:
+                probe.bind(("localhost", 0))
+                port = probe.getsockname()[1]
+            (tmp / "workspace.yaml").write_text(
+                f"load_from:\n  - grpc_server: {{host: localhost, port: {port}, location_name: streams}}\n"
+            )
+            server = deployment.start_code_server(port)
+            deployment.start_daemon("-w", "workspace.yaml")
+        else:
+            deployment.start_daemon()
         deployment.wait_for("a first certificate", lambda: bool(deployment.certificates()), bound=180)
         first = time.time()
         print(f"first certificate {first - began:.1f}s after the daemon started", flush=True)
@@ -86,6 +114,7 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
         ends = [(int(c.coverage[-1].end), daemon_test._created(c)) for c in certificates]
         sent = {n: at for n, at in dict(publisher.sent).items() if first <= at and n + 1 <= ends[-1][0]}
         latencies = sorted(next(at for end, at in ends if end >= n + 1) - stamp for n, stamp in sent.items())
+        latencies = latencies or [float("nan")]  # a window too short for two certificates
         p50, p95 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.95)]
         servers = len({c.worker for c in certificates})
         print(
@@ -96,23 +125,34 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
             flush=True,
         )
 
-        # kill -9 of the live code server.
-        victim, before = deployment.code_servers()[-1], deployment.workers()
-        existing = {p.pid for p in deployment.code_servers()}
-        killed = time.time()
-        victim.kill()
-        back = deployment.wait_for(
-            "a new code server",
-            lambda: any(p.pid not in existing for p in deployment.code_servers()),
-            bound=180,
-        )
-        again = deployment.certified_by_a_new_worker(before)
-        print(
-            f"kill -9 code server: next certificate {again - killed:.1f} s after the kill "
-            f"({again - back:.1f} s after the daemon's new code server appeared, "
-            f"{back - killed:.1f} s after the kill)",
-            flush=True,
-        )
+        for _ in range(args.kills):
+            before = deployment.workers()
+            if args.separate_server:
+                killed = time.time()
+                server.kill()
+                server.wait()
+                server = deployment.start_code_server(port)
+                back = time.time()
+                where = "the new code server listened"
+            else:
+                victim = deployment.code_servers()[-1]
+                existing = {p.pid for p in deployment.code_servers()}
+                killed = time.time()
+                victim.kill()
+                back = deployment.wait_for(
+                    "a new code server",
+                    lambda existing=existing: any(p.pid not in existing for p in deployment.code_servers()),
+                    bound=180,
+                )
+                where = "the daemon's new code server appeared"
+            again = deployment.certified_by_a_new_worker(before)
+            print(
+                f"kill -9 code server: next certificate {again - killed:.1f} s after the kill "
+                f"({again - back:.1f} s after {where}, {back - killed:.1f} s after the kill)",
+                flush=True,
+            )
+            print_ticks(home, since=killed - 35, until=again + 1)
+            time.sleep(20)
         deployment.finish(publisher, database, "whole run")
         print_ticks(home)
         with psycopg.connect(database) as conn:
@@ -125,12 +165,21 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
         deployment.store.close()
 
 
-def print_ticks(home: Path) -> None:
+def print_ticks(home: Path, since: float | None = None, until: float | None = None) -> None:
     """The sensor ticks the daemon recorded: how long each took (start to end, as Dagster shows it),
-    and a sample of their reasons."""
+    and a sample of their reasons; with ``since``, every tick from then to ``until`` (seconds since
+    ``since``, duration, status, reason or error)."""
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for state in instance.all_instigator_state():
             ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=100_000)
+            if since is not None:
+                for tick in sorted(ticks, key=lambda t: t.timestamp):
+                    if since <= tick.timestamp <= (until or tick.timestamp):
+                        took = (tick.end_timestamp or tick.timestamp) - tick.timestamp
+                        said = tick.skip_reason or (tick.error.message.splitlines()[0] if tick.error else "")
+                        at = tick.timestamp - since
+                        print(f"  +{at:6.1f}s {took:5.1f}s {tick.status.value}: {said[:150]}")
+                continue
             durations = sorted(t.end_timestamp - t.timestamp for t in ticks if t.end_timestamp)
             if not durations:
                 continue
@@ -140,7 +189,8 @@ def print_ticks(home: Path) -> None:
                 f"p50 {durations[len(durations) // 2]:.1f}, max {durations[-1]:.1f}"
             )
             for tick in ticks[:3]:
-                print(f"  {tick.status.value}: {tick.skip_reason or tick.error}")
+                said = tick.skip_reason or (tick.error.message.splitlines()[0] if tick.error else "")
+                print(f"  {tick.status.value}: {said}")
 
 
 if __name__ == "__main__":

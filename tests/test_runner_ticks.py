@@ -25,7 +25,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.runner.continuous import Pending, StreamRunner, StreamSpec
 from faucet_dagster.runner.loop import BackgroundLoop
-from faucet_dagster.state import StateStore
+from faucet_dagster.state import Lease, StateStore
 
 BOUND = 30.0
 
@@ -239,3 +239,46 @@ def test_a_hand_over_seals_the_open_epoch_before_the_newer_worker_takes_over(
         ("new", {"items": 5}),
     ]
     assert ids(destination) == list(range(1, 41))
+
+
+def test_a_first_tick_that_finds_a_dead_holders_lease_certifies_once_it_expires_without_another_tick(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    """A code server killed (kill -9) leaves its lease live for up to its length: the next process's
+    first tick asks it to hand over, reports the wait, and its reader takes the lease the moment it
+    expires and certifies at once, not a sensor interval later."""
+    # Longer than a tick's own lease wait (runner.lease.HANDOVER_WAIT_SECONDS, 5 s).
+    dead = store.try_acquire_lease("s", "dead", 7.0, started=1.0)
+    assert isinstance(dead, Lease)
+    log = MemoryLog()
+    log.append(10)
+    stream = runner(store, MemorySource(log), MemorySink(), started=2.0)
+    pending = loop.run(stream.tick(0.5))
+    assert pending is not None and pending.lease_wait is not None, pending
+    assert "leased to dead" in pending.lease_wait and "asked to hand the stream over" in pending.lease_wait
+    assert "waiting" in pending.describe() and not store.certificates("s")
+    # No tick: the reader takes the expired lease (fencing the dead holder) and serves the first seal.
+    wait_for("the first certificate", lambda: bool(store.certificates("s")))
+    [certificate] = store.certificates("s")
+    assert (certificate.worker, certificate.row_counts) == ("w1", {"items": 10})
+    assert certificate.fencing_token > dead.fencing_token
+    assert loop.run(stream.tick(10)) is None  # the next tick finds it certified (the sensor reports it)
+    loop.run(stream.close())
+
+
+def test_closing_a_runner_that_waits_for_a_dead_holders_lease_stops_waiting(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    """A process that stops while its reader waits out a dead holder's lease (at exit, a hand-over)
+    stops waiting: it closes without taking the lease, which the dead holder keeps until it expires."""
+    dead = store.try_acquire_lease("s", "dead", 60.0, started=1.0)
+    assert isinstance(dead, Lease)
+    log = MemoryLog()
+    log.append(10)
+    stream = runner(store, MemorySource(log), MemorySink(), started=2.0)
+    pending = loop.run(stream.tick(0.5))
+    assert pending is not None and pending.lease_wait is not None, pending
+    loop.run(stream.close())
+    status = store.status("s")[0]
+    assert status.owner == "dead" and status.fencing_token == dead.fencing_token, status
+    assert not store.certificates("s")

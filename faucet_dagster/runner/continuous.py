@@ -18,10 +18,11 @@ Two ways to drive it, never mixed on one runner:
 * :meth:`run_epoch` / :meth:`run_epochs`: one epoch (or several, within a budget) per call, read in
   the call (workers, benchmarks, tests);
 * :meth:`tick`: under a sensor. The first tick starts a reader task on the runner's event loop that
-  runs epochs back to back, reading into the open epoch *between* ticks; each tick asks for a seal and
-  waits (within its budget) for the epoch to be sealed at its next safe boundary, committed, certified
-  and acknowledged. A tick lasts a seal and a commit, not a read; a source transaction spans as many
-  ticks as it needs (:mod:`.open_epoch`).
+  runs epochs back to back, reading into the open epoch *between* ticks (its first epoch is sealed
+  after one read, for that first tick, even when taking the lease outlasted it); each tick asks for a
+  seal and waits (within its budget) for the epoch to be sealed at its next safe boundary,
+  committed, certified and acknowledged. A tick lasts a seal and a commit, not a read; a source
+  transaction spans as many ticks as it needs (:mod:`.open_epoch`).
 
 Failures and interruptions (:mod:`.sessions` holds the sessions):
 
@@ -105,8 +106,6 @@ HANDOVER_SEAL_SECONDS = 1.5
 """How long a hand-over waits for the open epoch to reach a boundary and be certified before it
 interrupts it (its rows are then read again by the next owner). Well inside the time a newer worker
 waits for the hand-over (``lease.HANDOVER_WAIT_SECONDS``, or its tick's budget if shorter)."""
-LEASE_MARGIN = 0.5
-"""Seconds of a tick kept after the first lease attempt, to report its outcome."""
 
 
 class StreamRunner:
@@ -174,7 +173,6 @@ class StreamRunner:
         self._clock = EpochClock(spec.limits)
         self._reader: asyncio.Task[None] | None = None
         self._reader_failure: BaseException | None = None
-        self._lease_deadline: float | None = None
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
@@ -242,7 +240,12 @@ class StreamRunner:
         are full (a backlog), seal the next ones too. Returns None when done, or what was still
         pending when the budget ended (the reader goes on; a later tick reports the certificate).
 
-        The first tick (and the first after a failure) starts the reader. A failure of the reader is
+        The first tick (and the first after a failure) starts the reader, and its seal request is the
+        reader's first: the reader takes the lease, opens the sessions, reads once and seals, so a new
+        process certifies on its first tick when that fits the budget. A lease held by a worker this
+        one asked to hand over (one killed cannot answer) is waited for beyond the tick, up to the
+        lease's length; the first epoch is then sealed and certified as soon as it is taken, without
+        waiting for the next tick, which reports it. A failure of the reader is
         raised by the next tick, once; the tick after it starts a new reader. The reader stops when
         no tick came for ``stop_after`` seconds (its open epoch is aborted and its lease released).
         The certificates are in the store; the sensor reports them from there.
@@ -251,7 +254,6 @@ class StreamRunner:
         deadline = loop.time() + budget_seconds
         clock = self._clock
         clock.last_tick, clock.stop_after = loop.time(), stop_after
-        self._lease_deadline = deadline - LEASE_MARGIN
         self.cut_short = None
         if self._reader is None or self._reader.done():
             failure, self._reader_failure, self._reader = self._reader_failure, None, None
@@ -268,13 +270,16 @@ class StreamRunner:
                     failure, self._reader_failure = self._reader_failure, None
                     if failure is not None:
                         raise failure
-                    return clock.pending(loop.time())
+                    return self._pending(loop.time())
                 left = deadline - loop.time()
                 if left <= 0:
-                    return clock.pending(loop.time())
+                    return self._pending(loop.time())
                 await clock.wait(left)
             if not clock.full:
                 return None
+
+    def _pending(self, now: float) -> Pending:
+        return replace(self._clock.pending(now), lease_wait=self._lease.waiting)
 
     async def _read_between_ticks(self) -> None:
         """The reader: epochs back to back, each read between ticks until a tick seals it."""
@@ -284,7 +289,7 @@ class StreamRunner:
                 clock.phase = "starting"
                 try:
                     async with self._serialized():
-                        await self._run_epoch(self.spec.limits, self._lease_deadline, clock)
+                        await self._run_epoch(self.spec.limits, None, clock)
                 finally:
                     clock.ended()
         except Exception as exc:  # noqa: BLE001 - handed to the next tick, which raises it
@@ -330,9 +335,11 @@ class StreamRunner:
         started = time.perf_counter()
         sessions = self._sessions
 
-        # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions.
+        # 1. Hold a current lease: its fencing token goes into the epoch id and the sessions. A reader
+        # between ticks waits out a holder it asked to hand over (one killed cannot answer), its tick
+        # reporting the wait; the seal that tick asked for is then served without waiting for another.
         try:
-            lease = await self._lease.hold(deadline)
+            lease = await self._lease.hold(deadline, patient=None if clock is None else clock.going)
         except OwnershipLost as exc:
             await sessions.drop(exc)
             raise

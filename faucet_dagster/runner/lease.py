@@ -6,7 +6,9 @@ dies without releasing it (kill -9) holds the stream up for seconds only. The ke
 hand-over request (a newer worker found the lease live, :meth:`StateStore.try_acquire_lease`) through
 the holder's ``on_handover`` callback, which stops at a certified position and passes the lease on
 (:meth:`StreamLease.release` with ``hand_over``). A worker that
-finds a live lease waits a few seconds for a hand-over it asked for, or for a lease about to expire.
+finds a live lease waits a few seconds for a hand-over it asked for, or for a lease about to expire;
+a reader between sensor ticks waits on a holder it asked for as long as that holder's lease can last
+(a killed holder cannot answer: its lease is taken the moment it expires, not a sensor interval later).
 Fencing tokens only grow, so a holder that lost its lease can neither certify nor acknowledge.
 """
 
@@ -59,20 +61,28 @@ class StreamLease:
         """``time.monotonic()`` before the store last took or renewed the lease for ``ttl`` seconds:
         it lives at least until ``_renewed + ttl`` unless the holder gives it up or an operator
         releases it."""
+        self.waiting: str | None = None
+        """While taking the lease waits on a live one: who holds it, for how long, whether asked."""
 
     @property
     def current(self) -> Lease | None:
         """The lease held, as last renewed (None: not held)."""
         return self._lease
 
-    async def hold(self, deadline: float | None) -> Lease:
+    async def hold(self, deadline: float | None, *, patient: Callable[[], bool] | None = None) -> Lease:
         """The lease, renewed, or newly taken: from a free or expired lease, from a holder that hands
         over, or from one whose lease ends before ``deadline`` (on the loop's clock; at most
-        ``HANDOVER_WAIT_SECONDS`` from now). Starts the keeper. Raises :class:`OwnershipLost`."""
+        ``HANDOVER_WAIT_SECONDS`` from now). While ``patient()`` is true (a reader between ticks,
+        whose tick does not wait for it; false once it is stopped), a holder this worker asked to
+        hand over is waited for as long as the lease it holds can last (its time left, at least
+        ``ttl``), past ``deadline`` and ``HANDOVER_WAIT_SECONDS``, so the lease of a holder that died
+        (it cannot answer) is taken the moment it expires; a holder that was not asked (it started
+        later) is waited for only as without ``patient``. While it waits, :attr:`waiting` says on
+        whom. Starts the keeper. Raises :class:`OwnershipLost`."""
         try:
             if self._lease is None:
                 started = time.monotonic()
-                self._lease = await self._take(deadline)
+                self._lease = await self._take(deadline, patient)
                 self._renewed = started
             else:
                 await self._renew(self._lease)
@@ -122,21 +132,34 @@ class StreamLease:
         if lease is self._lease:
             self._lease, self._renewed = renewed, started
 
-    async def _take(self, deadline: float | None) -> Lease:
+    async def _take(self, deadline: float | None, patient: Callable[[], bool] | None) -> Lease:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + HANDOVER_WAIT_SECONDS
         if deadline is not None:
             give_up = min(give_up, deadline)
-        while True:
-            result = await asyncio.to_thread(
-                self._store.try_acquire_lease, self._stream, self._owner, self._ttl, started=self._started
-            )
-            if isinstance(result, Lease):
-                return result
-            now = loop.time()
-            if not (result.handover_requested or now + result.seconds_left <= give_up) or now >= give_up:
-                raise OwnershipLost(result.describe(), where=self._stream)
-            await asyncio.sleep(min(LEASE_POLL_SECONDS, max(0.0, give_up - now)))
+        asked_give_up: float | None = None
+        try:
+            while True:
+                result = await asyncio.to_thread(
+                    self._store.try_acquire_lease, self._stream, self._owner, self._ttl, started=self._started
+                )
+                if isinstance(result, Lease):
+                    return result
+                now = loop.time()
+                if asked_give_up is None:
+                    # As long as the lease seen first can last (a dead holder renews it no more), and
+                    # one poll more to see it free; a live holder that keeps renewing it and never
+                    # answers is not waited for longer.
+                    longest = max(self._ttl, result.seconds_left) + 2 * LEASE_POLL_SECONDS
+                    asked_give_up = max(give_up, now + longest)
+                waits = result.handover_requested and patient is not None and patient()
+                ends = asked_give_up if waits else give_up
+                if not (result.handover_requested or now + result.seconds_left <= ends) or now >= ends:
+                    raise OwnershipLost(result.describe(), where=self._stream)
+                self.waiting = result.describe()
+                await asyncio.sleep(min(LEASE_POLL_SECONDS, max(0.0, ends - now)))
+        finally:
+            self.waiting = None
 
     async def _keep(self) -> None:
         """Renew every third of the lease while it is held; hand over when a newer worker asks.

@@ -55,9 +55,17 @@ class Pending:
     epoch: EpochId | None
     rows: int
     seconds: float
+    lease_wait: str | None = None
+    """While the reader waits to take the lease: who holds it (``LeaseBusy.describe``)."""
 
     def describe(self) -> str:
         """For people (the tick's skip reason)."""
+        if self.lease_wait is not None:
+            return (
+                f"waiting {self.seconds:.0f}s so far to take the lease: {self.lease_wait}; the first "
+                "epoch is sealed and certified as soon as it is taken (a holder that died cannot hand "
+                "over: its lease expires), and the next tick reports it"
+            )
         if self.phase == "starting" or self.epoch is None:
             return (
                 f"no epoch open yet: taking the lease and opening the sessions ({self.seconds:.1f}s so far); "
@@ -138,6 +146,10 @@ class EpochClock:
         self.epoch, self.pipeline, self.phase = None, None, "starting"
         self.since = asyncio.get_running_loop().time()
         self.changed()
+
+    def going(self) -> bool:
+        """False once the reader is asked to stop."""
+        return not self.stopping
 
     def pending(self, now: float) -> Pending:
         rows = 0 if self.pipeline is None else self.pipeline.rows_read
