@@ -42,6 +42,20 @@ class _Progress:
         self.limits = limits
         self.started = self.last_new = time.monotonic()
         self.bytes = 0
+        self.messages = 0
+        """Messages decoded by the read (change rows, and the transactions' controls around them)."""
+
+    def messages_for(self, rows: int, rows_read: int) -> int:
+        """How many messages to decode for ``rows`` more change rows, at the messages per row seen so
+        far (one before the read has seen rows), with a margin. Small transactions carry more
+        controls than rows (a one-row transaction is three messages): counting messages as rows made a
+        read of small transactions take a dozen server calls, each of which reads the WAL again from
+        the slot's restart point. Overshooting only decodes a few transactions past the read's end."""
+        if rows <= 0:
+            return 1
+        if rows_read <= 0 or self.messages <= rows_read:
+            return rows
+        return int(rows * self.messages / rows_read * 1.1) + 1
 
     def limit_reached(self, rows: int) -> bool:
         limits = self.limits
@@ -154,7 +168,7 @@ class PostgresCdcSession(SlotSession):
         limits = progress.limits
         upto = self.config.changes_per_call
         if limits.records is not None:
-            upto = max(1, min(upto, limits.records - writer.rows))
+            upto = max(1, min(upto, progress.messages_for(limits.records - writer.rows, writer.rows)))
         seen, stopped = 0, False
         try:
             readable = await self._flushed_through(conn)
@@ -171,6 +185,7 @@ class PostgresCdcSession(SlotSession):
                     rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel)
                 ):
                     seen += len(rows)
+                    progress.messages += len(rows)
                     for (data,) in rows:
                         progress.bytes += len(data)
                         message = decode(data)
