@@ -2,7 +2,7 @@
 
 A peer scenario (``peer.*``) is registered only when its virtual environment exists, so ``python -m
 bench`` on a machine without the peer simply does not list it. The environment is named by a variable
-(``SLING_VENV``, ``DLT_VENV``, ``QUIX_VENV``) or defaults to a folder in the repository root
+(``SLING_VENV``, ``DLT_VENV``, ``QUIX_VENV``, ``BYTEWAX_VENV``) or defaults to a folder in the repository root
 (``.venv-sling``...); the peer scripts shipped beside the baselines are in ``$FAUCET_PEER_SCRIPTS``
 (default ``/work/shared/bench``).
 """

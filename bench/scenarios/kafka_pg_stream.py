@@ -32,6 +32,7 @@ from faucet_dagster.state import StateStore
 
 EPOCH_MESSAGES = 50_000
 QUIX_CHILD = ROOT / "bench" / "quix_child.py"
+BYTEWAX_CHILD = ROOT / "bench" / "bytewax_child.py"
 COLUMNS = {"i": "int64", "name": "string", "score": "float64"}
 
 
@@ -96,7 +97,7 @@ def kafka_to_pg_text(ctx: BenchContext) -> Measurement:
     return _run(ctx, "text")
 
 
-# -- peer ----------------------------------------------------------------------------------------------
+# -- peers ---------------------------------------------------------------------------------------------
 
 
 def _quix(ctx: BenchContext, clock: Literal["from_assignment", "from_start"]) -> Measurement:
@@ -118,6 +119,18 @@ def quix_kafka_to_pg_from_start(ctx: BenchContext) -> Measurement:
     return _quix(ctx, "from_start")
 
 
+def bytewax_kafka_to_pg(ctx: BenchContext) -> Measurement:
+    """bytewax (its KafkaSource, a COPY sink per batch) on the same topic into PostgreSQL, from its start."""
+    venv = peer_venv("BYTEWAX_VENV", ".venv-bytewax")
+    assert venv is not None
+    topic, table = data.kafka_source_topic(ctx), ctx.unique("bytewax_pg")
+    command = [str(venv / "bin" / "python"), str(BYTEWAX_CHILD), ctx.kafka_bootstrap, topic, ctx.postgres_url]
+    report = run_peer("bytewax", [*command, table, str(ctx.rows)])
+    return Measurement(int(report["rows"]), float(report["seconds"]), {"clock": "from_start"})
+
+
 if peer_venv("QUIX_VENV", ".venv-quix") is not None:
     scenario("peer.quix_kafka_to_pg", baseline="stream.kafka_to_pg")(quix_kafka_to_pg)
     scenario("peer.quix_kafka_to_pg_from_start", baseline="stream.kafka_to_pg")(quix_kafka_to_pg_from_start)
+if peer_venv("BYTEWAX_VENV", ".venv-bytewax") is not None:
+    scenario("peer.bytewax_kafka_to_pg", baseline="stream.kafka_to_pg")(bytewax_kafka_to_pg)
