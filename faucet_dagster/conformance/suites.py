@@ -8,7 +8,7 @@ runs one check against a fresh setup and cleans the setup up afterwards, whateve
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from faucet_dagster.conformance import bounded, shutdown, streaming
+from faucet_dagster.conformance import bounded, streaming
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import ConformanceFailure, Outcome
 from faucet_dagster.protocol import Role
@@ -125,7 +125,7 @@ CHECKS: tuple[Check, ...] = (
         "shutdown",
         streaming.SHUTDOWN_RULE,
         frozenset({Role.STREAMING_SINK}),
-        shutdown.shutdown_with_outstanding_work,
+        streaming.shutdown_with_outstanding_work,
     ),
     Check(
         "replay_after_commit",

@@ -81,9 +81,7 @@ class StreamLease:
         whom. Starts the keeper. Raises :class:`OwnershipLost`."""
         try:
             if self._lease is None:
-                started = time.monotonic()
                 self._lease = await self._take(deadline, patient)
-                self._renewed = started
             else:
                 await self._renew(self._lease)
         except OwnershipLost:
@@ -140,10 +138,14 @@ class StreamLease:
         asked_give_up: float | None = None
         try:
             while True:
+                # Stamped per attempt: after a long wait on a dead holder, the lease taken lives from
+                # the attempt that took it, not from the start of the wait.
+                attempt = time.monotonic()
                 result = await asyncio.to_thread(
                     self._store.try_acquire_lease, self._stream, self._owner, self._ttl, started=self._started
                 )
                 if isinstance(result, Lease):
+                    self._renewed = attempt
                     return result
                 now = loop.time()
                 if asked_give_up is None:

@@ -3,7 +3,7 @@
 Stream sources (:mod:`.sources`, :mod:`.ownership`): a slow sink, cancellation during a read, a
 partial source transaction, loss of ownership before the acknowledgement, a position whose rows were
 not written, and an unavailable resume position. Streaming sinks (:mod:`.sinks`, and
-:mod:`faucet_dagster.conformance.shutdown`): failed writes, an uncertain commit, misordered lifecycle
+:mod:`.shutdown`): failed writes, an uncertain commit, misordered lifecycle
 calls, shutdown with outstanding work. Both (:mod:`.replay`): the replay after the destination
 commit, before the certificate, which for a sink must match the duplicate handling the connector
 documents (``ConformanceOptions.replay_duplicates``).
@@ -31,6 +31,7 @@ from faucet_dagster.conformance.streaming.common import (
 )
 from faucet_dagster.conformance.streaming.ownership import ownership_lost_before_ack
 from faucet_dagster.conformance.streaming.replay import replay_after_commit
+from faucet_dagster.conformance.streaming.shutdown import shutdown_with_outstanding_work
 from faucet_dagster.conformance.streaming.sinks import (
     close_and_watch,
     close_honestly,
@@ -70,6 +71,7 @@ __all__ = [
     "ownership_lost_before_ack",
     "partial_transaction",
     "replay_after_commit",
+    "shutdown_with_outstanding_work",
     "slow_sink",
     "speculative_acknowledgement",
     "unavailable_position",

@@ -1,6 +1,6 @@
 """The streaming-sink checks (shutdown and replay have modules of their own): failed writes, an
 uncertain commit, misordered lifecycle calls; and the honest close that check 7
-(:mod:`faucet_dagster.conformance.shutdown`) shares.
+(:mod:`.shutdown`) shares.
 """
 
 import asyncio
