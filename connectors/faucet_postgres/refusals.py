@@ -6,11 +6,15 @@ constraint), only the savepoint is rolled back and the batch is bisected, under 
 the refused rows (:func:`faucet_dagster.protocol.bisect_rejections`, as the bounded sink's
 ``write_batch_partial`` does). The other rows stay applied, in their order, in the same transaction:
 they commit with the epoch or not at all.
+
+A session that applies many batches in one transaction passes :class:`Savepoints`: a savepoint whose
+block succeeded is released with the next savepoint's creation, in one round trip, and the first one of
+a transaction is sent with its ``BEGIN``, so a batch costs no savepoint round trip of its own.
 """
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import psycopg
@@ -24,18 +28,27 @@ ApplySlice = Callable[[int, int], Awaitable[int]]
 
 
 async def apply_finding_refusals(
-    conn: "psycopg.AsyncConnection[Any]", count: int, apply: ApplySlice
+    conn: "psycopg.AsyncConnection[Any]",
+    count: int,
+    apply: ApplySlice,
+    *,
+    savepoints: "Savepoints | None" = None,
 ) -> tuple[int, tuple[RejectedRow, ...]]:
-    """Apply rows ``0`` to ``count`` through ``apply`` inside the open transaction of ``conn``; return
-    what ``apply`` reported written and the refused rows (by index, ascending, with SQLSTATE and the
-    server's message). One savepoint when nothing is refused; ``O(k log n)`` with ``k`` refused rows.
-    Any other failure propagates (the transaction is then the caller's to abort)."""
+    """Apply rows ``0`` to ``count`` through ``apply`` inside the open transaction of ``conn`` (or the
+    one it begins); return what ``apply`` reported written and the refused rows (by index, ascending,
+    with SQLSTATE and the server's message). One savepoint when nothing is refused; ``O(k log n)`` with
+    ``k`` refused rows. Any other failure propagates (the transaction is then the caller's to abort).
+    ``savepoints``: the transaction's :class:`Savepoints` (releases deferred); else each savepoint is
+    released when its block ends (:func:`savepoint`)."""
     written = 0
+
+    def enter() -> "AbstractAsyncContextManager[None]":
+        return savepoint(conn) if savepoints is None else savepoints.savepoint(conn)
 
     async def attempt(start: int, stop: int) -> str | None:
         nonlocal written
         try:
-            async with savepoint(conn):
+            async with enter():
                 done = await apply(start, stop)
         except psycopg.Error as exc:
             if is_row_error(exc):
@@ -64,4 +77,47 @@ async def savepoint(conn: "psycopg.AsyncConnection[Any]") -> AsyncIterator[None]
     await conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
 
 
-__all__ = ["ApplySlice", "apply_finding_refusals", "savepoint"]
+class Savepoints:
+    """The savepoints of one connection's transactions, their releases deferred.
+
+    :meth:`savepoint` is :func:`savepoint` without a round trip of its own for the release: a block
+    that succeeded leaves its savepoint in place, and the next savepoint of the same transaction
+    releases it in the statement that creates the new one (``RELEASE a; SAVEPOINT b``, one round
+    trip). A savepoint left in place changes nothing: no one rolls back to it, the statements after
+    it are part of the transaction as before, and the transaction's end ends it (a commit commits
+    it). The first savepoint of a transaction is sent in one pipeline with the ``BEGIN`` psycopg
+    sends for it. Not shared between connections; the transaction's end is seen from the
+    connection's status (idle: nothing left to release).
+    """
+
+    def __init__(self) -> None:
+        self._pending: sql.Identifier | None = None
+
+    def forget(self) -> None:
+        """The transaction ended (committed or rolled back): nothing is left to release."""
+        self._pending = None
+
+    @asynccontextmanager
+    async def savepoint(self, conn: "psycopg.AsyncConnection[Any]") -> AsyncIterator[None]:
+        """A savepoint in the transaction of ``conn`` (begun if none is open): rolled back to when
+        the block raises a server error, left for the next savepoint to release when it succeeds."""
+        name = sql.Identifier(f"faucet_{uuid.uuid4().hex[:12]}")
+        create = sql.SQL("SAVEPOINT {}").format(name)
+        pending, self._pending = self._pending, None
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            async with conn.pipeline():  # with psycopg's BEGIN: one round trip
+                await conn.execute(create)
+        elif pending is not None:
+            await conn.execute(sql.SQL("RELEASE SAVEPOINT {}; {}").format(pending, create))
+        else:
+            await conn.execute(create)
+        try:
+            yield
+        except psycopg.Error:
+            if not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+                await conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
+            raise
+        self._pending = name
+
+
+__all__ = ["ApplySlice", "Savepoints", "apply_finding_refusals", "savepoint"]

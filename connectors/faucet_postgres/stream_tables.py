@@ -39,15 +39,18 @@ class Tables:
         self._where = where
         self.schema = ""
         self._targets: dict[str, Target] = {}
+        self._savepoints = refusals.Savepoints()
 
     def forget(self) -> None:
         """Tables created in a rolled back transaction are gone: the cache is dropped with it."""
         self._targets.clear()
+        self._savepoints.forget()
 
     def new_transaction(self) -> None:
-        """Staging tables are dropped at the end of each transaction."""
+        """Staging tables are dropped at the end of each transaction, and its savepoints with it."""
         for target in self._targets.values():
             target.stage = None
+        self._savepoints.forget()
 
     async def target(
         self,
@@ -169,8 +172,9 @@ class Tables:
     async def write_rows(
         self, conn: Connection, target: Target, records: pa.RecordBatch
     ) -> tuple[int, tuple[RejectedRow, ...]]:
-        """APPEND, UPSERT, VERSIONED_UPSERT: write ``records`` under a savepoint, bisecting down to the
-        rows the server refuses; returns the rows written and the refused ones."""
+        """APPEND, UPSERT, VERSIONED_UPSERT: write ``records`` under a savepoint (released with the next
+        one: :class:`~faucet_postgres.refusals.Savepoints`), bisecting down to the rows the server
+        refuses; returns the rows written and the refused ones."""
         if self._policy is WritePolicy.APPEND:
 
             async def write(start: int, stop: int) -> int:
@@ -184,4 +188,6 @@ class Tables:
             async def write(start: int, stop: int) -> int:
                 return await self._merge(conn, target, records.slice(start, stop - start))
 
-        return await refusals.apply_finding_refusals(conn, records.num_rows, write)
+        return await refusals.apply_finding_refusals(
+            conn, records.num_rows, write, savepoints=self._savepoints
+        )
