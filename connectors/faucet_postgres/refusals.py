@@ -9,7 +9,8 @@ they commit with the epoch or not at all.
 
 A session that applies many batches in one transaction passes :class:`Savepoints`: a savepoint whose
 block succeeded is released with the next savepoint's creation, in one round trip, and the first one of
-a transaction is sent with its ``BEGIN``, so a batch costs no savepoint round trip of its own.
+a transaction is sent with its ``BEGIN``, so a batch costs no savepoint round trip of its own; the
+first can also be prepared ahead, while the session waits for its rows (:meth:`Savepoints.prepare`).
 """
 
 import uuid
@@ -66,7 +67,7 @@ async def savepoint(conn: "psycopg.AsyncConnection[Any]") -> AsyncIterator[None]
     """A savepoint in the open transaction of ``conn``: released when the block ends, rolled back to
     when it raises a server error. Not on cancellation: a COPY cut short leaves the connection busy
     (no statement can be sent), and the caller aborts the whole transaction anyway."""
-    name = sql.Identifier(f"faucet_{uuid.uuid4().hex[:12]}")
+    name = _new_name()
     await conn.execute(sql.SQL("SAVEPOINT {}").format(name))
     try:
         yield
@@ -92,25 +93,54 @@ class Savepoints:
 
     def __init__(self) -> None:
         self._pending: sql.Identifier | None = None
+        self._ready: sql.Identifier | None = None
 
     def forget(self) -> None:
         """The transaction ended (committed or rolled back): nothing is left to release."""
-        self._pending = None
+        self._pending = self._ready = None
+
+    async def prepare(self, conn: "psycopg.AsyncConnection[Any]") -> None:
+        """Create the next savepoint now (with the transaction's ``BEGIN`` if none is open: one round
+        trip), so that :meth:`savepoint` uses it without a round trip, unless :meth:`spoil` was called
+        since. A session calls it while it waits for something else (the source's read)."""
+        name = _new_name()
+        async with conn.pipeline():
+            await conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+        self._ready = name
+
+    def spoil(self) -> None:
+        """Statements are about to run outside any savepoint of :meth:`savepoint`: a prepared one can
+        no longer be rolled back to without undoing them, so it is left for the next one to release."""
+        if self._ready is not None:
+            self._pending, self._ready = self._ready, None
 
     @asynccontextmanager
     async def savepoint(self, conn: "psycopg.AsyncConnection[Any]") -> AsyncIterator[None]:
         """A savepoint in the transaction of ``conn`` (begun if none is open): rolled back to when
         the block raises a server error, left for the next savepoint to release when it succeeds."""
-        name = sql.Identifier(f"faucet_{uuid.uuid4().hex[:12]}")
+        status = conn.info.transaction_status
+        ready, self._ready = self._ready, None
+        if ready is not None and status == psycopg.pq.TransactionStatus.INTRANS:
+            async with self._rolled_back_on_error(conn, ready):
+                yield
+            return
+        name = _new_name()
         create = sql.SQL("SAVEPOINT {}").format(name)
         pending, self._pending = self._pending, None
-        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        if status == psycopg.pq.TransactionStatus.IDLE:
             async with conn.pipeline():  # with psycopg's BEGIN: one round trip
                 await conn.execute(create)
         elif pending is not None:
             await conn.execute(sql.SQL("RELEASE SAVEPOINT {}; {}").format(pending, create))
         else:
             await conn.execute(create)
+        async with self._rolled_back_on_error(conn, name):
+            yield
+
+    @asynccontextmanager
+    async def _rolled_back_on_error(
+        self, conn: "psycopg.AsyncConnection[Any]", name: sql.Identifier
+    ) -> AsyncIterator[None]:
         try:
             yield
         except psycopg.Error:
@@ -118,6 +148,10 @@ class Savepoints:
                 await conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
             raise
         self._pending = name
+
+
+def _new_name() -> sql.Identifier:
+    return sql.Identifier(f"faucet_{uuid.uuid4().hex[:12]}")
 
 
 __all__ = ["ApplySlice", "Savepoints", "apply_finding_refusals", "savepoint"]

@@ -10,11 +10,12 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
   the table (APPEND), or into a temporary staging table merged with ``INSERT ... ON CONFLICT``
   (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row), or
   stages change rows (APPLY_CHANGES) in a temporary table per destination table;
-* a batch is applied under a savepoint (sent with the transaction's BEGIN or with the release of the
-  previous batch's: :class:`~faucet_postgres.refusals.Savepoints`): rows the server refuses (SQLSTATE class 22 or 23) are found
-  by bisection (:mod:`faucet_postgres.refusals`) and either reported (``apply_partial``: the pipeline
-  dead-letters them, the others stay applied) or named in a DataError by their event identity
-  (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
+* a batch is applied under a savepoint (the first prepared while the source reads, with the
+  transaction's BEGIN; the next ones sent with the release of the previous one:
+  :class:`~faucet_postgres.refusals.Savepoints`): rows the server refuses (SQLSTATE class 22 or 23)
+  are found by bisection (:mod:`faucet_postgres.refusals`) and either reported (``apply_partial``:
+  the pipeline dead-letters them, the others stay applied) or named in a DataError by their event
+  identity (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
   over the stage's keys and named by its position, key and constraint, never dead-lettered;
 * ``commit_epoch`` checks the owner fence first (the stream's row in the epochs table: the commit
   fails with :class:`OwnershipLost` if a higher fencing token claimed the stream, or if the row's
@@ -44,6 +45,7 @@ sets, what a lock wait that timed out means) are described with their code,
 :mod:`faucet_postgres.stream_zombies`.
 """
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -105,7 +107,9 @@ def _answered(exc: psycopg.Error, conn: Connection) -> bool:
     """Whether the server's answer to a commit shows that nothing of it took effect: an error answered
     on a live connection (the statement and everything after it, the COMMIT included, did not run),
     or the end of a transaction that sat idle too long (the server ended it before reading more)."""
-    return bool(exc.sqlstate) and (not conn.broken or exc.sqlstate == stream_zombies.IDLE_IN_TRANSACTION_TIMEOUT)
+    return bool(exc.sqlstate) and (
+        not conn.broken or exc.sqlstate == stream_zombies.IDLE_IN_TRANSACTION_TIMEOUT
+    )
 
 
 def _first(row: tuple[Any, ...] | None) -> str:
@@ -206,6 +210,8 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._changes = ChangeApplier(key, self._where, self._tables, self._failure)
         self._used = time.monotonic()
         """When the session's last call (begin or apply) ended."""
+        self._preparing: asyncio.Future[None] | None = None
+        """The first savepoint of the active epoch, created while the source reads (:meth:`_prepared`)."""
         self._committed: Committed | None = None
         """The committed state as of this session's last commit (None: read at the next begin)."""
         self._active: Epoch | None = None
@@ -328,6 +334,9 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             committed = self._committed = Committed.from_rows(rows)
         self._active = Epoch(epoch, committed)
         self._tables.new_transaction()
+        if self._policy is not WritePolicy.APPLY_CHANGES:
+            # The first batch's savepoint (and the transaction's BEGIN) while the source reads.
+            self._preparing = asyncio.ensure_future(self._tables.prepare(conn))
         self._used = time.monotonic()
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
@@ -365,6 +374,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn = self._live()
         refused: tuple[RejectedRow, ...] = ()
         try:
+            await self._prepared()
             if self._policy is WritePolicy.APPLY_CHANGES:
                 target, written = await self._changes.stage(
                     conn, state, table, batch.domain, records, identities
@@ -409,6 +419,11 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
         conn = self._live()
+        try:
+            await self._prepared()
+        except psycopg.Error as exc:
+            state.failed = True
+            raise await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
         commit_id = uuid.uuid4().hex
         marks = state.next_watermarks(coverage)
         # Until this commit is known to have taken effect, the next epoch reads the state again.
@@ -416,7 +431,8 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         fence = (
             sql.SQL(
                 "WITH fence AS (UPDATE {} SET fencing_token = %(token)s, epoch_sequence = %(sequence)s, "
-                "epoch_fencing_token = %(token)s, commit_id = %(commit)s::text || ':' || pg_current_xact_id()::text, "
+                "epoch_fencing_token = %(token)s, "
+                "commit_id = %(commit)s::text || ':' || pg_current_xact_id()::text, "
                 "committed_at = now() WHERE stream = %(stream)s AND fencing_token <= %(token)s "
                 "AND commit_id IS NOT DISTINCT FROM %(begun)s RETURNING commit_id) "
                 "SELECT CASE WHEN count(*) = 1 THEN max(commit_id) ELSE current_setting(%(refusal)s) END "
@@ -438,8 +454,8 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             # like divergence). An epoch idle long enough for the server to have ended its session:
             # the server's reason is read as the answer to one statement (a pipeline loses it).
             try:
-                cursor = await conn.execute(*fence)
-                fenced = _first(await cursor.fetchone())
+                alone = await conn.execute(*fence)
+                fenced = _first(await alone.fetchone())
                 await self._changes.apply_all(conn, state)
             except psycopg.Error as exc:
                 state.failed = True
@@ -548,6 +564,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         """Roll the epoch's transaction back: none of its rows, watermarks or epoch row remain."""
         self._active_epoch(epoch, "abort")
         self._active = None
+        await self._prepared(quietly=True)
         await self._rollback_quietly()
 
     async def close_session(self) -> None:
@@ -560,6 +577,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if self._closed:
             return
         try:
+            await self._prepared(quietly=True)
             if self._uncertain is not None:
                 await self._resolve(cause=None)
             await self._rollback_quietly()
@@ -589,6 +607,25 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if state.epoch != epoch:
             raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self._where)
         return state
+
+    async def _prepared(self, *, quietly: bool = False) -> None:
+        """Wait for the savepoint begin_epoch prepares (before any other statement of the epoch); its
+        failure is raised (``quietly``: dropped, the epoch being rolled back anyway). Shielded: a
+        caller cancelled meanwhile leaves it to finish, for the abort to wait for."""
+        task = self._preparing
+        if task is None:
+            return
+        if quietly:
+            await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved, and dropped
+            self._preparing = None
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._preparing = None
 
     def _idle_long(self) -> bool:
         """Whether the connection sat idle, since the session's last call, for half the server's

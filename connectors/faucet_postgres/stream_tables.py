@@ -52,6 +52,11 @@ class Tables:
             target.stage = None
         self._savepoints.forget()
 
+    async def prepare(self, conn: Connection) -> None:
+        """Create the next batch's savepoint ahead (beginning the transaction if none is open):
+        :meth:`~faucet_postgres.refusals.Savepoints.prepare`."""
+        await self._savepoints.prepare(conn)
+
     async def target(
         self,
         conn: Connection,
@@ -67,6 +72,7 @@ class Tables:
         through :mod:`faucet_postgres.change_schema`."""
         target = self._targets.get(table)
         if target is None or not set(schema.names) <= set(target.columns):
+            self._savepoints.spoil()
             where = f"{self._where} table {table}"
             columns = await table_columns(conn, self.schema, table)
             from_changes = False
@@ -120,6 +126,7 @@ class Tables:
         """The epoch's staging table of ``target`` (created outside any savepoint, so a refused
         slice rolled back to its savepoint leaves it in place)."""
         if target.stage is None:
+            self._savepoints.spoil()
             target.stage = sql.Identifier(f"_faucet_stage_{uuid.uuid4().hex[:12]}")
             await conn.execute(
                 sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA").format(

@@ -400,7 +400,7 @@ def test_refused_rows_in_one_batch_of_many_leave_the_other_batches_applied(postg
             failing = epoch(2)
             await session.begin_epoch(failing)
             await session.apply(failing, batch(failing, rows([24]), [24]))
-            with pytest.raises(DataError, match="@ .*26"):  # named by its position
+            with pytest.raises(DataError, match=r"@ .*26"):  # named by its position
                 await session.apply(failing, batch(failing, rows([25, 13]), [25, 26]))
             await session.abort_epoch(failing)
             await commit_one(session, epoch(2), [24, 25], 23, 25)
