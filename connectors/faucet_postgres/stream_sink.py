@@ -535,7 +535,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if not (exc.sqlstate == _UNDEFINED_OBJECT and _FENCED in (exc.diag.message_primary or "")):
             return await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}")
         await self._rollback_quietly()
-        holder = "another session"
+        found: int | None = None
         conn = self._conn
         if conn is not None and not conn.broken and not conn.closed:
             try:
@@ -545,20 +545,20 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 )
                 row = await cursor.fetchone()
                 await conn.rollback()
+                found = None if row is None else int(row[0])
             except psycopg.Error:
-                row = None
                 await self._rollback_quietly()
-            if row is None:
-                holder = "nothing (the stream's epochs row is gone)"
-            elif int(row[0]) > epoch.fencing_token:
-                holder = f"fencing token {row[0]}"
-            else:
-                holder = f"fencing token {row[0]}, which committed after this session last read the stream"
-        return OwnershipLost(
-            f"the stream's owner fence at the destination is held by {holder}, not by fencing token "
-            f"{epoch.fencing_token}: epoch {epoch} was rolled back",
-            where=self._where,
-        )
+        token = epoch.fencing_token
+        if found is not None and found > token:
+            why = f"a fencing token above {token} claimed the stream: fencing token {found} holds its fence"
+        elif found is not None:
+            why = (
+                f"another session claimed the stream: fencing token {found} committed after this session "
+                "last read it"
+            )
+        else:
+            why = "the stream's owner fence at the destination could not be read, or is gone"
+        return OwnershipLost(f"{why}; epoch {epoch} was rolled back", where=self._where)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Roll the epoch's transaction back: none of its rows, watermarks or epoch row remain."""
