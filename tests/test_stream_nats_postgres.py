@@ -527,8 +527,10 @@ def test_a_tick_skips_while_another_worker_holds_the_lease_and_fails_on_an_uncer
     assert not [event for event in data.asset_events if isinstance(event, dg.AssetMaterialization)]
     assert "waiting on a lease another worker holds" in str(data.skip_message)
     assert env.ids() == []
-    env.store.release_lease(held)
+    # Marked before the holder lets go: the first tick's reader may still wait for this lease in the
+    # background, and must find the stream uncertain, not free, the moment it is released.
     env.store.mark_uncertain(env.stream, "the previous worker's close timed out")
+    env.store.release_lease(held)
     with pytest.raises(Exception, match="faucet streams release"):
         sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
     env.store.release(env.stream)

@@ -2,23 +2,33 @@
 
 Epoch lifecycle on one connection (psycopg 3, asyncio):
 
-* ``begin_epoch`` starts the transaction and reads the stream's per-domain watermarks in it;
+* ``begin_epoch`` takes the stream's per-domain watermarks as the session's last commit left them
+  (:class:`~faucet_postgres.stream_state.Committed`); the first epoch of a session (and the first
+  after a failed or uncertain commit) reads them, starting the transaction. Otherwise the
+  transaction begins with the epoch's first statement;
 * ``apply`` drops the rows at or below their domain's watermark (a replay), then COPYs the rest into
   the table (APPEND), or into a temporary staging table merged with ``INSERT ... ON CONFLICT``
   (UPSERT: the last row per key wins; VERSIONED_UPSERT: only a newer version replaces a row), or
   stages change rows (APPLY_CHANGES) in a temporary table per destination table;
-* a batch is applied under a savepoint: rows the server refuses (SQLSTATE class 22 or 23) are found
-  by bisection (:mod:`faucet_postgres.refusals`) and either reported (``apply_partial``: the pipeline
-  dead-letters them, the others stay applied) or named in a DataError by their event identity
-  (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
+* a batch is applied under a savepoint (the first prepared while the source reads, with the
+  transaction's BEGIN; the next ones sent with the release of the previous one:
+  :class:`~faucet_postgres.refusals.Savepoints`): rows the server refuses (SQLSTATE class 22 or 23)
+  are found by bisection (:mod:`faucet_postgres.refusals`) and either reported (``apply_partial``:
+  the pipeline dead-letters them, the others stay applied) or named in a DataError by their event
+  identity (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
   over the stage's keys and named by its position, key and constraint, never dead-lettered;
 * ``commit_epoch`` checks the owner fence first (the stream's row in the epochs table: the commit
-  fails with :class:`OwnershipLost` if a higher fencing token claimed the stream), then applies the
-  staged changes (APPLY_CHANGES, :mod:`faucet_postgres.stream_changes`), records the epoch and moves
-  the watermarks, all in the same transaction,
-  then commits. A commit whose answer is lost (the connection dropped) is resolved: the old backend is
-  made to exit (``pg_terminate_backend``) so its transaction can no longer finish, and the epoch row is
-  read back, compared by a random commit id. Unresolvable means :class:`UncertainOutcome`;
+  fails with :class:`OwnershipLost` if a higher fencing token claimed the stream, or if the row's
+  commit id is no longer the one the epoch's watermarks came with: another session committed
+  since), then applies the staged changes (APPLY_CHANGES, :mod:`faucet_postgres.stream_changes`),
+  records the epoch and moves the watermarks, all in the same transaction, then commits. Fence,
+  watermarks and ``COMMIT`` go in one pipeline, one round trip: the fence refuses by raising an
+  error in its own statement, so the ``COMMIT`` behind it is never executed (APPLY_CHANGES with
+  staged changes waits for the fence's answer before it applies them). A commit whose answer is lost
+  (the connection dropped) is resolved: the old backend is made to exit (``pg_terminate_backend``)
+  so its transaction can no longer finish, and the epoch row is read back, compared by a random
+  commit id (stored with the transaction id, for the receipts). Unresolvable means
+  :class:`UncertainOutcome`;
 * ``abort_epoch`` rolls back. Everything of an epoch is tentative until its commit: abort undoes all
   of it, and nothing of earlier committed epochs.
 
@@ -35,6 +45,8 @@ sets, what a lock wait that timed out means) are described with their code,
 :mod:`faucet_postgres.stream_zombies`.
 """
 
+import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -73,7 +85,7 @@ from faucet_postgres import changes, stream_zombies
 from faucet_postgres.common import connect, current_schema, pg_error, table_name
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_changes import ChangeApplier
-from faucet_postgres.stream_state import Epoch, Tally
+from faucet_postgres.stream_state import Committed, Epoch, Tally
 from faucet_postgres.stream_tables import Tables
 from faucet_postgres.stream_zombies import Backend, backend_of, ensure_exited
 
@@ -85,6 +97,24 @@ POLICIES = frozenset(
     {WritePolicy.APPEND, WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.APPLY_CHANGES}
 )
 _STATE_LOCK = 0x66617563  # an advisory lock id ("fauc"), held while the state tables are created
+_FENCED = "faucet: the owner fence or the epochs row moved"
+"""The commit's fence refuses by asking for this run-time parameter, which does not exist (an error in
+the statement itself, so the COMMIT sent after it in the same round trip is not executed)."""
+_UNDEFINED_OBJECT = "42704"
+
+
+def _answered(exc: psycopg.Error, conn: Connection) -> bool:
+    """Whether the server's answer to a commit shows that nothing of it took effect: an error answered
+    on a live connection (the statement and everything after it, the COMMIT included, did not run),
+    or the end of a transaction that sat idle too long (the server ended it before reading more)."""
+    return bool(exc.sqlstate) and (
+        not conn.broken or exc.sqlstate == stream_zombies.IDLE_IN_TRANSACTION_TIMEOUT
+    )
+
+
+def _first(row: tuple[Any, ...] | None) -> str:
+    assert row is not None  # an aggregate returns one row
+    return str(row[0])
 
 
 def _capabilities(config: PostgresStreamingSinkConfig) -> SinkCapabilities:
@@ -178,6 +208,12 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._backend: Backend | None = None
         self._tables = Tables(sink.config, policy, key, self._where)
         self._changes = ChangeApplier(key, self._where, self._tables, self._failure)
+        self._used = time.monotonic()
+        """When the session's last call (begin or apply) ended."""
+        self._preparing: asyncio.Future[None] | None = None
+        """The first savepoint of the active epoch, created while the source reads (:meth:`_prepared`)."""
+        self._committed: Committed | None = None
+        """The committed state as of this session's last commit (None: read at the next begin)."""
         self._active: Epoch | None = None
         self._uncertain: Epoch | None = None
         self._pending_commit: str | None = None
@@ -267,7 +303,10 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
     # -- the epoch lifecycle ----------------------------------------------------------------------
 
     async def begin_epoch(self, epoch: EpochId) -> None:
-        """Open the epoch's transaction and read the watermarks its replayed rows are judged by."""
+        """Begin the epoch with the watermarks its replayed rows are judged by: the ones this session's
+        last commit wrote, or, first (and after a failed or uncertain commit, or a new connection),
+        read in the epoch's transaction, which is then open. Otherwise no statement is sent: the
+        transaction begins with the epoch's first write (or its commit)."""
         self._check_usable()
         if self._active is not None:
             raise LifecycleError(f"epoch {self._active.epoch} is still active", where=self._where)
@@ -278,26 +317,27 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 where=self._where,
             )
         conn = await self._reconnect_if_broken()
-        try:
-            cursor = await conn.execute(
-                sql.SQL(
-                    "SELECT source, resource, partition, incarnation, codec, position FROM {} "
-                    "WHERE stream = %s"
-                ).format(self._watermarks),
-                (self._stream,),
-            )
-            rows = await cursor.fetchall()
-        except psycopg.Error as exc:
-            await self._rollback_quietly()
-            raise pg_error(exc, where=self._where, doing=f"beginning epoch {epoch}") from exc
-        watermarks = {
-            (source, resource, partition): Position(
-                OrderingDomain(source, resource, partition, incarnation, codec), position
-            )
-            for source, resource, partition, incarnation, codec, position in rows
-        }
-        self._active = Epoch(epoch, watermarks)
+        committed = self._committed
+        if committed is None:
+            try:
+                cursor = await conn.execute(
+                    sql.SQL(
+                        "SELECT e.commit_id, w.source, w.resource, w.partition, w.incarnation, w.codec, "
+                        "w.position FROM {} e LEFT JOIN {} w ON w.stream = e.stream WHERE e.stream = %s"
+                    ).format(self._epochs, self._watermarks),
+                    (self._stream,),
+                )
+                rows = await cursor.fetchall()
+            except psycopg.Error as exc:
+                await self._rollback_quietly()
+                raise pg_error(exc, where=self._where, doing=f"beginning epoch {epoch}") from exc
+            committed = self._committed = Committed.from_rows(rows)
+        self._active = Epoch(epoch, committed)
         self._tables.new_transaction()
+        if self._policy is not WritePolicy.APPLY_CHANGES:
+            # The first batch's savepoint (and the transaction's BEGIN) while the source reads.
+            self._preparing = asyncio.ensure_future(self._tables.prepare(conn))
+        self._used = time.monotonic()
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         """Write ``batch``'s rows above their domain's watermark into its table (APPLY_CHANGES: into
@@ -313,6 +353,12 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         return await self._apply(epoch, batch, partial=True)
 
     async def _apply(self, epoch: EpochId, batch: SinkBatch, *, partial: bool) -> PartialResult:
+        try:
+            return await self._apply_batch(epoch, batch, partial=partial)
+        finally:
+            self._used = time.monotonic()
+
+    async def _apply_batch(self, epoch: EpochId, batch: SinkBatch, *, partial: bool) -> PartialResult:
         state = self._active_epoch(epoch, "apply")
         if batch.epoch != epoch:
             raise EpochMismatch(f"a batch of epoch {batch.epoch} was applied in {epoch}", where=self._where)
@@ -328,6 +374,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn = self._live()
         refused: tuple[RejectedRow, ...] = ()
         try:
+            await self._prepared()
             if self._policy is WritePolicy.APPLY_CHANGES:
                 target, written = await self._changes.stage(
                     conn, state, table, batch.domain, records, identities
@@ -365,46 +412,66 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         )
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
-        """Fence check, epoch row, watermarks and rows in one transaction; see the module docstring."""
+        """Fence check, epoch row, watermarks and rows in one transaction, committed in the same round
+        trip (APPLY_CHANGES with staged changes: the fence first, then the changes, then the rest);
+        see the module docstring."""
         state = self._active_epoch(epoch, "commit")
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
         conn = self._live()
+        try:
+            await self._prepared()
+        except psycopg.Error as exc:
+            state.failed = True
+            raise await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
         commit_id = uuid.uuid4().hex
         marks = state.next_watermarks(coverage)
-        try:
-            cursor = await conn.execute(
-                sql.SQL(
-                    "UPDATE {} SET fencing_token = %(token)s, epoch_sequence = %(sequence)s, "
-                    "epoch_fencing_token = %(token)s, commit_id = %(commit)s, committed_at = now() "
-                    "WHERE stream = %(stream)s AND fencing_token <= %(token)s "
-                    "RETURNING pg_current_xact_id()::text"
-                ).format(self._epochs),
-                {
-                    "token": epoch.fencing_token,
-                    "sequence": epoch.sequence,
-                    "commit": commit_id,
-                    "stream": self._stream,
-                },
-            )
-            fenced = await cursor.fetchone()
-            if fenced is None:
+        # Until this commit is known to have taken effect, the next epoch reads the state again.
+        self._committed = None
+        fence = (
+            sql.SQL(
+                "WITH fence AS (UPDATE {} SET fencing_token = %(token)s, epoch_sequence = %(sequence)s, "
+                "epoch_fencing_token = %(token)s, "
+                "commit_id = %(commit)s::text || ':' || pg_current_xact_id()::text, "
+                "committed_at = now() WHERE stream = %(stream)s AND fencing_token <= %(token)s "
+                "AND commit_id IS NOT DISTINCT FROM %(begun)s RETURNING commit_id) "
+                "SELECT CASE WHEN count(*) = 1 THEN max(commit_id) ELSE current_setting(%(refusal)s) END "
+                "FROM fence"
+            ).format(self._epochs),
+            {
+                "token": epoch.fencing_token,
+                "sequence": epoch.sequence,
+                "commit": commit_id,
+                "stream": self._stream,
+                "begun": state.begun.commit_id,
+                "refusal": _FENCED,
+            },
+        )
+        fenced: str | None = None
+        if state.changes or self._idle_long():
+            # The fence on its own first. APPLY_CHANGES: after the fence, a zombie's epoch is refused
+            # as fenced, never judged against rows its successor already applied (which would look
+            # like divergence). An epoch idle long enough for the server to have ended its session:
+            # the server's reason is read as the answer to one statement (a pipeline loses it).
+            try:
+                alone = await conn.execute(*fence)
+                fenced = _first(await alone.fetchone())
+                await self._changes.apply_all(conn, state)
+            except psycopg.Error as exc:
                 state.failed = True
-                await self._rollback_quietly()
-                raise OwnershipLost(
-                    f"a fencing token above {epoch.fencing_token} claimed the stream: epoch {epoch} "
-                    "was rolled back",
-                    where=self._where,
-                )
-            # After the fence: a zombie's epoch is refused as fenced, never judged against rows its
-            # successor already applied (which would look like divergence).
-            await self._changes.apply_all(conn, state)
-            if marks:
-                async with conn.cursor() as many:
+                raise await self._commit_refused(exc, epoch) from exc
+        self._pending_commit = commit_id
+        refused: psycopg.Error | None = None
+        try:
+            async with conn.pipeline():
+                cursor = None if fenced is not None else await conn.execute(*fence)
+                if marks:
+                    # Not closed before the pipeline's sync, which hands it its (empty) results.
+                    many = conn.cursor()
                     await many.executemany(
                         sql.SQL(
-                            "INSERT INTO {} AS w (stream, source, resource, partition, incarnation, codec, "
-                            "position, epoch_sequence) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+                            "INSERT INTO {} AS w (stream, source, resource, partition, incarnation, "
+                            "codec, position, epoch_sequence) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
                             "ON CONFLICT (stream, source, resource, partition) DO UPDATE SET "
                             "incarnation = EXCLUDED.incarnation, codec = EXCLUDED.codec, "
                             "position = EXCLUDED.position, epoch_sequence = EXCLUDED.epoch_sequence"
@@ -421,40 +488,83 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                             for mark in marks
                         ],
                     )
-        except psycopg.Error as exc:
-            state.failed = True
-            raise await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
-        receipts = self._receipts(state, transaction=str(fenced[0]))
-        self._pending_commit = commit_id
-        try:
-            await conn.commit()
+                # The COMMIT syncs the pipeline: one round trip. A statement refused before it leaves
+                # it unexecuted (the transaction in error). Raised after the block, which then ends
+                # quietly.
+                try:
+                    await conn.commit()
+                except psycopg.Error as exc:
+                    if not _answered(exc, conn):
+                        raise
+                    refused = exc
+            if refused is not None:
+                raise refused
+            if cursor is not None:
+                fenced = _first(await cursor.fetchone())
         except BaseException as exc:
-            if isinstance(exc, psycopg.Error) and exc.sqlstate and not conn.broken:
-                # The server answered: the transaction was rolled back (a deferred constraint, a
-                # serialization failure). Nothing of the epoch remains.
+            if isinstance(exc, psycopg.Error) and _answered(exc, conn):
+                # The server answered: a statement was refused (the fence, a deferred constraint, a
+                # serialization failure) and the transaction rolled back or is in error, or the
+                # server had ended the idle transaction before any of it ran. Nothing of the epoch
+                # remains.
                 self._pending_commit = None
                 state.failed = True
-                raise pg_error(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
+                raise await self._commit_refused(exc, epoch) from exc
             # No answer (connection lost, or the caller gave up waiting): the epoch may have committed.
             self._uncertain = state
             if not isinstance(exc, psycopg.Error):
                 raise
             committed = await self._resolve(cause=exc)
-            if not committed:
+            if committed is None:
                 state.failed = True
                 raise ConnectionFailed(
                     f"the connection was lost during the commit of epoch {epoch}, which did not take "
                     "effect (read back after its server process exited)",
                     where=self._where,
                 ) from exc
+            fenced = committed
+        assert fenced is not None
         self._pending_commit = None
         self._active = None
-        return receipts
+        self._committed = state.begun.after(marks, fenced)
+        return self._receipts(state, transaction=fenced.partition(":")[2])
+
+    async def _commit_refused(self, exc: psycopg.Error, epoch: EpochId) -> FaucetError:
+        """The error for a commit the server refused (the epoch is failed; its transaction is rolled
+        back here): OwnershipLost when it was the fence, naming the token that holds the stream."""
+        if not (exc.sqlstate == _UNDEFINED_OBJECT and _FENCED in (exc.diag.message_primary or "")):
+            return await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}")
+        await self._rollback_quietly()
+        found: int | None = None
+        conn = self._conn
+        if conn is not None and not conn.broken and not conn.closed:
+            try:
+                cursor = await conn.execute(
+                    sql.SQL("SELECT fencing_token FROM {} WHERE stream = %s").format(self._epochs),
+                    (self._stream,),
+                )
+                row = await cursor.fetchone()
+                await conn.rollback()
+                found = None if row is None else int(row[0])
+            except psycopg.Error:
+                await self._rollback_quietly()
+        token = epoch.fencing_token
+        if found is not None and found > token:
+            why = f"a fencing token above {token} claimed the stream: fencing token {found} holds its fence"
+        elif found is not None:
+            why = (
+                f"another session claimed the stream: fencing token {found} committed after this session "
+                "last read it"
+            )
+        else:
+            why = "the stream's owner fence at the destination could not be read, or is gone"
+        return OwnershipLost(f"{why}; epoch {epoch} was rolled back", where=self._where)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Roll the epoch's transaction back: none of its rows, watermarks or epoch row remain."""
         self._active_epoch(epoch, "abort")
         self._active = None
+        await self._prepared(quietly=True)
         await self._rollback_quietly()
 
     async def close_session(self) -> None:
@@ -467,12 +577,14 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if self._closed:
             return
         try:
+            await self._prepared(quietly=True)
             if self._uncertain is not None:
                 await self._resolve(cause=None)
             await self._rollback_quietly()
         finally:
             self._closed = True
             self._active = None
+            self._committed = None
             conn, self._conn = self._conn, None
             if conn is not None:
                 await conn.close()
@@ -496,6 +608,31 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self._where)
         return state
 
+    async def _prepared(self, *, quietly: bool = False) -> None:
+        """Wait for the savepoint begin_epoch prepares (before any other statement of the epoch); its
+        failure is raised (``quietly``: dropped, the epoch being rolled back anyway). Shielded: a
+        caller cancelled meanwhile leaves it to finish, for the abort to wait for."""
+        task = self._preparing
+        if task is None:
+            return
+        if quietly:
+            await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved, and dropped
+            self._preparing = None
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._preparing = None
+
+    def _idle_long(self) -> bool:
+        """Whether the connection sat idle, since the session's last call, for half the server's
+        ``idle_in_transaction_session_timeout`` or more (0: no timeout)."""
+        timeout = self._config.idle_in_transaction_session_timeout
+        return timeout > 0 and time.monotonic() - self._used >= timeout / 2
+
     def _live(self) -> Connection:
         if self._conn is None:
             raise LifecycleError("the session is closed", where=self._where)
@@ -514,6 +651,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if conn is not None and not conn.broken and not conn.closed:
             return conn
         self._conn = None
+        self._committed = None
         if conn is not None:
             await conn.close()
         conn = await self._connection(autocommit=False)
@@ -560,10 +698,10 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             receipts.append(Receipt(resource, tally.written, tally.skipped, details))
         return tuple(receipts)
 
-    async def _resolve(self, *, cause: BaseException | None) -> bool:
+    async def _resolve(self, *, cause: BaseException | None) -> str | None:
         """Decide a commit whose answer was lost: wait for (or force) the exit of the server process
-        that ran it, then read the epoch row back. True: it committed. Raises UncertainOutcome when
-        that cannot be established."""
+        that ran it, then read the epoch row back. Its stored commit id (``<id>:<transaction>``) when
+        it committed, else None. Raises UncertainOutcome when that cannot be established."""
         state, commit_id = self._uncertain, self._pending_commit
         assert state is not None and commit_id is not None
         try:
@@ -582,12 +720,15 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             ) from (cause or exc)
         self._uncertain = None
         self._pending_commit = None
+        self._committed = None
         # The old connection is gone either way; the next epoch opens a new one.
         self._tables.forget()
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
-        return found is not None and found[1] == commit_id
+        if found is None or found[1].partition(":")[0] != commit_id:
+            return None
+        return found[1]
 
 
 __all__ = [

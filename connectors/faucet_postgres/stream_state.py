@@ -1,10 +1,13 @@
 """What a PostgreSQL streaming sink session (:mod:`faucet_postgres.stream_sink`) knows between
-calls: the destination tables it has seen (:class:`Target`) and the active epoch (:class:`Epoch`: the
-watermarks read at its begin, which judge replayed rows and the watermarks its commit writes; a
-:class:`Tally` per resource; the :class:`PendingChanges` APPLY_CHANGES staged per table).
+calls: the destination tables it has seen (:class:`Target`), the stream's committed state as of its
+last commit (:class:`Committed`), and the active epoch (:class:`Epoch`: the watermarks it began with,
+which judge replayed rows and the watermarks its commit writes; a :class:`Tally` per resource; the
+:class:`PendingChanges` APPLY_CHANGES staged per table).
 """
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -72,16 +75,55 @@ class PendingChanges:
     """The highest position staged."""
 
 
+Lineage = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The stream's committed state at the destination as a session knows it: the watermarks (by
+    domain lineage) and the epochs row's ``commit_id`` (None: no epoch committed yet).
+
+    Read once (:meth:`from_rows`), then carried from commit to commit (:meth:`after`): only a commit
+    changes the watermarks, always together with the ``commit_id``, and each commit writes only if
+    the ``commit_id`` is still the one its watermarks came with, so a commit never judged its rows by
+    watermarks that had moved (:mod:`faucet_postgres.stream_sink`).
+    """
+
+    watermarks: Mapping[Lineage, Position]
+    commit_id: str | None
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[tuple[Any, ...]]) -> "Committed":
+        """From ``(commit_id, source, resource, partition, incarnation, codec, position)`` rows: the
+        epochs row left-joined with the stream's watermarks (no row: nothing committed)."""
+        commit_id: str | None = None
+        watermarks: dict[Lineage, Position] = {}
+        for found, source, resource, partition, incarnation, codec, position in rows:
+            commit_id = None if found is None else str(found)
+            if source is not None:
+                domain = OrderingDomain(source, resource, partition, incarnation, codec)
+                watermarks[domain.lineage] = Position(domain, position)
+        return cls(watermarks, commit_id)
+
+    def after(self, marks: Iterable[Position], commit_id: str) -> "Committed":
+        """The state once a commit that wrote ``marks`` under ``commit_id`` took effect."""
+        return Committed({**self.watermarks, **{mark.domain.lineage: mark for mark in marks}}, commit_id)
+
+
 @dataclass
 class Epoch:
-    """The active epoch: its watermarks at begin (by domain lineage), its tallies, its staged changes
-    (by table)."""
+    """The active epoch: the committed state it began with (its watermarks, by domain lineage, and
+    the ``commit_id`` its commit expects to replace), its tallies, its staged changes (by table)."""
 
     epoch: EpochId
-    watermarks: dict[tuple[str, str, str], Position]
+    begun: Committed
     tallies: dict[str, Tally] = field(default_factory=dict)
     changes: dict[str, PendingChanges] = field(default_factory=dict)
     failed: bool = False
+
+    @property
+    def watermarks(self) -> Mapping[Lineage, Position]:
+        return self.begun.watermarks
 
     def above_watermark(
         self, batch: SinkBatch, where: str

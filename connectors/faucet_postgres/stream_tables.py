@@ -39,15 +39,23 @@ class Tables:
         self._where = where
         self.schema = ""
         self._targets: dict[str, Target] = {}
+        self._savepoints = refusals.Savepoints()
 
     def forget(self) -> None:
         """Tables created in a rolled back transaction are gone: the cache is dropped with it."""
         self._targets.clear()
+        self._savepoints.forget()
 
     def new_transaction(self) -> None:
-        """Staging tables are dropped at the end of each transaction."""
+        """Staging tables are dropped at the end of each transaction, and its savepoints with it."""
         for target in self._targets.values():
             target.stage = None
+        self._savepoints.forget()
+
+    async def prepare(self, conn: Connection) -> None:
+        """Create the next batch's savepoint ahead (beginning the transaction if none is open):
+        :meth:`~faucet_postgres.refusals.Savepoints.prepare`."""
+        await self._savepoints.prepare(conn)
 
     async def target(
         self,
@@ -64,6 +72,7 @@ class Tables:
         through :mod:`faucet_postgres.change_schema`."""
         target = self._targets.get(table)
         if target is None or not set(schema.names) <= set(target.columns):
+            self._savepoints.spoil()
             where = f"{self._where} table {table}"
             columns = await table_columns(conn, self.schema, table)
             from_changes = False
@@ -117,6 +126,7 @@ class Tables:
         """The epoch's staging table of ``target`` (created outside any savepoint, so a refused
         slice rolled back to its savepoint leaves it in place)."""
         if target.stage is None:
+            self._savepoints.spoil()
             target.stage = sql.Identifier(f"_faucet_stage_{uuid.uuid4().hex[:12]}")
             await conn.execute(
                 sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA").format(
@@ -169,8 +179,9 @@ class Tables:
     async def write_rows(
         self, conn: Connection, target: Target, records: pa.RecordBatch
     ) -> tuple[int, tuple[RejectedRow, ...]]:
-        """APPEND, UPSERT, VERSIONED_UPSERT: write ``records`` under a savepoint, bisecting down to the
-        rows the server refuses; returns the rows written and the refused ones."""
+        """APPEND, UPSERT, VERSIONED_UPSERT: write ``records`` under a savepoint (released with the next
+        one: :class:`~faucet_postgres.refusals.Savepoints`), bisecting down to the rows the server
+        refuses; returns the rows written and the refused ones."""
         if self._policy is WritePolicy.APPEND:
 
             async def write(start: int, stop: int) -> int:
@@ -184,4 +195,6 @@ class Tables:
             async def write(start: int, stop: int) -> int:
                 return await self._merge(conn, target, records.slice(start, stop - start))
 
-        return await refusals.apply_finding_refusals(conn, records.num_rows, write)
+        return await refusals.apply_finding_refusals(
+            conn, records.num_rows, write, savepoints=self._savepoints
+        )

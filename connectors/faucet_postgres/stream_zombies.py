@@ -48,7 +48,8 @@ _UNIQUE_VIOLATION = "23505"
 _CATALOG_NAME_INDEXES = ("pg_type_typname_nsp_index", "pg_class_relname_nsp_index")
 """The catalog's unique names: a concurrent creation of one table collides on one of them."""
 _LOCK_NOT_AVAILABLE = "55P03"
-_IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
+IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
+"""SQLSTATE of a session the server ended for sitting idle in its transaction (before reading more)."""
 
 
 async def failure(
@@ -83,7 +84,7 @@ async def failure(
             where=where,
             retryable=True,
         )
-    if exc.sqlstate == _IDLE_IN_TRANSACTION_TIMEOUT:
+    if exc.sqlstate == IDLE_IN_TRANSACTION_TIMEOUT:
         idle = config.idle_in_transaction_session_timeout
         return ConnectionFailed(
             f"{error.message}: the epoch's transaction sat idle longer than "

@@ -2,7 +2,7 @@
 
 :meth:`StreamRunner._run_epoch` is the single commit order of DESIGN.md section 4, in one function:
 
-1. hold a current lease (renewed; its fencing token is part of the epoch id);
+1. hold a current lease (renewed when a third of it has passed; its fencing token is part of the epoch id);
 2. ``begin_epoch`` on the sink session;
 3. ``read`` until a safe boundary: in one call until one that meets the limits (:meth:`run_epoch`), or,
    between sensor ticks, until a tick asks for a seal (:meth:`tick`, :mod:`.open_epoch`); the pipeline

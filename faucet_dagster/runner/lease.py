@@ -70,7 +70,10 @@ class StreamLease:
         return self._lease
 
     async def hold(self, deadline: float | None, *, patient: Callable[[], bool] | None = None) -> Lease:
-        """The lease, renewed, or newly taken: from a free or expired lease, from a holder that hands
+        """The lease, newly taken or still held: renewed unless it was taken or renewed less than a
+        third of ``ttl`` ago (the keeper renews it that often; it then lives at least two thirds of
+        ``ttl`` more unless it is given up, which the certificate's append and every acknowledgement's
+        authority check in the store). Taken from a free or expired lease, from a holder that hands
         over, or from one whose lease ends before ``deadline`` (on the loop's clock; at most
         ``HANDOVER_WAIT_SECONDS`` from now). While ``patient()`` is true (a reader between ticks,
         whose tick does not wait for it; false once it is stopped), a holder this worker asked to
@@ -82,7 +85,7 @@ class StreamLease:
         try:
             if self._lease is None:
                 self._lease = await self._take(deadline, patient)
-            else:
+            elif time.monotonic() - self._renewed >= self._ttl / 3:
                 await self._renew(self._lease)
         except OwnershipLost:
             self._lease = None

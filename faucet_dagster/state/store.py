@@ -368,8 +368,7 @@ class StateStore:
         """
         stream = certificate.stream
         canonical = self._canonical(certificate)
-        fingerprint = _fingerprint(canonical)
-        body = canonical.to_json()
+        fingerprint, body = _fingerprint_and_body(canonical)
         with self._transaction("append a certificate") as conn:
             # The stream row, locked (a lease was taken on it, so it exists unless nothing was leased).
             row = conn.execute(q.LOCKED_STREAM_ROW, {"stream": stream}).first()
@@ -823,12 +822,14 @@ def _live(row: Any, lease: Lease) -> bool:
     )
 
 
-def _fingerprint(certificate: EpochCertificate) -> str:
-    """What makes two certificates the same epoch: everything but timings and the creation time."""
-    plain = asdict(replace(certificate, timings={}, created_at=""))
-    return hashlib.blake2b(
-        json.dumps(plain, sort_keys=True, default=str).encode(), digest_size=32
-    ).hexdigest()
+def _fingerprint_and_body(certificate: EpochCertificate) -> tuple[str, str]:
+    """What makes two certificates the same epoch (a digest of everything but timings and the
+    creation time), and the stored body (``certificate.to_json()``), from one ``asdict``."""
+    plain = asdict(certificate)
+    body = json.dumps(plain, sort_keys=True, separators=(",", ":"))
+    same = {**plain, "timings": {}, "created_at": ""}
+    fingerprint = hashlib.blake2b(json.dumps(same, sort_keys=True, default=str).encode(), digest_size=32)
+    return fingerprint.hexdigest(), body
 
 
 def _utc_now() -> str:

@@ -315,6 +315,102 @@ def test_a_stale_fencing_token_commits_nothing(postgres_url: str) -> None:
     assert [row[0] for row in table(postgres_url)] == [1, 2]
 
 
+def test_a_zombie_that_committed_before_is_fenced_after_its_successor_committed(postgres_url: str) -> None:
+    """A session carries its watermarks from commit to commit without reading them again; a worker
+    that lost the stream after committing is still refused, by the token that holds the fence."""
+
+    async def scenario() -> None:
+        old = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        new: PostgresStreamingSinkSession | None = None
+        try:
+            await commit_one(old, epoch(1), [1, 2], None, 2)
+            new = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WorkerIdentity("b", 2))
+            await commit_one(new, epoch(2, token=2), [3, 4], 2, 4)
+            stale = epoch(2)
+            await old.begin_epoch(stale)
+            await old.apply(stale, batch(stale, rows([3, 4, 5]), [3, 4, 5]))
+            with pytest.raises(OwnershipLost, match="fencing token 2"):
+                await old.commit_epoch(stale, covering(2, 5))
+            await old.abort_epoch(stale)
+            # The successor's next epoch is not disturbed by the zombie's refused commit.
+            await commit_one(new, epoch(3, token=2), [5], 4, 5)
+        finally:
+            await old.close_session()
+            if new is not None:
+                await new.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2, 3, 4, 5]
+
+
+def test_a_session_whose_watermarks_moved_behind_it_commits_nothing_and_reads_them_again(
+    postgres_url: str,
+) -> None:
+    """The watermarks a session carries from its last commit are checked at its next commit: when
+    another session (here one under the same fencing token) committed meanwhile, the epoch, whose
+    replayed rows were judged by watermarks that had moved, is refused; the next epoch reads them
+    again and drops what the other session wrote."""
+
+    async def scenario() -> None:
+        first = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        second: PostgresStreamingSinkSession | None = None
+        try:
+            await commit_one(first, epoch(1), [1, 2], None, 2)
+            second = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+            await commit_one(second, epoch(2), [3, 4], 2, 4)
+            behind = epoch(2)
+            await first.begin_epoch(behind)
+            await first.apply(behind, batch(behind, rows([3, 4, 5]), [3, 4, 5]))
+            with pytest.raises(OwnershipLost, match="committed after this session last read"):
+                await first.commit_epoch(behind, covering(2, 5))
+            await first.abort_epoch(behind)
+            again = epoch(3)
+            await first.begin_epoch(again)
+            await first.apply(again, batch(again, rows([3, 4, 5]), [3, 4, 5]))
+            receipts = await first.commit_epoch(again, covering(2, 5))
+            assert (receipts[0].rows_written, receipts[0].rows_skipped) == (1, 2)
+        finally:
+            await first.close_session()
+            if second is not None:
+                await second.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2, 3, 4, 5]
+
+
+def test_refused_rows_in_one_batch_of_many_leave_the_other_batches_applied(postgres_url: str) -> None:
+    """Each batch's savepoint is released with the next one's creation: a batch bisected down to its
+    refused row (rolled back to its own savepoints) keeps the batches before and after it."""
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id bigint CHECK (id <> 13), name text, version bigint)")
+
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            at = epoch(1)
+            await session.begin_epoch(at)
+            for ids in ([1, 2], [3]):
+                await session.apply(at, batch(at, rows(ids), ids))
+            result = await session.apply_partial(at, batch(at, rows([11, 12, 13, 14]), [11, 12, 13, 14]))
+            assert result.written == 3 and [row.index for row in result.rejected] == [2]
+            for ids in ([21], [22, 23]):
+                await session.apply(at, batch(at, rows(ids), ids))
+            await session.commit_epoch(at, covering(None, 23))
+            # The next epoch's savepoints start afresh; a refused row in apply fails that epoch only.
+            failing = epoch(2)
+            await session.begin_epoch(failing)
+            await session.apply(failing, batch(failing, rows([24]), [24]))
+            with pytest.raises(DataError, match=r"@ .*26"):  # named by its position
+                await session.apply(failing, batch(failing, rows([25, 13]), [25, 26]))
+            await session.abort_epoch(failing)
+            await commit_one(session, epoch(2), [24, 25], 23, 25)
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    assert [row[0] for row in table(postgres_url)] == [1, 2, 3, 11, 12, 14, 21, 22, 23, 24, 25]
+
+
 class _LostAnswer:
     """A real connection whose next COMMIT, once armed, reaches the server but its answer is lost
     (``after``), finds its server process terminated just before (``before``), or stalls before or
