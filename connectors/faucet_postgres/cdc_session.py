@@ -180,7 +180,8 @@ class PostgresCdcSession(SlotSession):
                     "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
                     (self._temp_slot, end, upto, self._publication_option),
                 )
-                tables, decode, insert, commit = self._tables, pg.decode, pg.Insert, pg.Commit
+                tables, decode = self._tables, pg.decode
+                insert, update, delete, begin, commit = pg.Insert, pg.Update, pg.Delete, pg.Begin, pg.Commit
                 while not stopped and (
                     rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel)
                 ):
@@ -189,10 +190,20 @@ class PostgresCdcSession(SlotSession):
                     for (data,) in rows:
                         progress.bytes += len(data)
                         message = decode(data)
-                        # Inserts inline (no coroutine per row): the bulk of most change streams.
+                        # Rows and transaction controls inline (no coroutine per message): the bulk of
+                        # every change stream; what is rarer, or fails, goes through _apply.
                         if type(message) is insert and (table := tables.get(message.relation_oid)):
                             if table.selected and writer.add(table, message.new.values, INSERT, None):
                                 await writer.flush()
+                        elif (type(message) is update or type(message) is delete) and (
+                            table := tables.get(message.relation_oid)
+                        ):
+                            if table.selected:
+                                for values, operation, unchanged in change_rows(message, table):
+                                    if writer.add(table, values, operation, unchanged):
+                                        await writer.flush()
+                        elif type(message) is begin:
+                            self._begin(message, writer)
                         elif type(message) is commit:
                             await writer.commit(message.commit_lsn)
                             if progress.limit_reached(writer.rows):
@@ -256,14 +267,7 @@ class PostgresCdcSession(SlotSession):
                     if writer.add(table, values, operation, unchanged):
                         await writer.flush()
         elif isinstance(message, pg.Begin):
-            last = writer.position if writer.grouped else self._position
-            if last is not None and last >= 0 and message.final_lsn <= last:
-                raise IntegrityError(
-                    f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
-                    f"position {CODEC.canonicalize(last)} was read",
-                    where=self._where,
-                )
-            writer.begin(f"{message.xid}/{CODEC.canonicalize(message.final_lsn)}", message.final_lsn)
+            self._begin(message, writer)
         elif isinstance(message, pg.Relation):
             await self._remember(message, writer)
         elif isinstance(message, pg.Truncate):
@@ -273,6 +277,16 @@ class PostgresCdcSession(SlotSession):
                 if table.selected and writer.add(table, (None,) * table.width, TRUNCATE, None):
                     await writer.flush()
         # Type, Origin and logical messages (heartbeats) carry no rows.
+
+    def _begin(self, message: pg.Begin, writer: TransactionWriter) -> None:
+        last = writer.position if writer.grouped else self._position
+        if last is not None and last >= 0 and message.final_lsn <= last:
+            raise IntegrityError(
+                f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
+                f"position {CODEC.canonicalize(last)} was read",
+                where=self._where,
+            )
+        writer.begin(message.xid, message.final_lsn)
 
     def _table(self, oid: int) -> Table:
         table = self._tables.get(oid)
