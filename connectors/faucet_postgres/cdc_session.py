@@ -38,8 +38,10 @@ _MIN_POLL = 0.05
 class _Progress:
     """What one read has done against its limits."""
 
-    def __init__(self, limits: ReadLimits) -> None:
+    def __init__(self, limits: ReadLimits, messages_per_row: float | None = None) -> None:
         self.limits = limits
+        self.messages_per_row = messages_per_row
+        """The rate the session's earlier reads saw (None: none yet), for this read's first call."""
         self.started = self.last_new = time.monotonic()
         self.bytes = 0
         self.messages = 0
@@ -47,15 +49,17 @@ class _Progress:
 
     def messages_for(self, rows: int, rows_read: int) -> int:
         """How many messages to decode for ``rows`` more change rows, at the messages per row seen so
-        far (one before the read has seen rows), with a margin. Small transactions carry more
-        controls than rows (a one-row transaction is three messages): counting messages as rows made a
-        read of small transactions take a dozen server calls, each of which reads the WAL again from
-        the slot's restart point. Overshooting only decodes a few transactions past the read's end."""
+        far (before the read has seen rows: the session's earlier reads, else one), with a margin. Small
+        transactions carry more controls than rows (a one-row transaction is three messages): counting
+        messages as rows made a read of small transactions take a dozen server calls, each of which
+        reads the WAL again from the slot's restart point, and the first call of every read one more.
+        Overshooting only decodes a few transactions past the read's end."""
         if rows <= 0:
             return 1
-        if rows_read <= 0 or self.messages <= rows_read:
+        rate = self.messages / rows_read if rows_read > 0 else self.messages_per_row
+        if rate is None or rate <= 1:
             return rows
-        return int(rows * self.messages / rows_read * 1.1) + 1
+        return int(rows * rate * 1.1) + 1
 
     def limit_reached(self, rows: int) -> bool:
         limits = self.limits
@@ -90,6 +94,8 @@ class PostgresCdcSession(SlotSession):
     """
 
     _copy_ahead = False
+    _messages_per_row: float | None = None
+    """Messages decoded per change row by the last read that saw rows (see ``_Progress.messages_for``)."""
     """The copy was consumed past the last delivered boundary (a read ended inside a server call):
     the next read copies the slot again. The acknowledgement in between keeps the connection (it
     advances the slot itself), so the new copy starts where it was acknowledged, with nothing to
@@ -111,7 +117,10 @@ class PostgresCdcSession(SlotSession):
             start = self._position
             writer = TransactionWriter(self.domain, sink, self.config.batch_rows, self._delivered)
             try:
-                await self._read_into(writer, _Progress(limits), cancel)
+                progress = _Progress(limits, self._messages_per_row)
+                await self._read_into(writer, progress, cancel)
+                if writer.rows:
+                    self._messages_per_row = progress.messages / writer.rows
             except Interrupted:
                 # The copy was consumed past what reached the sink: copy again on the next read.
                 await self._detach()
@@ -139,14 +148,19 @@ class PostgresCdcSession(SlotSession):
             if self._position != first and progress.limit_reached(writer.rows):
                 return
             rows = writer.rows
-            seen, stopped = await self._read_changes(writer, progress, cancel)
+            seen, stopped, caught_up = await self._read_changes(writer, progress, cancel)
             if stopped:
                 return
             if seen:
                 if writer.rows > rows:  # a heartbeat is progress, not something new to wait for
                     progress.last_new = time.monotonic()
                 backoff = _MIN_POLL
-                continue
+                if not (caught_up and self._end is None and progress.quiet_long_enough()):
+                    continue
+                # The call decoded all the WAL there was when it began (the server had nothing more
+                # then) and the idle or age limit is reached already (idle=0: return when caught up):
+                # another call would only find that out again, decoding from the slot's restart point.
+                return
             if self._end is not None:
                 self._exhausted = True
                 return
@@ -158,12 +172,14 @@ class PostgresCdcSession(SlotSession):
 
     async def _read_changes(
         self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, bool, bool]:
         """One server call: decode up to ``changes_per_call`` messages (whole transactions) into
-        ``writer``, delivered in groups of complete transactions. Returns how many messages came, and
+        ``writer``, delivered in groups of complete transactions. Returns how many messages came;
         True when the read's limits were reached at a transaction end inside the call: the read then
         stops there, and the copy (which the call consumed to its end) is dropped, so the next read
-        copies the slot again from the last delivered boundary."""
+        copies the slot again from the last delivered boundary; and True when the call was caught up:
+        fewer messages came than it asked for, so it decoded to the WAL's insert position as it was
+        when the call began."""
         conn = self._connection()
         limits = progress.limits
         upto = self.config.changes_per_call
@@ -220,7 +236,7 @@ class PostgresCdcSession(SlotSession):
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading changes", where=self._where) from exc
         self._copy_ahead = stopped
-        return seen, stopped
+        return seen, stopped, not stopped and seen < upto
 
     def _delivered(self, position: int) -> None:
         """A boundary reached the sink: the position a new copy of the slot resumes after."""
