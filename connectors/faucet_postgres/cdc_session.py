@@ -56,10 +56,14 @@ class _Progress:
         Overshooting only decodes a few transactions past the read's end."""
         if rows <= 0:
             return 1
-        rate = self.messages / rows_read if rows_read > 0 else self.messages_per_row
-        if rate is None or rate <= 1:
-            return rows
-        return int(rows * rate * 1.1) + 1
+        if rows_read > 0 and self.messages > rows_read:
+            return int(rows * self.messages / rows_read * 1.1) + 1
+        if rows_read <= 0 and self.messages_per_row is not None and self.messages_per_row > 1:
+            # No margin on an earlier read's rate: past the read's end, the call decodes transactions
+            # the next read decodes again (a tenth of a read of large transactions); short of it, the
+            # read makes one more, small call.
+            return int(rows * self.messages_per_row) + 1
+        return rows
 
     def limit_reached(self, rows: int) -> bool:
         limits = self.limits
