@@ -120,7 +120,12 @@ class TransactionWriter:
         """Complete transactions in the group, not yet delivered."""
         return self._grouped
 
-    def begin(self, transaction_id: str, position: int) -> None:
+    def begin(self, transaction_id: str | int, position: int) -> None:
+        """Open a transaction committing at ``position``; an integer ``transaction_id`` is the source's
+        xid, and the transaction's id is then ``<xid>/<position>`` (an xid alone wraps around)."""
+        canonical = CODEC.canonicalize(position)
+        if isinstance(transaction_id, int):
+            transaction_id = f"{transaction_id}/{canonical}"
         if self.is_open:
             raise IntegrityError(
                 f"transaction {transaction_id} began inside transaction {self._transaction_id}",
@@ -130,7 +135,7 @@ class TransactionWriter:
             self._group_id = transaction_id
         self._transaction_id = transaction_id
         self._position = position
-        self._canonical = CODEC.canonicalize(position)
+        self._canonical = canonical
         self._ordinal = 0
         self._begun = False
         self.is_open = True

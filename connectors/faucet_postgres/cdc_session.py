@@ -38,8 +38,10 @@ _MIN_POLL = 0.05
 class _Progress:
     """What one read has done against its limits."""
 
-    def __init__(self, limits: ReadLimits) -> None:
+    def __init__(self, limits: ReadLimits, messages_per_row: float | None = None) -> None:
         self.limits = limits
+        self.messages_per_row = messages_per_row
+        """The rate the session's earlier reads saw (None: none yet), for this read's first call."""
         self.started = self.last_new = time.monotonic()
         self.bytes = 0
         self.messages = 0
@@ -47,15 +49,21 @@ class _Progress:
 
     def messages_for(self, rows: int, rows_read: int) -> int:
         """How many messages to decode for ``rows`` more change rows, at the messages per row seen so
-        far (one before the read has seen rows), with a margin. Small transactions carry more
-        controls than rows (a one-row transaction is three messages): counting messages as rows made a
-        read of small transactions take a dozen server calls, each of which reads the WAL again from
-        the slot's restart point. Overshooting only decodes a few transactions past the read's end."""
+        far (before the read has seen rows: the session's earlier reads, else one), with a margin. Small
+        transactions carry more controls than rows (a one-row transaction is three messages): counting
+        messages as rows made a read of small transactions take a dozen server calls, each of which
+        reads the WAL again from the slot's restart point, and the first call of every read one more.
+        Overshooting only decodes a few transactions past the read's end."""
         if rows <= 0:
             return 1
-        if rows_read <= 0 or self.messages <= rows_read:
-            return rows
-        return int(rows * self.messages / rows_read * 1.1) + 1
+        if rows_read > 0 and self.messages > rows_read:
+            return int(rows * self.messages / rows_read * 1.1) + 1
+        if rows_read <= 0 and self.messages_per_row is not None and self.messages_per_row > 1:
+            # No margin on an earlier read's rate: past the read's end, the call decodes transactions
+            # the next read decodes again (a tenth of a read of large transactions); short of it, the
+            # read makes one more, small call.
+            return int(rows * self.messages_per_row) + 1
+        return rows
 
     def limit_reached(self, rows: int) -> bool:
         limits = self.limits
@@ -90,6 +98,8 @@ class PostgresCdcSession(SlotSession):
     """
 
     _copy_ahead = False
+    _messages_per_row: float | None = None
+    """Messages decoded per change row by the last read that saw rows (see ``_Progress.messages_for``)."""
     """The copy was consumed past the last delivered boundary (a read ended inside a server call):
     the next read copies the slot again. The acknowledgement in between keeps the connection (it
     advances the slot itself), so the new copy starts where it was acknowledged, with nothing to
@@ -111,7 +121,10 @@ class PostgresCdcSession(SlotSession):
             start = self._position
             writer = TransactionWriter(self.domain, sink, self.config.batch_rows, self._delivered)
             try:
-                await self._read_into(writer, _Progress(limits), cancel)
+                progress = _Progress(limits, self._messages_per_row)
+                await self._read_into(writer, progress, cancel)
+                if writer.rows:
+                    self._messages_per_row = progress.messages / writer.rows
             except Interrupted:
                 # The copy was consumed past what reached the sink: copy again on the next read.
                 await self._detach()
@@ -139,14 +152,19 @@ class PostgresCdcSession(SlotSession):
             if self._position != first and progress.limit_reached(writer.rows):
                 return
             rows = writer.rows
-            seen, stopped = await self._read_changes(writer, progress, cancel)
+            seen, stopped, caught_up = await self._read_changes(writer, progress, cancel)
             if stopped:
                 return
             if seen:
                 if writer.rows > rows:  # a heartbeat is progress, not something new to wait for
                     progress.last_new = time.monotonic()
                 backoff = _MIN_POLL
-                continue
+                if not (caught_up and self._end is None and progress.quiet_long_enough()):
+                    continue
+                # The call decoded all the WAL there was when it began (the server had nothing more
+                # then) and the idle or age limit is reached already (idle=0: return when caught up):
+                # another call would only find that out again, decoding from the slot's restart point.
+                return
             if self._end is not None:
                 self._exhausted = True
                 return
@@ -158,12 +176,14 @@ class PostgresCdcSession(SlotSession):
 
     async def _read_changes(
         self, writer: TransactionWriter, progress: _Progress, cancel: CancelToken
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, bool, bool]:
         """One server call: decode up to ``changes_per_call`` messages (whole transactions) into
-        ``writer``, delivered in groups of complete transactions. Returns how many messages came, and
+        ``writer``, delivered in groups of complete transactions. Returns how many messages came;
         True when the read's limits were reached at a transaction end inside the call: the read then
         stops there, and the copy (which the call consumed to its end) is dropped, so the next read
-        copies the slot again from the last delivered boundary."""
+        copies the slot again from the last delivered boundary; and True when the call was caught up:
+        fewer messages came than it asked for, so it decoded to the WAL's insert position as it was
+        when the call began."""
         conn = self._connection()
         limits = progress.limits
         upto = self.config.changes_per_call
@@ -180,7 +200,8 @@ class PostgresCdcSession(SlotSession):
                     "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
                     (self._temp_slot, end, upto, self._publication_option),
                 )
-                tables, decode, insert, commit = self._tables, pg.decode, pg.Insert, pg.Commit
+                tables, decode = self._tables, pg.decode
+                insert, update, delete, begin, commit = pg.Insert, pg.Update, pg.Delete, pg.Begin, pg.Commit
                 while not stopped and (
                     rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel)
                 ):
@@ -189,10 +210,20 @@ class PostgresCdcSession(SlotSession):
                     for (data,) in rows:
                         progress.bytes += len(data)
                         message = decode(data)
-                        # Inserts inline (no coroutine per row): the bulk of most change streams.
+                        # Rows and transaction controls inline (no coroutine per message): the bulk of
+                        # every change stream; what is rarer, or fails, goes through _apply.
                         if type(message) is insert and (table := tables.get(message.relation_oid)):
                             if table.selected and writer.add(table, message.new.values, INSERT, None):
                                 await writer.flush()
+                        elif (type(message) is update or type(message) is delete) and (
+                            table := tables.get(message.relation_oid)
+                        ):
+                            if table.selected:
+                                for values, operation, unchanged in change_rows(message, table):
+                                    if writer.add(table, values, operation, unchanged):
+                                        await writer.flush()
+                        elif type(message) is begin:
+                            self._begin(message, writer)
                         elif type(message) is commit:
                             await writer.commit(message.commit_lsn)
                             if progress.limit_reached(writer.rows):
@@ -209,7 +240,7 @@ class PostgresCdcSession(SlotSession):
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading changes", where=self._where) from exc
         self._copy_ahead = stopped
-        return seen, stopped
+        return seen, stopped, not stopped and seen < upto
 
     def _delivered(self, position: int) -> None:
         """A boundary reached the sink: the position a new copy of the slot resumes after."""
@@ -256,14 +287,7 @@ class PostgresCdcSession(SlotSession):
                     if writer.add(table, values, operation, unchanged):
                         await writer.flush()
         elif isinstance(message, pg.Begin):
-            last = writer.position if writer.grouped else self._position
-            if last is not None and last >= 0 and message.final_lsn <= last:
-                raise IntegrityError(
-                    f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
-                    f"position {CODEC.canonicalize(last)} was read",
-                    where=self._where,
-                )
-            writer.begin(f"{message.xid}/{CODEC.canonicalize(message.final_lsn)}", message.final_lsn)
+            self._begin(message, writer)
         elif isinstance(message, pg.Relation):
             await self._remember(message, writer)
         elif isinstance(message, pg.Truncate):
@@ -273,6 +297,16 @@ class PostgresCdcSession(SlotSession):
                 if table.selected and writer.add(table, (None,) * table.width, TRUNCATE, None):
                     await writer.flush()
         # Type, Origin and logical messages (heartbeats) carry no rows.
+
+    def _begin(self, message: pg.Begin, writer: TransactionWriter) -> None:
+        last = writer.position if writer.grouped else self._position
+        if last is not None and last >= 0 and message.final_lsn <= last:
+            raise IntegrityError(
+                f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
+                f"position {CODEC.canonicalize(last)} was read",
+                where=self._where,
+            )
+        writer.begin(message.xid, message.final_lsn)
 
     def _table(self, oid: int) -> Table:
         table = self._tables.get(oid)

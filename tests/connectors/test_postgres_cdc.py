@@ -753,6 +753,48 @@ def test_a_read_ends_at_a_transaction_end_inside_one_decoding_call(
     assert all(end in positions for end in ends)
 
 
+def test_a_read_with_no_idle_wait_ends_when_caught_up_and_the_next_goes_on(
+    postgres_url: str, unique_name: Any
+) -> None:
+    """``idle=0``: a read returns once a server call decoded all the WAL there was (no wait, and no
+    further call to find nothing), and never after a call that stopped at its message count (60 here:
+    15 of the 50 transactions); what commits afterwards comes whole in the next read, with no gap and
+    no overlap, and a read with nothing new covers nothing."""
+    slot = unique_name("s")
+    config = cdc_config(postgres_url, slot, tables=("public.t",), changes_per_call=60)
+    caught_up = ReadLimits(records=1_000_000, idle=0)
+
+    async def scenario() -> tuple[Recorder, list[Coverage], Coverage]:
+        await sql(postgres_url, "CREATE TABLE t (id int PRIMARY KEY, v int)")
+        await setup_replication(config)
+        session = await open_session(config)
+        recorder = Recorder()
+        coverages: list[Coverage] = []
+        for round_ in range(3):
+            async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+                await conn.execute(
+                    f"DO $$ BEGIN FOR g IN {round_ * 50 + 1}..{round_ * 50 + 50} LOOP "
+                    "INSERT INTO t VALUES (g, 0); UPDATE t SET v = 1 WHERE id = g; COMMIT; END LOOP; END $$"
+                )
+            coverage = await session.read(recorder, caught_up, CancelToken())
+            await session.acknowledge(coverage, allowed)
+            coverages.append(coverage)
+        empty = await session.read(recorder, caught_up, CancelToken())
+        await session.close()
+        return recorder, coverages, empty
+
+    recorder, coverages, empty = run(scenario)
+    assert empty.empty, "nothing new: the read covers nothing"
+    ids = [(row.values["id"], row.op) for tx in recorder.transactions for row in tx.rows]
+    assert ids == [(g, op) for g in range(1, 151) for op in ("insert", "update")], "every change once"
+    ends = [coverage.domains[0].end for coverage in coverages]
+    assert [coverage.domains[0].start for coverage in coverages[1:]] == ends[:-1], "contiguous reads"
+    # Each read ended at the last transaction committed before it.
+    committed = [tx.position for tx in recorder.transactions]
+    assert len(committed) == 150
+    assert ends == [committed[49], committed[99], committed[149]]
+
+
 def test_a_slow_sink_outlasts_the_servers_idle_and_statement_timeouts(
     postgres_url: str, unique_name: Any
 ) -> None:
