@@ -71,9 +71,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--rate", type=int, default=45, help="messages per second and stream")
     parser.add_argument("--interval", type=int, default=30)
+    parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
     args = parser.parse_args()
     daemon_test.RATE = args.rate
-    return with_test_servers(run, args)
+    return with_test_servers(run, args, keep=args.keep)
 
 
 def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argparse.Namespace) -> int:
@@ -135,6 +136,7 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
 def print_ticks(home: Path) -> None:
     """The longest tick of all, and per stream its longest tick and longest gap between tick starts."""
     longest_tick, longest_gap = 0.0, 0.0
+    every: list[float] = []
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for state in instance.all_instigator_state():
             ticks = sorted(
@@ -145,13 +147,19 @@ def print_ticks(home: Path) -> None:
             gaps = [b.timestamp - a.timestamp for a, b in itertools.pairwise(ticks)]
             if not durations:
                 continue
+            every.extend(durations)
             longest_tick, longest_gap = max(longest_tick, *durations), max(longest_gap, *gaps, 0.0)
             certified = sum(1 for t in ticks if (t.skip_reason or "").startswith("certified "))
             print(
                 f"  {state.instigator_name}: {len(ticks)} ticks, {certified} certified; longest tick "
                 f"{max(durations):.1f}s, longest gap between ticks {max(gaps, default=0.0):.1f}s"
             )
-    print(f"longest tick {longest_tick:.1f}s; longest gap between one stream's ticks {longest_gap:.1f}s")
+    every.sort()
+    p50, p95 = (every[int(q * (len(every) - 1))] if every else 0.0 for q in (0.5, 0.95))
+    print(
+        f"ticks: {len(every)}, p50 {p50:.2f}s, p95 {p95:.2f}s, longest {longest_tick:.1f}s; "
+        f"longest gap between one stream's ticks {longest_gap:.1f}s"
+    )
 
 
 if __name__ == "__main__":
