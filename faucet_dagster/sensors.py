@@ -11,9 +11,10 @@ process (:mod:`faucet_dagster.runner.open_epoch`). A tick:
    to ``N``; the state store's report mark is moved there (a fresh cursor starts from that mark);
 2. asks the runner to seal the open epoch at its next safe boundary and waits, within a budget
    (:func:`tick_budget`), until it is committed, certified and acknowledged (and the next ones too
-   while the epochs sealed are full: a backlog); the first tick of a process starts the reader. An
-   epoch inside a source transaction stays open until the transaction ends, over as many ticks as
-   that takes;
+   while the epochs sealed are full: a backlog); the first tick of a process starts the reader (with
+   the default budget it does not wait: the first epoch is certified in the background and the next
+   tick reports it). An epoch inside a source transaction stays open until the transaction ends,
+   over as many ticks as that takes;
 3. returns one ``AssetMaterialization`` of the sink asset per certificate after ``N`` (the ones
    certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
