@@ -11,9 +11,10 @@ process (:mod:`faucet_dagster.runner.open_epoch`). A tick:
    to ``N``; the state store's report mark is moved there (a fresh cursor starts from that mark);
 2. asks the runner to seal the open epoch at its next safe boundary and waits, within a budget
    (:func:`tick_budget`), until it is committed, certified and acknowledged (and the next ones too
-   while the epochs sealed are full: a backlog); the first tick of a process starts the reader. An
-   epoch inside a source transaction stays open until the transaction ends, over as many ticks as
-   that takes;
+   while the epochs sealed are full: a backlog); the first tick of a process starts the reader (with
+   the default budget it does not wait: the first epoch is certified in the background and the next
+   tick reports it). An epoch inside a source transaction stays open until the transaction ends,
+   over as many ticks as that takes;
 3. returns one ``AssetMaterialization`` of the sink asset per certificate after ``N`` (the ones
    certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
    as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
@@ -42,6 +43,7 @@ uncertain fails every tick until an operator runs ``faucet streams release``.
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,11 +92,23 @@ SENSOR_TIMEOUT_ENV = "DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS"
 DEFAULT_SENSOR_TIMEOUT = 60.0
 MAX_TICK_BUDGET = 10.0
 MIN_TICK_BUDGET = 2.0
+TICK_OVERHEAD_SECONDS = 0.5
+"""What a tick costs beyond its budget as the daemon sees it (creating the tick, the gRPC call, storing
+its events and cursor): the default budget leaves it out of the stream's share of the interval."""
+STARTING_TICK_BUDGET = 0.0
+"""How long a tick with the default budget waits when it starts its stream's reader (a new code server:
+the daemon replaces its own every 60 s). Taking the lease, opening the sessions and the first read take
+seconds, which the daemon's serial sensor loop would spend waiting; the tick's seal request stands, so
+the first epoch is sealed after one read and certified in the background, and the next tick reports it."""
 EXIT_CLOSE_SECONDS = 10.0
 READER_STOP_SECONDS = 60.0
 """A stream's reader stops (rolling its open epoch back, releasing its lease) when no tick came for this
 long, or four sensor intervals if longer: the sensor was stopped, or the daemon ticks another process."""
 """How long a stopping process waits for its streams to close before it exits anyway."""
+STARTED_READING = (
+    "started reading in this process: the first epoch is sealed after one read and certified in the "
+    "background; the next tick reports it"
+)
 CERTIFICATE_CHECK = "faucet_epoch_certificate"
 MAX_REPORTS_PER_TICK = 500
 CURSOR_VERSION = 1
@@ -179,12 +193,13 @@ class FaucetStream:
 
 def tick_budget(requested: float | None = None, *, interval: float = 30.0, streams: int = 1) -> float:
     """Seconds a tick may spend, its commits included: ``requested``, or by default
-    ``0.8 * interval / streams`` between ``MIN_TICK_BUDGET`` and ``MAX_TICK_BUDGET`` (2 and 10 s); never
-    more than half the sensor gRPC timeout (``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS``).
+    ``0.8 * interval / streams - TICK_OVERHEAD_SECONDS`` between ``MIN_TICK_BUDGET`` and
+    ``MAX_TICK_BUDGET`` (2 and 10 s); never more than half the sensor gRPC timeout
+    (``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS``).
 
     The daemon evaluates a code location's sensors one at a time by default, so the default shares
-    the sensor's ``interval`` between the ``streams`` of the code location: each of them still ticks
-    about every ``interval`` seconds.
+    the sensor's ``interval`` between the ``streams`` of the code location, less what each tick costs
+    the daemon beyond its budget: each of them still ticks about every ``interval`` seconds.
     """
     raw = os.environ.get(SENSOR_TIMEOUT_ENV)
     try:
@@ -195,7 +210,7 @@ def tick_budget(requested: float | None = None, *, interval: float = 30.0, strea
         ) from None
     ceiling = timeout / 2
     if requested is None:
-        shared = 0.8 * interval / max(1, streams)
+        shared = 0.8 * interval / max(1, streams) - TICK_OVERHEAD_SECONDS
         requested = max(MIN_TICK_BUDGET, min(MAX_TICK_BUDGET, shared))
     return max(0.0, min(requested, ceiling))
 
@@ -214,7 +229,8 @@ def faucet_stream_sensor(
 
     ``budget_seconds`` caps the time a tick spends running epochs, commits included (default: see
     :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
-    code location). Endpoints given by resource key become the sensor's required resources.
+    code location; a default tick that starts the stream's reader waits ``STARTING_TICK_BUDGET``).
+    Endpoints given by resource key become the sensor's required resources.
     """
     check_streams([stream], declared_by="faucet_stream_sensor")
     key = stream.asset_spec(asset_key).key
@@ -231,7 +247,9 @@ def faucet_stream_sensor(
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=streams_sharing)
-        return _tick(context, stream, key, budget, max(READER_STOP_SECONDS, 4.0 * minimum_interval_seconds))
+        stop_after = max(READER_STOP_SECONDS, 4.0 * minimum_interval_seconds)
+        starting = STARTING_TICK_BUDGET if budget_seconds is None else None
+        return _tick(context, stream, key, budget, stop_after, starting_budget=starting)
 
     return _sensor
 
@@ -487,7 +505,10 @@ def _tick(
     asset_key: dg.AssetKey,
     budget: float,
     stop_after: float | None = None,
+    *,
+    starting_budget: float | None = None,
 ) -> dg.SensorResult:
+    began = time.perf_counter()
     handle = cached_runner(stream.name, stream.state_url, lambda: stream.build_spec(context.resources))
     store = handle.store
     confirmed = parse_cursor(context.cursor)
@@ -502,7 +523,9 @@ def _tick(
     pending: Pending | None = None
     if handle.lock.acquire(blocking=False):
         try:
-            pending = stream_loop().run(handle.runner.tick(budget, stop_after=stop_after))
+            pending = stream_loop().run(
+                handle.runner.tick(budget, stop_after=stop_after, starting_budget=starting_budget)
+            )
         except OwnershipLost as exc:
             lost = exc
             skip = f"another worker runs this stream: {exc}"
@@ -511,12 +534,15 @@ def _tick(
         else:
             if pending is not None:
                 skip = pending.describe()
+                if handle.runner.started and pending.lease_wait is None and pending.epoch is None:
+                    skip = STARTED_READING
                 if pending.lease_wait is not None:  # stalled on a lease, as a refused one is
                     lost = OwnershipLost(pending.lease_wait, where=stream.name)
         finally:
             handle.lock.release()
     else:
         skip = "a previous tick is still running this stream's epochs"
+    ran = time.perf_counter() - began
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
     health = tick_health(
         context,
@@ -538,9 +564,16 @@ def _tick(
     for certificate in certificates:
         events.extend(certificate_events(certificate, asset_key))
     events.extend(health.events)
+    logger.debug(
+        "stream %s: tick of %.3fs (%.3fs running epochs), %d certificates reported",
+        stream.name,
+        time.perf_counter() - began,
+        ran,
+        len(certificates),
+    )
     cursor = format_cursor(certificates[-1].sequence if certificates else reported)
     if certificates:  # Dagster shows a tick without run requests by its skip reason: say what it did
-        skip = describe_certified(certificates) + ("" if pending is None else f"; {pending.describe()}")
+        skip = describe_certified(certificates) + ("" if pending is None else f"; {skip}")
     return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=health.skip or skip)
 
 

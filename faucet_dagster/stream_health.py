@@ -11,6 +11,7 @@
 """
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, Ow
 from faucet_dagster.state import StateStore
 
 HEALTH_CHECK = "faucet_stream_health"
+logger = logging.getLogger(__name__)
 
 
 def metadata_table(columns: Mapping[str, str], rows: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
@@ -247,12 +249,21 @@ def tick_health(
     reporting nothing gets the failing evaluation and its description as the skip reason; when it is
     about to fail (``failure``), the evaluation goes to the instance at once (the failed tick reports
     no events) and the remedy is added to the error, which the tick shows.
+
+    Only a stall is written to the tick's own log (``context.log``, which opens the Dagster instance
+    in the code server and stores the log at the tick's end: a tenth of a second to a second per tick
+    on a loaded machine, inside the daemon's serial sensor loop). A healthy tick's reason says what
+    it certified already; that line goes to the process's log.
     """
     # Certificates reported mean progress, whoever certified them; a failure after them still halts.
     healthy = bool(certificates) and failure is None
     stall = None if healthy else stall_of(stream, lease_seconds, failure=failure, lost=lost)
     if certificates:
-        context.log.info(f"stream {stream}: {describe_certified(certificates)}")
+        line = f"stream {stream}: {describe_certified(certificates)}"
+        if stall is None:
+            logger.info(line)
+        else:
+            context.log.info(line)
     if stall is None:
         if not certificates:
             return TickHealth()

@@ -432,8 +432,15 @@ from faucet_dagster.state import StateStore
 
 with dg.instance_for_test() as instance:
     sensor = defs.resolve_sensor_def(f"{stream.name}_stream")
-    result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
-    assert result.asset_events, result.skip_reason
+    # The first tick starts the reader and returns; a later one reports the first certificates.
+    cursor, ends = None, time.monotonic() + 120
+    while True:
+        result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+        cursor = result.cursor
+        if result.asset_events:
+            break
+        assert time.monotonic() < ends, result.skip_message
+        time.sleep(0.5)
 with StateStore(stream.state_url) as store:
     assert store.status(stream.name)[0].owner is not None  # the cached runner holds the lease
 if sys.argv[1] == "sigterm":  # as `dagster api grpc` treats SIGTERM: an interrupt of the main thread

@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -163,11 +164,21 @@ def test_with_the_variables_each_stream_certifies_its_events_in_one_sensor_tick(
             name = f"order_events_{source}"
             sensor = defs.resolve_sensor_def(f"{name}_stream")
             assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
-            result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
-            for event in result.asset_events:
-                instance.report_runless_asset_event(event)
-
+            # The first tick starts the reader (its first epoch certified in the background); the
+            # ticks after it report certificates, each once, until every event is reported.
             key = dg.AssetKey([name])
+            cursor, reported, ends = None, 0, time.monotonic() + 300
+            while reported < EVENTS:
+                assert time.monotonic() < ends, f"{name}: {reported} of {EVENTS} events reported"
+                result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+                cursor = result.cursor
+                for event in result.asset_events:
+                    instance.report_runless_asset_event(event)
+                    if isinstance(event, dg.AssetMaterialization):
+                        reported += int(str(event.metadata["faucet/rows_written"].value))
+                if reported < EVENTS:
+                    time.sleep(0.5)
+
             records = instance.fetch_materializations(key, limit=100).records
             materializations = [record.asset_materialization for record in reversed(records)]
             assert materializations, f"{name}: no certificate materialization"

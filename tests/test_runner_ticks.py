@@ -120,6 +120,26 @@ def test_a_tick_seals_what_the_open_epoch_read_since_the_last_one(
     assert store.status("s")[0].owner is None
 
 
+def test_a_tick_that_starts_the_reader_waits_its_starting_budget_and_the_first_seal_is_served_after_it(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    log = MemoryLog()
+    log.append(40)
+    sink = MemorySink()
+    stream = runner(store, MemorySource(log), sink)
+    pending = loop.run(stream.tick(10, starting_budget=0.0))
+    assert isinstance(pending, Pending) and stream.started
+    # Its seal request stands: the reader seals after its first read, with no further tick.
+    wait_for("the first epoch certified in the background", lambda: len(store.certificates("s")) == 1)
+    assert [c.row_counts for c in store.certificates("s")] == [{"items": 40}]
+    log.append(5)
+    wait_for("the rows read between ticks", lambda: "apply 2 5" in sink.destination.calls)
+    # A tick that finds the reader running waits its budget as before.
+    assert loop.run(stream.tick(10, starting_budget=0.0)) is None and not stream.started
+    assert [c.row_counts for c in store.certificates("s")][-1] == {"items": 5}
+    loop.run(stream.close())
+
+
 def test_a_backlog_is_sealed_in_full_epochs_within_one_tick(store: StateStore, loop: BackgroundLoop) -> None:
     log = MemoryLog()
     log.append(250)

@@ -38,6 +38,7 @@ from faucet_dagster.sensors import (
     close_cached_streams,
     faucet_stream_sensor,
     health_check,
+    tick_budget,
 )
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing import PostgresServer
@@ -274,6 +275,71 @@ def test_a_stalled_stream_fails_the_health_check_with_the_reason_and_the_remedy(
         result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
         assert len(materializations(result)) == 1 and [e.passed for e in health(result)] == [True]
         assert health_check(stream)().passed
+
+
+def test_a_healthy_tick_leaves_the_dagster_instance_closed_its_reason_says_what_it_certified(
+    env: NatsEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code server evaluates a tick with an instance ref: ``context.log`` would open the instance
+    (and store the tick's log at its end) on every tick, inside the daemon's serial sensor loop."""
+    env.publish(10)
+    sensor = faucet_stream_sensor(env.stream(), budget_seconds=20)
+    opened: list[object] = []
+    from_ref = dg.DagsterInstance.from_ref
+
+    def counting(ref: Any) -> dg.DagsterInstance:
+        opened.append(ref)
+        return from_ref(ref)
+
+    monkeypatch.setattr(dg.DagsterInstance, "from_ref", staticmethod(counting))
+    with (
+        dg.instance_for_test() as instance,
+        dg.SensorEvaluationContext(
+            instance_ref=instance.get_ref(),
+            last_tick_completion_time=None,
+            last_run_key=None,
+            cursor=None,
+            log_key=["faucet", sensor.name, "tick"],
+            repository_name="__repository__",
+            sensor_name=sensor.name,
+        ) as context,
+    ):
+        result = sensor.evaluate_tick(context)
+    assert len(materializations(result)) == 1 and [e.passed for e in health(result)] == [True]
+    assert str(result.skip_message).startswith("certified 1 epoch (1 to 1), 10 rows; lag ")
+    assert opened == []
+
+
+def test_the_default_budget_leaves_what_a_tick_costs_the_daemon_out_of_the_streams_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS", raising=False)
+    # Five streams share 30 s: 4.8 s each as the daemon sees a tick, its own 0.5 s of it included.
+    assert tick_budget(interval=30, streams=5) == pytest.approx(4.3)
+    assert tick_budget(interval=30, streams=10) == 2.0  # never below 2 s
+    assert tick_budget(interval=30) == 10.0 and tick_budget(3.0, interval=30, streams=10) == 3.0
+
+
+def test_a_default_tick_that_starts_the_reader_leaves_the_first_epoch_to_the_background(
+    env: NatsEnv,
+) -> None:
+    """The daemon evaluates a code location's sensors one at a time and gives its locations new code
+    servers every 60 s: a tick that starts its stream's reader does not hold the loop while the reader
+    takes the lease, opens the sessions and reads; the next tick reports that first epoch."""
+    env.publish(10)
+    sensor = faucet_stream_sensor(env.stream())  # the default budget
+    with dg.instance_for_test() as instance:
+        first = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
+        assert materializations(first) == [] and health(first) == []
+        assert str(first.skip_message).startswith("started reading in this process")
+        ends = time.monotonic() + 120
+        while not env.store.certificates(env.name):
+            assert time.monotonic() < ends, "the first epoch was not certified in the background"
+            time.sleep(0.1)
+        second = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+    [materialization] = materializations(second)
+    assert value(materialization.metadata, "faucet/rows_written") == 10
+    assert [e.passed for e in health(second)] == [True]
 
 
 def test_the_cdc_lag_is_the_wal_after_the_certified_transaction(

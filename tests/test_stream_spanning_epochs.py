@@ -196,7 +196,10 @@ def test_one_million_row_transaction_spans_ticks_with_the_default_settings(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     with dg.instance_for_test() as instance:
-        cdc.tick(instance)  # starts the reader: the transaction below is read between ticks
+        # The first tick starts the reader and returns; the second waits for its first epoch: the
+        # transaction below is read between ticks.
+        cdc.tick(instance)
+        cdc.tick(instance)
         cdc.execute("INSERT INTO lines SELECT g / 1000, g % 1000, g FROM generate_series(0, 999999) g")
         waited: list[str] = []
         ends = time.monotonic() + 600

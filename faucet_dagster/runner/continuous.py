@@ -167,6 +167,8 @@ class StreamRunner:
         self.cut_short: CutShort | None = None
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
         (None: no epoch of that call was cut short; epochs read between ticks are never cut short)."""
+        self.started = False
+        """Whether the latest :meth:`tick` started the reader (this process's first, or after one ended)."""
         self._serial: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._finish_seconds = 1.0  # until measured: a fresh process's first call keeps room too
         """The slowest recent seal-to-acknowledgement time (decaying): what a budget keeps for it."""
@@ -234,7 +236,13 @@ class StreamRunner:
 
     # -- epochs that span ticks -------------------------------------------------------------------
 
-    async def tick(self, budget_seconds: float, *, stop_after: float | None = None) -> Pending | None:
+    async def tick(
+        self,
+        budget_seconds: float,
+        *,
+        stop_after: float | None = None,
+        starting_budget: float | None = None,
+    ) -> Pending | None:
         """One sensor tick: seal the open epoch at its next safe boundary and wait, within
         ``budget_seconds``, until it is committed, certified and acknowledged; while the epochs sealed
         are full (a backlog), seal the next ones too. Returns None when done, or what was still
@@ -248,13 +256,17 @@ class StreamRunner:
         waiting for the next tick, which reports it. A failure of the reader is
         raised by the next tick, once; the tick after it starts a new reader. The reader stops when
         no tick came for ``stop_after`` seconds (its open epoch is aborted and its lease released).
-        The certificates are in the store; the sensor reports them from there.
+        A tick that starts the reader waits at most ``starting_budget`` (default: ``budget_seconds``);
+        its seal request stands, so the first epoch is sealed after the reader's first read and
+        certified in the background (:attr:`started` says the tick did that). The certificates are in
+        the store; the sensor reports them from there.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget_seconds
         clock = self._clock
         clock.last_tick, clock.stop_after = loop.time(), stop_after
         self.cut_short = None
+        self.started = False
         if self._reader is None or self._reader.done():
             failure, self._reader_failure, self._reader = self._reader_failure, None, None
             if failure is not None:
@@ -262,6 +274,9 @@ class StreamRunner:
             clock.stopping = clock.stopped_idle = False
             clock.since = loop.time()
             self._reader = loop.create_task(self._read_between_ticks(), name=f"faucet-read-{self.spec.name}")
+            self.started = True
+            if starting_budget is not None:
+                deadline = min(deadline, loop.time() + starting_budget)
         reader = self._reader
         while True:
             target = clock.request()
