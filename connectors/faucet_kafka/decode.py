@@ -53,6 +53,8 @@ class Decoder:
     def __init__(self, config: KafkaSourceConfig) -> None:
         self._format = config.format
         self._json = JsonRows(config.declared_schema(), noun="value")
+        self.parses_columns = config.format == "json" and self._json.schema is not None
+        """True when whole runs are parsed by Arrow into the declared columns (rows are batches)."""
 
     def decode(self, messages: Sequence[Message]) -> list[JsonRun]:
         """Decode ``messages`` (one partition, in offset order) into runs of rows and malformed ones."""

@@ -65,6 +65,8 @@ _ACK = b"+ACK"
 _PROGRESS = b"+WPI"
 _PROOF_CONCURRENCY = 256
 _NANOS = 1_000_000_000
+INLINE_PARSE_MESSAGES = 512
+"""Arrivals up to this many are parsed on the event loop (a worker thread's hand-off costs more)."""
 
 
 @dataclass(eq=False)
@@ -125,7 +127,7 @@ class _Parsed:
 
     seqs: pa.Int64Array
     deliveries: pa.Int64Array
-    seq_text: pa.StringArray
+    positions: list[str]
     stamps: pa.Int64Array | None
 
 
@@ -168,6 +170,9 @@ class PushConsumer:
         # What arrived, not parsed yet (appended by the subscription callback).
         self._incoming: list[Msg] = []
         self._incoming_since = 0.0
+        # What an intake is parsing right now (taken from _incoming, not yet a chunk).
+        self._parsing: list[Msg] = []
+        self._parsing_since = 0.0
         self._arrived = asyncio.Event()
         self.activity = time.monotonic()
         self.failure: FaucetError | None = None
@@ -301,8 +306,9 @@ class PushConsumer:
 
     def _received_delivery(self) -> int:
         """The consumer sequence of the last message received (parsed or not)."""
-        if self._incoming:
-            tokens = self._incoming[-1].reply.split(".")
+        last = self._incoming or self._parsing
+        if last:
+            tokens = last[-1].reply.split(".")
             # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>... or the 12-token domain form.
             return int(tokens[6] if len(tokens) == 9 else tokens[8])
         return self._last_delivery
@@ -320,7 +326,11 @@ class PushConsumer:
     @property
     def held(self) -> int:
         """Messages delivered and not acknowledged that this session holds (not counting arrivals)."""
-        return sum(map(len, itertools.chain(self.ready, self.reading, self.covered))) + len(self._incoming)
+        return (
+            sum(map(len, itertools.chain(self.ready, self.reading, self.covered)))
+            + len(self._incoming)
+            + len(self._parsing)
+        )
 
     async def wait(self, timeout: float) -> None:
         """Return when something arrived (a message or a status), or after ``timeout`` seconds."""
@@ -332,10 +342,14 @@ class PushConsumer:
         except TimeoutError:
             return
 
-    def intake(self, *, with_stamps: bool) -> None:
+    async def intake(self, *, with_stamps: bool) -> None:
         """Parse what arrived into a chunk of new messages (redeliveries of held ones are suppressed).
 
-        Raises :class:`IntegrityError` when a delivery is missing.
+        More than ``INLINE_PARSE_MESSAGES`` arrivals are parsed in a worker thread (Arrow without the
+        GIL), so the event loop meanwhile receives the next deliveries; while they are parsed they
+        still count as arrived (delivery checks, ``held``, keep-alive). A cancelled intake puts them
+        back, unparsed, in front of what arrived since. Raises :class:`IntegrityError` when a delivery
+        is missing.
         """
         if self.failure is not None:
             raise self.failure
@@ -344,8 +358,19 @@ class PushConsumer:
             return
         since = self._incoming_since
         self._incoming = []
+        self._parsing, self._parsing_since = msgs, since
+        try:
+            if len(msgs) <= INLINE_PARSE_MESSAGES:
+                parsed = self._parse(msgs, with_stamps=with_stamps)
+            else:
+                parsed = await asyncio.to_thread(self._parse, msgs, with_stamps=with_stamps)
+        except asyncio.CancelledError:
+            self._incoming[:0] = msgs
+            self._incoming_since = since
+            raise
+        finally:
+            self._parsing = []
         self.activity = time.monotonic()
-        parsed = self._parse([msg.reply for msg in msgs], with_stamps=with_stamps)
         count = len(msgs)
         deliveries = parsed.deliveries
         first_delivery = int(deliveries[0].as_py())
@@ -369,15 +394,14 @@ class PushConsumer:
             keep = self._new_indices(seqs.to_pylist(), msgs)
             if not keep:
                 return
+        positions, stamps = parsed.positions, parsed.stamps
         if keep is not None:
             indices = pa.array(keep, pa.int64())
             msgs = [msgs[index] for index in keep]
             seqs = seqs.take(indices)
-            seq_text = parsed.seq_text.take(indices)
-            stamps = None if parsed.stamps is None else parsed.stamps.take(indices)
-        else:
-            seq_text, stamps = parsed.seq_text, parsed.stamps
-        chunk = Chunk(msgs, seqs, seq_text.to_pylist(), stamps, since, self._gaps(seqs))
+            positions = [positions[index] for index in keep]
+            stamps = None if stamps is None else stamps.take(indices)
+        chunk = Chunk(msgs, seqs, positions, stamps, since, self._gaps(seqs))
         self.max_seen = chunk.last
         self.ready.append(chunk)
 
@@ -409,8 +433,10 @@ class PushConsumer:
             previous = seq
         return gaps
 
-    def _parse(self, replies: list[str], *, with_stamps: bool) -> _Parsed:
-        """Stream sequence, delivery number (and timestamp) of each acknowledgement subject, in bulk."""
+    def _parse(self, msgs: list[Msg], *, with_stamps: bool) -> _Parsed:
+        """Stream sequence, delivery number (and timestamp) of each message's acknowledgement subject,
+        in bulk. Touches no state but the prefix (the same for every call): safe on a worker thread."""
+        replies = [msg.reply for msg in msgs]
         if self._prefix is None:
             tokens = replies[0].split(".")
             # $JS.ACK.<stream>.<consumer>.<tail> or $JS.ACK.<domain>.<account>.<stream>.<consumer>.<tail>
@@ -434,7 +460,7 @@ class PushConsumer:
             stamps = pc.list_element(fields, 3).cast(pa.string()).cast(pa.int64()) if with_stamps else None
         except (pa.ArrowInvalid, IndexError) as exc:
             raise IntegrityError(f"malformed acknowledgement subjects: {exc}", where=self.where) from exc
-        return _Parsed(seqs, deliveries, seq_text, stamps)
+        return _Parsed(seqs, deliveries, seq_text.to_pylist(), stamps)
 
     def take(self, limit: int, *, upto: int | None = None) -> Chunk | None:
         """The next ready chunk: at most ``limit`` messages, none past stream sequence ``upto``.
@@ -651,6 +677,9 @@ class PushConsumer:
                     if now - chunk.touched >= stale_after:
                         chunk.touched = now
                         await self._progress(chunk.msgs)
+                if self._parsing and now - self._parsing_since >= stale_after:
+                    self._parsing_since = now
+                    await self._progress(list(self._parsing))
                 if self._incoming and now - self._incoming_since >= stale_after:
                     self._incoming_since = now
                     await self._progress(list(self._incoming))

@@ -83,6 +83,8 @@ from faucet_nats.jetstream import (
 )
 
 CODEC = NatsStreamSequenceCodec()
+INLINE_DECODE_MESSAGES = 512
+"""Chunks up to this many messages are decoded on the event loop (a worker thread's hand-off costs more)."""
 T = TypeVar("T")
 
 
@@ -338,7 +340,7 @@ class NatsStreamSession(StreamSession):
                 or (limits.age is not None and now - began >= limits.age)
             ):
                 return end, False
-            consumer.intake(with_stamps=self._decoder.needs_stamps)
+            await consumer.intake(with_stamps=self._decoder.needs_stamps)
             room = (
                 config.chunk_messages
                 if limits.records is None
@@ -393,7 +395,11 @@ class NatsStreamSession(StreamSession):
 
         Returns False when cancelled before everything was handed over.
         """
-        runs = self._decoder.decode(chunk.msgs, chunk.seqs, chunk.stamps)
+        if len(chunk) <= INLINE_DECODE_MESSAGES:
+            runs = self._decoder.decode(chunk.msgs, chunk.seqs, chunk.stamps)
+        else:
+            # Arrow parses without the GIL: meanwhile the event loop receives the next deliveries.
+            runs = await asyncio.to_thread(self._decoder.decode, chunk.msgs, chunk.seqs, chunk.stamps)
         for run in runs:
             positions = chunk.positions
             if run.rows is not None:

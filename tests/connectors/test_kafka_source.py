@@ -547,3 +547,59 @@ def test_consumes_ahead_only_what_the_read_delivers(
         assert sorted(ids + [row["id"] for row in second.all_rows()]) == list(range(60))
 
     run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["dead_letter", "halt"])
+@pytest.mark.parametrize("case", ["edges", "middle", "clean"])
+def test_one_arrow_parse_per_consume_batch_decodes_as_each_partition_alone(policy: str, case: str) -> None:
+    """With declared columns a consume batch's partitions are parsed in one Arrow call and cut back
+    at their boundaries: every row, malformed run, reason and halt error is the one each partition's
+    batch decoded alone gives, also with bad values at a partition's first and last offsets."""
+    from confluent_kafka import Message
+    from faucet_kafka.reader import PartitionState
+    from faucet_kafka.source import _Deliverer
+
+    cfg = config("127.0.0.1:1", "t", "g", columns={"id": "int64", "name": "string"}, on_malformed=policy)
+    # edges: first and last offsets of partitions, a tombstone, a value holding a newline (parsed
+    # alone); middle: runs of good values across partition boundaries; clean: one run over all.
+    bad: dict[int, bytes | None] = {}
+    if case == "edges":
+        bad = {0: b"[1]", 7: b'{"id": "x"}', 8: None, 13: b"nope", 14: b'{"id": 3,\n"name": "a"}'}
+    elif case == "middle":
+        bad = {3: b"[1]", 10: b'{"id": "x"}'}
+    batches: list[tuple[PartitionState, list[Message]]] = []
+    index = 0
+    for partition, size in ((0, 8), (1, 5), (2, 1), (3, 6)):
+        domain = OrderingDomain("kafka", "t", str(partition), "c:t", "kafka.offset")
+        state = PartitionState("t", partition, domain, 0, None)
+        messages = []
+        for offset in range(size):
+            value = bad.get(index, json.dumps({"id": index, "name": f"n{index}"}).encode())
+            messages.append(Message(topic="t", partition=partition, offset=offset, value=value))
+            index += 1
+        batches.append((state, messages))
+    deliverer = _Deliverer(cfg)
+
+    def outcome(decode: Callable[[], Any]) -> Any:
+        try:
+            decoded = decode()
+        except DataError as exc:
+            return ("halt", str(exc), exc.where)
+        # Per partition, each offset's row or reason (halving may cut rows into other runs).
+        outcomes = []
+        for runs in decoded:
+            mine: list[Any] = []
+            for r in runs:
+                mine.extend([r.reason] if r.rows is None else r.rows.to_pylist())
+                assert len(mine) == r.stop
+            outcomes.append(mine)
+        return outcomes
+
+    joined = outcome(lambda: run(deliverer.decode_all(batches)))
+    alone = outcome(lambda: [deliverer.decode(state, messages) for state, messages in batches])
+    assert joined == alone
+    malformed = {"edges": [2, 1, 1, 0], "middle": [1, 1, 0, 0], "clean": [0, 0, 0, 0]}[case]
+    if policy == "halt" and case != "clean":
+        assert joined[2] == f"topic t partition 0 offset {3 if case == 'middle' else 0}"
+    else:
+        assert [sum(isinstance(item, str) for item in runs) for runs in joined] == malformed

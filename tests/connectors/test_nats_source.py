@@ -764,3 +764,77 @@ def test_bounded_source_reads_to_the_last_sequence_at_the_start(nats_url: str, s
             source.apply_start_bookmark({"sequence": 1})
 
     run(scenario())
+
+
+def test_arrivals_parsed_in_a_thread_still_count_as_received(nats_url: str, stream: str) -> None:
+    """While an intake parses a large arrival on a worker thread, a heartbeat naming its last delivery
+    is no loss; a cancelled intake puts the arrivals back, in order, before what arrived since."""
+    import threading
+
+    from faucet_nats.consumer import INLINE_PARSE_MESSAGES
+    from nats.aio.msg import Msg
+
+    async def scenario() -> None:
+        await publish(nats_url, f"{stream}.a", [payload(1)])
+        cfg = config(nats_url, stream)
+        client = await connect(cfg, where="test")
+        try:
+            api = JetStreamApi(client, cfg)
+            consumer = PushConsumer(
+                client,
+                api,
+                cfg,
+                await api.stream(stream),
+                start_after=0,
+                durable=False,
+                worker=None,
+                where="t",
+            )
+            count = INLINE_PARSE_MESSAGES + 100
+
+            def data(n: int) -> Msg:
+                return Msg(client, subject="x", reply=f"$JS.ACK.{stream}.c.1.{n}.{n}.1700000000000000000.0")
+
+            release = threading.Event()
+            parse = consumer._parse
+
+            def slow_parse(msgs: list[Msg], *, with_stamps: bool) -> Any:
+                assert release.wait(60)
+                return parse(msgs, with_stamps=with_stamps)
+
+            consumer._parse = slow_parse  # type: ignore[method-assign]
+            heartbeat = Msg(
+                client, subject="x", reply="", headers={"Status": "100", "Nats-Last-Consumer": str(count)}
+            )
+
+            for message in [data(n) for n in range(1, count + 1)]:
+                await consumer._on_message(message)
+            cancelled = asyncio.create_task(consumer.intake(with_stamps=False))
+            while not consumer._parsing:
+                await asyncio.sleep(0.01)
+            await consumer._on_message(data(count + 1))  # arrives while the others are parsed
+            cancelled.cancel()
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert [m.reply.split(".")[5] for m in consumer._incoming] == [
+                str(n) for n in range(1, count + 2)
+            ]
+            assert consumer.held == count + 1
+
+            release.clear()
+            consumer._incoming.pop()
+            intake = asyncio.create_task(consumer.intake(with_stamps=False))
+            while not consumer._parsing:
+                await asyncio.sleep(0.01)
+            assert consumer.held == count
+            await consumer._on_message(heartbeat)
+            assert consumer.failure is None
+            release.set()
+            await intake
+            chunk = consumer.take(count + 1)
+            assert chunk is not None and chunk.positions == [str(n) for n in range(1, count + 1)]
+        finally:
+            await client.close()
+
+    run(scenario())
