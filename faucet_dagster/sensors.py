@@ -101,10 +101,10 @@ the daemon replaces its own every 60 s). Taking the lease, opening the sessions 
 seconds, which the daemon's serial sensor loop would spend waiting; the tick's seal request stands, so
 the first epoch is sealed after one read and certified in the background, and the next tick reports it."""
 EXIT_CLOSE_SECONDS = 10.0
+"""How long a stopping process waits for its streams to close before it exits anyway."""
 READER_STOP_SECONDS = 60.0
 """A stream's reader stops (rolling its open epoch back, releasing its lease) when no tick came for this
 long, or four sensor intervals if longer: the sensor was stopped, or the daemon ticks another process."""
-"""How long a stopping process waits for its streams to close before it exits anyway."""
 STARTED_READING = (
     "started reading in this process: the first epoch is sealed after one read and certified in the "
     "background; the next tick reports it"

@@ -69,13 +69,23 @@ async def savepoint(conn: "psycopg.AsyncConnection[Any]") -> AsyncIterator[None]
     (no statement can be sent), and the caller aborts the whole transaction anyway."""
     name = _new_name()
     await conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+    async with _rolled_back_on_error(conn, name):
+        yield
+    await conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+
+
+@asynccontextmanager
+async def _rolled_back_on_error(
+    conn: "psycopg.AsyncConnection[Any]", name: sql.Identifier
+) -> AsyncIterator[None]:
+    """Roll the open transaction of ``conn`` back to savepoint ``name`` when the block raises a
+    server error that left the transaction failed (not when the connection broke), and re-raise."""
     try:
         yield
     except psycopg.Error:
         if not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
             await conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
         raise
-    await conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
 
 
 class Savepoints:
@@ -121,8 +131,9 @@ class Savepoints:
         status = conn.info.transaction_status
         ready, self._ready = self._ready, None
         if ready is not None and status == psycopg.pq.TransactionStatus.INTRANS:
-            async with self._rolled_back_on_error(conn, ready):
+            async with _rolled_back_on_error(conn, ready):
                 yield
+            self._pending = ready
             return
         name = _new_name()
         create = sql.SQL("SAVEPOINT {}").format(name)
@@ -134,19 +145,8 @@ class Savepoints:
             await conn.execute(sql.SQL("RELEASE SAVEPOINT {}; {}").format(pending, create))
         else:
             await conn.execute(create)
-        async with self._rolled_back_on_error(conn, name):
+        async with _rolled_back_on_error(conn, name):
             yield
-
-    @asynccontextmanager
-    async def _rolled_back_on_error(
-        self, conn: "psycopg.AsyncConnection[Any]", name: sql.Identifier
-    ) -> AsyncIterator[None]:
-        try:
-            yield
-        except psycopg.Error:
-            if not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
-                await conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
-            raise
         self._pending = name
 
 
