@@ -34,7 +34,8 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
 
 APPLY_CHANGES (staging by table, applied by key in commit order at the commit) is described with its
 code, :mod:`faucet_postgres.stream_changes`; the tables APPEND, UPSERT and VERSIONED_UPSERT write, in
-:mod:`faucet_postgres.stream_tables`.
+:mod:`faucet_postgres.stream_tables`; the stream's fence, epoch and watermark rows and the statements
+on them, in :mod:`faucet_postgres.stream_fence`.
 
 ``open`` claims the fence (the epochs row's token becomes the worker's, unless a higher one holds it:
 then OwnershipLost), so an older worker's commit fails from that moment on, checked by the database
@@ -53,7 +54,6 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
-from psycopg import sql
 
 from faucet_dagster.protocol import (
     DEFAULT_POLICY_OPERATIONS,
@@ -66,10 +66,8 @@ from faucet_dagster.protocol import (
     EpochMismatch,
     FaucetError,
     LifecycleError,
-    OrderingDomain,
     OwnershipLost,
     PartialResult,
-    Position,
     Receipt,
     RejectedRow,
     SinkBatch,
@@ -82,9 +80,10 @@ from faucet_dagster.protocol import (
     WritePolicy,
 )
 from faucet_postgres import changes, stream_zombies
-from faucet_postgres.common import connect, current_schema, pg_error, table_name
+from faucet_postgres.common import connect, current_schema, pg_error
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_changes import ChangeApplier
+from faucet_postgres.stream_fence import StreamRows, fenced_out, is_fence_refusal
 from faucet_postgres.stream_state import Committed, Epoch, Tally
 from faucet_postgres.stream_tables import Tables
 from faucet_postgres.stream_zombies import Backend, backend_of, ensure_exited
@@ -96,11 +95,6 @@ Connect = Callable[..., Awaitable[Connection]]
 POLICIES = frozenset(
     {WritePolicy.APPEND, WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.APPLY_CHANGES}
 )
-_STATE_LOCK = 0x66617563  # an advisory lock id ("fauc"), held while the state tables are created
-_FENCED = "faucet: the owner fence or the epochs row moved"
-"""The commit's fence refuses by asking for this run-time parameter, which does not exist (an error in
-the statement itself, so the COMMIT sent after it in the same round trip is not executed)."""
-_UNDEFINED_OBJECT = "42704"
 
 
 def _answered(exc: psycopg.Error, conn: Connection) -> bool:
@@ -203,8 +197,8 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._worker = worker
         self._where = f"{sink.config.safe_url()} stream {stream}"
         self._database = conn.info.dbname  # for receipts: a table named fully, database.schema.table
-        self._epochs = sql.Identifier("")
-        self._watermarks = sql.Identifier("")
+        self._rows: StreamRows | None = None
+        """The stream's fence, epoch and watermark rows (named once :meth:`prepare` knows the schema)."""
         self._backend: Backend | None = None
         self._tables = Tables(sink.config, policy, key, self._where)
         self._changes = ChangeApplier(key, self._where, self._tables, self._failure)
@@ -226,39 +220,16 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn = self._live()
         try:
             self._tables.schema = self._config.schema_name or await current_schema(conn)
-            state_schema = self._config.state_schema_name or self._tables.schema
-            self._epochs = table_name(state_schema, self._config.epochs_table)
-            self._watermarks = table_name(state_schema, self._config.watermarks_table)
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_STATE_LOCK,))
-            await conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (stream text PRIMARY KEY, fencing_token bigint NOT NULL, "
-                    "epoch_sequence bigint, epoch_fencing_token bigint, commit_id text, "
-                    "committed_at timestamptz)"
-                ).format(self._epochs)
+            self._rows = StreamRows(
+                self._stream,
+                self._config.state_schema_name or self._tables.schema,
+                self._config.epochs_table,
+                self._config.watermarks_table,
             )
-            await conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (stream text NOT NULL, source text NOT NULL, "
-                    "resource text NOT NULL, partition text NOT NULL, incarnation text NOT NULL, "
-                    "codec text NOT NULL, position text NOT NULL, epoch_sequence bigint NOT NULL, "
-                    "PRIMARY KEY (stream, source, resource, partition))"
-                ).format(self._watermarks)
-            )
-            await conn.commit()
-            cursor = await conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} AS e (stream, fencing_token) VALUES (%s, %s) ON CONFLICT (stream) "
-                    "DO UPDATE SET fencing_token = EXCLUDED.fencing_token "
-                    "WHERE e.fencing_token <= EXCLUDED.fencing_token RETURNING fencing_token"
-                ).format(self._epochs),
-                (self._stream, self._worker.fencing_token),
-            )
-            claimed = await cursor.fetchone()
-            await conn.commit()
+            claimed = await self._rows.create_and_claim(conn, self._worker.fencing_token)
         except psycopg.Error as exc:
             raise await self._failure(exc, where=self._where, doing="preparing the stream state") from exc
-        if claimed is None:
+        if not claimed:
             raise OwnershipLost(
                 f"a fencing token above {self._worker.fencing_token} holds the stream at the destination",
                 where=self._where,
@@ -272,33 +243,15 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._check_usable()
         probe = await self._connection(autocommit=True)
         try:
-            found = await self._read_state(probe)
+            return (await self._read_state(probe, doing="reading the last committed epoch")).state()
         finally:
             await probe.close()
-        return None if found is None else found[0]
 
-    async def _read_state(self, conn: Connection) -> tuple[SinkCommitState, str] | None:
+    async def _read_state(self, conn: Connection, *, doing: str) -> Committed:
         try:
-            cursor = await conn.execute(
-                sql.SQL(
-                    "SELECT e.epoch_sequence, e.epoch_fencing_token, e.commit_id, w.source, w.resource, "
-                    "w.partition, w.incarnation, w.codec, w.position FROM {} e LEFT JOIN {} w "
-                    "ON w.stream = e.stream WHERE e.stream = %s AND e.epoch_sequence IS NOT NULL"
-                ).format(self._epochs, self._watermarks),
-                (self._stream,),
-            )
-            rows = await cursor.fetchall()
+            return await self._stream_rows().read(conn)
         except psycopg.Error as exc:
-            raise pg_error(exc, where=self._where, doing="reading the last committed epoch") from exc
-        if not rows:
-            return None
-        sequence, token, commit_id = rows[0][:3]
-        watermarks = tuple(
-            Position(OrderingDomain(source, resource, partition, incarnation, codec), position)
-            for _, _, _, source, resource, partition, incarnation, codec, position in rows
-            if source is not None
-        )
-        return SinkCommitState(EpochId(self._stream, int(sequence), int(token)), watermarks), str(commit_id)
+            raise pg_error(exc, where=self._where, doing=doing) from exc
 
     # -- the epoch lifecycle ----------------------------------------------------------------------
 
@@ -320,18 +273,10 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         committed = self._committed
         if committed is None:
             try:
-                cursor = await conn.execute(
-                    sql.SQL(
-                        "SELECT e.commit_id, w.source, w.resource, w.partition, w.incarnation, w.codec, "
-                        "w.position FROM {} e LEFT JOIN {} w ON w.stream = e.stream WHERE e.stream = %s"
-                    ).format(self._epochs, self._watermarks),
-                    (self._stream,),
-                )
-                rows = await cursor.fetchall()
-            except psycopg.Error as exc:
+                committed = self._committed = await self._read_state(conn, doing=f"beginning epoch {epoch}")
+            except FaucetError:
                 await self._rollback_quietly()
-                raise pg_error(exc, where=self._where, doing=f"beginning epoch {epoch}") from exc
-            committed = self._committed = Committed.from_rows(rows)
+                raise
         self._active = Epoch(epoch, committed)
         self._tables.new_transaction()
         if self._policy is not WritePolicy.APPLY_CHANGES:
@@ -428,25 +373,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         marks = state.next_watermarks(coverage)
         # Until this commit is known to have taken effect, the next epoch reads the state again.
         self._committed = None
-        fence = (
-            sql.SQL(
-                "WITH fence AS (UPDATE {} SET fencing_token = %(token)s, epoch_sequence = %(sequence)s, "
-                "epoch_fencing_token = %(token)s, "
-                "commit_id = %(commit)s::text || ':' || pg_current_xact_id()::text, "
-                "committed_at = now() WHERE stream = %(stream)s AND fencing_token <= %(token)s "
-                "AND commit_id IS NOT DISTINCT FROM %(begun)s RETURNING commit_id) "
-                "SELECT CASE WHEN count(*) = 1 THEN max(commit_id) ELSE current_setting(%(refusal)s) END "
-                "FROM fence"
-            ).format(self._epochs),
-            {
-                "token": epoch.fencing_token,
-                "sequence": epoch.sequence,
-                "commit": commit_id,
-                "stream": self._stream,
-                "begun": state.begun.commit_id,
-                "refusal": _FENCED,
-            },
-        )
+        fence = self._stream_rows().fence(epoch, commit_id, state.begun)
         fenced: str | None = None
         if state.changes or self._idle_long():
             # The fence on its own first. APPLY_CHANGES: after the fence, a zombie's epoch is refused
@@ -468,26 +395,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
                 if marks:
                     # Not closed before the pipeline's sync, which hands it its (empty) results.
                     many = conn.cursor()
-                    await many.executemany(
-                        sql.SQL(
-                            "INSERT INTO {} AS w (stream, source, resource, partition, incarnation, "
-                            "codec, position, epoch_sequence) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-                            "ON CONFLICT (stream, source, resource, partition) DO UPDATE SET "
-                            "incarnation = EXCLUDED.incarnation, codec = EXCLUDED.codec, "
-                            "position = EXCLUDED.position, epoch_sequence = EXCLUDED.epoch_sequence"
-                        ).format(self._watermarks),
-                        [
-                            (
-                                self._stream,
-                                *mark.domain.lineage,
-                                mark.domain.incarnation,
-                                mark.domain.codec,
-                                mark.value,
-                                epoch.sequence,
-                            )
-                            for mark in marks
-                        ],
-                    )
+                    await many.executemany(*self._stream_rows().watermarks(epoch, marks))
                 # The COMMIT syncs the pipeline: one round trip. A statement refused before it leaves
                 # it unexecuted (the transaction in error). Raised after the block, which then ends
                 # quietly.
@@ -526,39 +434,24 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         assert fenced is not None
         self._pending_commit = None
         self._active = None
-        self._committed = state.begun.after(marks, fenced)
+        self._committed = state.begun.after(epoch, marks, fenced)
         return self._receipts(state, transaction=fenced.partition(":")[2])
 
     async def _commit_refused(self, exc: psycopg.Error, epoch: EpochId) -> FaucetError:
         """The error for a commit the server refused (the epoch is failed; its transaction is rolled
         back here): OwnershipLost when it was the fence, naming the token that holds the stream."""
-        if not (exc.sqlstate == _UNDEFINED_OBJECT and _FENCED in (exc.diag.message_primary or "")):
+        if not is_fence_refusal(exc):
             return await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}")
         await self._rollback_quietly()
-        found: int | None = None
+        holder: int | None = None
         conn = self._conn
         if conn is not None and not conn.broken and not conn.closed:
             try:
-                cursor = await conn.execute(
-                    sql.SQL("SELECT fencing_token FROM {} WHERE stream = %s").format(self._epochs),
-                    (self._stream,),
-                )
-                row = await cursor.fetchone()
+                holder = await self._stream_rows().holder(conn)
                 await conn.rollback()
-                found = None if row is None else int(row[0])
             except psycopg.Error:
                 await self._rollback_quietly()
-        token = epoch.fencing_token
-        if found is not None and found > token:
-            why = f"a fencing token above {token} claimed the stream: fencing token {found} holds its fence"
-        elif found is not None:
-            why = (
-                f"another session claimed the stream: fencing token {found} committed after this session "
-                "last read it"
-            )
-        else:
-            why = "the stream's owner fence at the destination could not be read, or is gone"
-        return OwnershipLost(f"{why}; epoch {epoch} was rolled back", where=self._where)
+        return fenced_out(epoch, holder, self._where)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Roll the epoch's transaction back: none of its rows, watermarks or epoch row remain."""
@@ -632,6 +525,11 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         ``idle_in_transaction_session_timeout`` or more (0: no timeout)."""
         timeout = self._config.idle_in_transaction_session_timeout
         return timeout > 0 and time.monotonic() - self._used >= timeout / 2
+
+    def _stream_rows(self) -> StreamRows:
+        if self._rows is None:
+            raise LifecycleError("the session was not prepared", where=self._where)
+        return self._rows
 
     def _live(self) -> Connection:
         if self._conn is None:
@@ -709,7 +607,7 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             try:
                 if self._backend is not None:
                     await ensure_exited(probe, self._backend, self._where)
-                found = await self._read_state(probe)
+                found = await self._read_state(probe, doing="reading back a commit")
             finally:
                 await probe.close()
         except FaucetError as exc:
@@ -726,9 +624,9 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
-        if found is None or found[1].partition(":")[0] != commit_id:
+        if found.commit_id is None or found.commit_id.partition(":")[0] != commit_id:
             return None
-        return found[1]
+        return found.commit_id
 
 
 __all__ = [

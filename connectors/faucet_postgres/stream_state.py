@@ -22,6 +22,7 @@ from faucet_dagster.protocol import (
     OrderingDomain,
     Position,
     SinkBatch,
+    SinkCommitState,
     default_codec_registry,
 )
 from faucet_postgres import change_apply, changes
@@ -80,8 +81,9 @@ Lineage = tuple[str, str, str]
 
 @dataclass(frozen=True)
 class Committed:
-    """The stream's committed state at the destination as a session knows it: the watermarks (by
-    domain lineage) and the epochs row's ``commit_id`` (None: no epoch committed yet).
+    """The stream's committed state at the destination as a session knows it: the last committed
+    epoch, the watermarks (by domain lineage) and the epochs row's ``commit_id`` (``last`` and
+    ``commit_id`` None: no epoch committed yet).
 
     Read once (:meth:`from_rows`), then carried from commit to commit (:meth:`after`): only a commit
     changes the watermarks, always together with the ``commit_id``, and each commit writes only if
@@ -91,23 +93,34 @@ class Committed:
 
     watermarks: Mapping[Lineage, Position]
     commit_id: str | None
+    last: EpochId | None
 
     @classmethod
-    def from_rows(cls, rows: Iterable[tuple[Any, ...]]) -> "Committed":
-        """From ``(commit_id, source, resource, partition, incarnation, codec, position)`` rows: the
-        epochs row left-joined with the stream's watermarks (no row: nothing committed)."""
+    def from_rows(cls, stream: str, rows: Iterable[tuple[Any, ...]]) -> "Committed":
+        """From ``(epoch_sequence, epoch_fencing_token, commit_id, source, resource, partition,
+        incarnation, codec, position)`` rows: the stream's epochs row left-joined with its
+        watermarks (no row: nothing committed)."""
+        last: EpochId | None = None
         commit_id: str | None = None
         watermarks: dict[Lineage, Position] = {}
-        for found, source, resource, partition, incarnation, codec, position in rows:
-            commit_id = None if found is None else str(found)
+        for sequence, token, found, source, resource, partition, incarnation, codec, position in rows:
+            last, commit_id = EpochId(stream, int(sequence), int(token)), str(found)
             if source is not None:
                 domain = OrderingDomain(source, resource, partition, incarnation, codec)
                 watermarks[domain.lineage] = Position(domain, position)
-        return cls(watermarks, commit_id)
+        return cls(watermarks, commit_id, last)
 
-    def after(self, marks: Iterable[Position], commit_id: str) -> "Committed":
-        """The state once a commit that wrote ``marks`` under ``commit_id`` took effect."""
-        return Committed({**self.watermarks, **{mark.domain.lineage: mark for mark in marks}}, commit_id)
+    def after(self, epoch: EpochId, marks: Iterable[Position], commit_id: str) -> "Committed":
+        """The state once ``epoch``'s commit, which wrote ``marks`` under ``commit_id``, took effect."""
+        return Committed(
+            {**self.watermarks, **{mark.domain.lineage: mark for mark in marks}}, commit_id, epoch
+        )
+
+    def state(self) -> SinkCommitState | None:
+        """As the protocol reports it (None: nothing committed)."""
+        if self.last is None:
+            return None
+        return SinkCommitState(self.last, tuple(self.watermarks.values()))
 
 
 @dataclass
