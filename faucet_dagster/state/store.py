@@ -28,24 +28,18 @@ What holds:
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as postgresql_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import ArgumentError, DatabaseError, SQLAlchemyError
+from sqlalchemy.engine import Connection
 
 from faucet_dagster.protocol import (
     CodecRegistry,
     ConfigError,
-    ConnectionFailed,
     DomainCoverage,
     EpochCertificate,
     FaucetError,
@@ -59,18 +53,14 @@ from faucet_dagster.protocol import (
     default_codec_registry,
 )
 from faucet_dagster.state import tables as q
+from faucet_dagster.state.database import StoreDatabase
 from faucet_dagster.state.tables import (
-    ADDED_COLUMNS,
     certificates_table,
     db_now,
     dead_letters_table,
-    metadata,
     positions_table,
     streams_table,
 )
-
-STATE_URL_ENV = "FAUCET_STATE_URL"
-STATE_FILE_NAME = "faucet_state.db"
 
 
 @dataclass(frozen=True)
@@ -127,69 +117,14 @@ class StreamStatus:
         return plain
 
 
-def default_state_url() -> str:
-    """``$FAUCET_STATE_URL``, else a SQLite file under ``$DAGSTER_HOME``; a ConfigError if neither is set."""
-    explicit = os.environ.get(STATE_URL_ENV)
-    if explicit:
-        return explicit
-    home = os.environ.get("DAGSTER_HOME")
-    if not home:
-        raise ConfigError(
-            f"no state store: set {STATE_URL_ENV} (a SQLAlchemy URL) or DAGSTER_HOME (a SQLite file there)",
-            where=STATE_URL_ENV,
-        )
-    return f"sqlite:///{Path(home).expanduser().resolve() / STATE_FILE_NAME}"
-
-
-def _normalize_url(url: str) -> sa.URL:
-    try:
-        parsed = sa.make_url(url)
-    except (ArgumentError, ValueError):
-        # Never echo the URL (SQLAlchemy's message does): it might hold a secret.
-        raise ConfigError(
-            "the state store URL is not a SQLAlchemy URL (dialect[+driver]://user@host/database)",
-            where=STATE_URL_ENV,
-        ) from None
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ConfigError(
-            f"the state store supports SQLite and PostgreSQL, not {parsed.get_backend_name()}",
-            where=STATE_URL_ENV,
-        )
-    return parsed
-
-
-_CORRUPT = ("file is not a database", "database disk image is malformed")
-"""How SQLite reports a file that is not (or no longer) a database."""
-
-
-def _corrupt(exc: SQLAlchemyError) -> bool:
-    return isinstance(exc, DatabaseError) and any(text in str(exc) for text in _CORRUPT)
-
-
 class StateStore:
     """Certificates, leases, report marks and dead letters of continuous streams, in one database."""
 
     def __init__(self, url: str | None = None, *, codecs: CodecRegistry | None = None) -> None:
-        parsed = _normalize_url(url or default_state_url())
-        # The store has no auth field: a password may be in the URL (or PGPASSWORD), so every message
-        # shows the URL without it and without the query, where driver options such as sslpassword live.
-        self._where = f"state store {parsed.set(query={}).render_as_string(hide_password=True)}"
+        self._db = StoreDatabase(url)
+        self._where = self._db.where
         self._codecs = codecs or default_codec_registry()
-        self._sqlite = parsed.get_backend_name() == "sqlite"
-        self._path = parsed.database or ""
-        if self._sqlite and parsed.database not in (None, "", ":memory:"):
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        self._engine: Engine = sa.create_engine(parsed, pool_pre_ping=not self._sqlite)
-        self._new_stream = (sqlite_insert if self._sqlite else postgresql_insert)(
-            streams_table
-        ).on_conflict_do_nothing()
-        if self._sqlite:
-            _configure_sqlite(self._engine)
-        with self._translate("create the tables"):
-            metadata.create_all(self._engine)
-            _add_missing_columns(self._engine)
+        self._new_stream = self._db.insert(streams_table).on_conflict_do_nothing()
 
     @property
     def where(self) -> str:
@@ -200,12 +135,12 @@ class StateStore:
     def transaction(self, action: str) -> Iterator[Connection]:
         """One transaction on the store, its failures translated as the store's own (``action`` names
         what was being done, for the message): for tables kept beside the store's (:mod:`.members`)."""
-        with self._transaction(action) as conn:
+        with self._db.transaction(action) as conn:
             yield conn
 
     def close(self) -> None:
         """Release the store's connections."""
-        self._engine.dispose()
+        self._db.close()
 
     def __enter__(self) -> "StateStore":
         return self
@@ -238,7 +173,7 @@ class StateStore:
         returned :class:`LeaseBusy` says whether one was recorded. Raises :class:`UncertainOutcome`
         while the stream is marked uncertain.
         """
-        with self._transaction("acquire a lease") as conn:
+        with self._db.transaction("acquire a lease") as conn:
             row, now = self._locked_stream(conn, stream)
             if row.uncertain:
                 raise UncertainOutcome(
@@ -277,7 +212,7 @@ class StateStore:
         The requester finds the lease its own when it next tries to take it, while every other
         worker finds it held: the stream cannot fall back to the holder that is stopping.
         """
-        with self._transaction("hand a lease over") as conn:
+        with self._db.transaction("hand a lease over") as conn:
             row, now = self._locked_stream(conn, lease.stream)
             held = (
                 row.lease_owner == lease.owner
@@ -303,13 +238,13 @@ class StateStore:
     def handover_requested(self, lease: Lease) -> str | None:
         """The worker that asked ``lease``'s holder to hand the stream over, or None (also when the
         lease is no longer held)."""
-        with self._transaction("read hand-over requests", read_only=True) as conn:
+        with self._db.transaction("read hand-over requests", read_only=True) as conn:
             requester = conn.execute(q.HANDOVER_TO, _held(lease)).scalar_one_or_none()
             return None if requester is None else str(requester)
 
     def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         """Extend a live lease by ``ttl`` seconds from now; :class:`OwnershipLost` if it is not held."""
-        with self._transaction("renew a lease") as conn:
+        with self._db.transaction("renew a lease") as conn:
             expires = conn.execute(q.RENEW_LEASE, {**_held(lease), "ttl": ttl}).scalar_one_or_none()
             if expires is None:
                 raise self._lost(conn, lease)
@@ -317,13 +252,13 @@ class StateStore:
 
     def check_lease(self, lease: Lease) -> None:
         """Raise :class:`OwnershipLost` unless ``lease`` is still held, live and with its token."""
-        with self._transaction("check a lease", read_only=True) as conn:
+        with self._db.transaction("check a lease", read_only=True) as conn:
             if conn.execute(q.CHECK_LEASE, _held(lease)).first() is None:
                 raise self._lost(conn, lease)
 
     def release_lease(self, lease: Lease) -> bool:
         """Give ``lease`` up (a clean shutdown); False when it was no longer held (nothing changed)."""
-        with self._transaction("release a lease") as conn:
+        with self._db.transaction("release a lease") as conn:
             updated = conn.execute(
                 streams_table.update()
                 .where(*self._holds(lease))
@@ -333,7 +268,7 @@ class StateStore:
 
     def mark_uncertain(self, stream: str, reason: str) -> None:
         """Record that ``stream``'s last close was uncertain: no lease is granted until :meth:`release`."""
-        with self._transaction("mark a stream uncertain") as conn:
+        with self._db.transaction("mark a stream uncertain") as conn:
             self._locked_stream(conn, stream)
             conn.execute(
                 streams_table.update()
@@ -346,7 +281,7 @@ class StateStore:
 
         The fencing token is kept, so the next owner's token is still larger than every earlier one.
         """
-        with self._transaction("release a stream") as conn:
+        with self._db.transaction("release a stream") as conn:
             before = self._status(conn, stream)
             conn.execute(
                 streams_table.update()
@@ -369,7 +304,7 @@ class StateStore:
         stream = certificate.stream
         canonical = self._canonical(certificate)
         fingerprint, body = _fingerprint_and_body(canonical)
-        with self._transaction("append a certificate") as conn:
+        with self._db.transaction("append a certificate") as conn:
             # The stream row, locked (a lease was taken on it, so it exists unless nothing was leased).
             row = conn.execute(q.LOCKED_STREAM_ROW, {"stream": stream}).first()
             last_row = conn.execute(q.LAST_CERTIFICATE, {"stream": stream}).first()
@@ -430,11 +365,11 @@ class StateStore:
         )
         if limit is not None:
             query = query.limit(limit)
-        with self._transaction("read certificates") as conn:
+        with self._db.transaction("read certificates") as conn:
             return [EpochCertificate.from_json(body) for body in conn.execute(query).scalars()]
 
     def last_certificate(self, stream: str) -> EpochCertificate | None:
-        with self._transaction("read the last certificate") as conn:
+        with self._db.transaction("read the last certificate") as conn:
             body = conn.execute(
                 sa.select(certificates_table.c.body)
                 .where(certificates_table.c.stream == stream)
@@ -445,14 +380,14 @@ class StateStore:
 
     def certified_positions(self, stream: str) -> tuple[Position, ...]:
         """The certified position of every domain ``stream`` has covered: where a session resumes."""
-        with self._transaction("read certified positions") as conn:
+        with self._db.transaction("read certified positions") as conn:
             return self._positions(conn, stream)
 
     # -- reports to Dagster -----------------------------------------------------------------------
 
     def mark_reported(self, stream: str, through: int) -> None:
         """Record that Dagster received the reports of certificates up to ``through`` (never goes back)."""
-        with self._transaction("mark certificates reported") as conn:
+        with self._db.transaction("mark certificates reported") as conn:
             self._locked_stream(conn, stream)
             column = streams_table.c.reported_through
             conn.execute(
@@ -462,7 +397,7 @@ class StateStore:
             )
 
     def reported_through(self, stream: str) -> int:
-        with self._transaction("read report marks") as conn:
+        with self._db.transaction("read report marks") as conn:
             value = conn.execute(
                 sa.select(streams_table.c.reported_through).where(streams_table.c.stream == stream)
             ).scalar_one_or_none()
@@ -495,14 +430,14 @@ class StateStore:
             }
             for letter in letters
         ]
-        insert = (sqlite_insert if self._sqlite else postgresql_insert)(dead_letters_table)
+        insert = self._db.insert(dead_letters_table)
         table = dead_letters_table.c
         upsert = insert.on_conflict_do_update(
             index_elements=[table.stream, table.identity],
             set_={name: insert.excluded[name] for name in ("reason", "origin", "sequence", "fencing_token")},
             where=sa.or_(table.fencing_token.is_(None), table.fencing_token < insert.excluded.fencing_token),
         )
-        with self._transaction("record dead letters") as conn:
+        with self._db.transaction("record dead letters") as conn:
             conn.execute(upsert, rows)
 
     def withdraw_dead_letters(
@@ -512,7 +447,7 @@ class StateStore:
         aborted; a letter a newer owner has taken over stays. Returns how many were removed."""
         if not letters:
             return 0
-        with self._transaction("withdraw dead letters") as conn:
+        with self._db.transaction("withdraw dead letters") as conn:
             result = conn.execute(
                 sa.delete(dead_letters_table).where(
                     dead_letters_table.c.stream == stream,
@@ -530,7 +465,7 @@ class StateStore:
         before it could withdraw them), and their replay routes again whatever it still rejects.
         Called by a new owner, holding ``fencing_token``, before its first epoch. Returns how many."""
         table = dead_letters_table.c
-        with self._transaction("discard the dead letters of uncommitted epochs") as conn:
+        with self._db.transaction("discard the dead letters of uncommitted epochs") as conn:
             result = conn.execute(
                 sa.delete(dead_letters_table).where(
                     table.stream == stream,
@@ -542,7 +477,7 @@ class StateStore:
 
     def dead_letters(self, stream: str) -> list[dict[str, Any]]:
         """``stream``'s dead letters, oldest first, as plain rows."""
-        with self._transaction("read dead letters") as conn:
+        with self._db.transaction("read dead letters") as conn:
             result = conn.execute(
                 sa.select(dead_letters_table)
                 .where(dead_letters_table.c.stream == stream)
@@ -554,41 +489,13 @@ class StateStore:
 
     def status(self, stream: str | None = None) -> list[StreamStatus]:
         """The status of ``stream`` (a ConfigError if unknown), or of every known stream."""
-        with self._transaction("read stream status") as conn:
+        with self._db.transaction("read stream status") as conn:
             if stream is not None:
                 return [self._status(conn, stream)]
             names = conn.execute(sa.select(streams_table.c.stream).order_by(streams_table.c.stream)).scalars()
             return [self._status(conn, name) for name in list(names)]
 
     # -- internals ------------------------------------------------------------------------------
-
-    @contextmanager
-    def _translate(self, action: str) -> Iterator[None]:
-        try:
-            yield
-        except SQLAlchemyError as exc:
-            if self._sqlite and _corrupt(exc):
-                raise ConfigError(
-                    f"could not {action}: the state store file {self._path} is corrupt or not a SQLite "
-                    "database; restore it from a backup, or move it aside to start an empty store (the "
-                    "streams' certificates, leases and dead letters would then be gone)",
-                    where=self._where,
-                ) from exc
-            raise ConnectionFailed(f"could not {action}: {type(exc).__name__}", where=self._where) from exc
-
-    @contextmanager
-    def _transaction(self, action: str, *, read_only: bool = False) -> Iterator[Connection]:
-        """One transaction. ``read_only`` (it writes nothing): on SQLite a deferred ``BEGIN``, a WAL
-        reader that neither waits for the write lock nor makes a writer wait."""
-        with self._translate(action):
-            if not read_only:
-                with self._engine.begin() as conn:
-                    yield conn
-                return
-            with self._engine.connect() as conn:
-                conn.execution_options(**{_READ_ONLY: True})
-                with conn.begin():
-                    yield conn
 
     def _locked_stream(self, conn: Connection, stream: str) -> tuple[Any, float]:
         """The stream's row (created if new), locked for this transaction, and the database time."""
@@ -758,52 +665,6 @@ class StateStore:
             positions=self._positions(conn, stream),
             dead_letters=int(dead),
         )
-
-
-def _add_missing_columns(engine: Engine) -> None:
-    """Add the columns of :data:`ADDED_COLUMNS` a store of an earlier version lacks.
-
-    All are nullable, so ``ALTER TABLE ... ADD COLUMN`` works on SQLite and PostgreSQL alike; a
-    process adding them at the same moment as this one makes the statement fail, and the columns
-    are there when it is inspected again.
-    """
-    for table_name, columns in ADDED_COLUMNS.items():
-        table = metadata.tables[table_name]
-        for attempt in range(2):
-            present = {column["name"] for column in sa.inspect(engine).get_columns(table_name)}
-            missing = [name for name in columns if name not in present]
-            if not missing:
-                break
-            try:
-                with engine.begin() as conn:
-                    for name in missing:
-                        kind = table.c[name].type.compile(dialect=engine.dialect)
-                        conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {name} {kind}")
-            except SQLAlchemyError:
-                if attempt:
-                    raise
-
-
-def _configure_sqlite(engine: Engine) -> None:
-    """WAL for concurrent readers, a busy timeout for concurrent writers, fsync on commit, and
-    ``BEGIN IMMEDIATE`` so a transaction holds the write lock from its start (compare-and-set)."""
-
-    @sa.event.listens_for(engine, "connect")
-    def _connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event below emits BEGIN itself
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
-
-    @sa.event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
-
-
-_READ_ONLY = "faucet_read_only"
-"""The execution option of a transaction that writes nothing (:meth:`StateStore._transaction`)."""
 
 
 def _held(lease: Lease) -> dict[str, Any]:
