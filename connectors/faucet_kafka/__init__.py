@@ -16,7 +16,7 @@ def _stream_source(config: KafkaSourceConfig) -> StreamSource:
 
 
 def _source(config: KafkaSourceConfig) -> Source:
-    from faucet_kafka.source import KafkaSource
+    from faucet_kafka.bounded import KafkaSource
 
     return KafkaSource(config)
 

@@ -225,6 +225,30 @@ def describe(
     return str(cluster_id), described
 
 
+async def partitions_of(config: KafkaSourceConfig, topics: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Each of ``topics``' partition numbers, asked on a client thread of its own; a topic that
+    does not exist raises ConfigError naming it."""
+    thread = ClientThread("faucet-kafka-check")
+    try:
+        admin = AdminClient(client_settings(config))
+        _, described = await thread.call(describe, admin, topics, config.request_timeout, dataset_uri(config))
+    finally:
+        await thread.close()
+    partitions: dict[str, tuple[int, ...]] = {}
+    for topic in topics:
+        info = described.get(topic)
+        if info is None:
+            raise ConfigError(f"topic {topic} does not exist", where=where_of(topic))
+        partitions[topic] = info.partitions
+    return partitions
+
+
+def dataset_uri(config: KafkaSourceConfig) -> str:
+    """``kafka://<first bootstrap server>/<topics>``: where the source's messages name it."""
+    first = config.bootstrap_servers.split(",")[0].strip()
+    return f"kafka://{first}/{','.join(config.topics)}"
+
+
 def list_topics(admin: AdminClient, timeout: float, where: str) -> list[str]:
     """Names of the cluster's topics, without internal ones (``__consumer_offsets``...). Blocking."""
     try:

@@ -1,4 +1,5 @@
-"""The Kafka source: a continuous StreamSource (epochs) and a bounded Source (one finite read).
+"""The Kafka source: its capabilities and the continuous StreamSource (epochs); the bounded Source
+(one finite read) is :mod:`faucet_kafka.bounded`.
 
 Ordering domain: one partition of one topic incarnation (``incarnation`` = cluster id + topic id), so
 a position of a deleted-and-recreated topic never compares with the new log. Position: the partition
@@ -15,42 +16,29 @@ ownership. Nothing else ever commits: auto commit is off.
 """
 
 import asyncio
-import bisect
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import pyarrow as pa
 from confluent_kafka import Message, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from faucet_dagster.protocol import (
     Authority,
     CancelToken,
     ConfigError,
     Coverage,
-    DataError,
-    DiscoveredDataset,
     DomainCoverage,
     Emits,
-    EventIdentity,
-    FetchContext,
-    Identities,
     IntegrityError,
-    JsonValue,
     LifecycleError,
     Membership,
     Operation,
     Ordering,
     OrderingDomain,
-    Page,
     Position,
     PositionCodec,
     ProgressBoundary,
     ReadLimits,
-    Records,
-    RejectedRecord,
     Replay,
-    Source,
     SourceCapabilities,
     SourceLag,
     StreamRecordSink,
@@ -58,24 +46,19 @@ from faucet_dagster.protocol import (
     StreamSource,
     WorkerIdentity,
 )
-from faucet_dagster.protocol.json_rows import JsonRun
 from faucet_kafka.client import (
-    ClientThread,
-    TopicPartitionKey,
-    client_settings,
     commit_metadata,
-    describe,
-    list_topics,
     offsets_of,
-    where_of,
+    partitions_of,
 )
 from faucet_kafka.codecs import KafkaOffsetCodec
 from faucet_kafka.config import KafkaSourceConfig
-from faucet_kafka.decode import Decoder, raw_schema, row_columns
-from faucet_kafka.reader import CODEC, KafkaReader, PartitionState, ReadTracker
+from faucet_kafka.decode import row_columns
+from faucet_kafka.deliver import Deliverer
+from faucet_kafka.reader import CODEC, KafkaReader, PartitionState
 
 
-def _capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapabilities:
+def capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapabilities:
     return SourceCapabilities(
         emits=Emits.MESSAGES,
         operations=frozenset({Operation.INSERT}),
@@ -96,109 +79,6 @@ def _capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapab
     )
 
 
-INLINE_DECODE_MESSAGES = 512
-"""Consume batches up to this many messages are decoded on the event loop (the hand-off to a worker
-thread would cost more than parsing them)."""
-
-
-class _Deliverer:
-    """Decodes one partition's messages and hands rows (and malformed records) to their destination."""
-
-    def __init__(self, config: KafkaSourceConfig) -> None:
-        self.config = config
-        self._decoder = Decoder(config)
-
-    def decode(self, state: PartitionState, messages: Sequence[Message]) -> list[JsonRun]:
-        """Decode ``messages``; with the ``halt`` policy a malformed one raises DataError naming it."""
-        runs = self._decoder.decode(messages)
-        if self.config.on_malformed == "halt":
-            self._halt_on_malformed(state, messages, runs)
-        return runs
-
-    async def decode_all(
-        self, batches: Sequence[tuple[PartitionState, Sequence[Message]]]
-    ) -> list[list[JsonRun]]:
-        """:meth:`decode` each partition's batch, in a worker thread when they hold more than
-        ``INLINE_DECODE_MESSAGES`` messages: Arrow parses without the GIL, so the event loop meanwhile
-        drives the sink's write in flight (the COPY of the batch before) instead of waiting for it.
-
-        With declared columns the partitions' batches are parsed in one Arrow call (one fixed cost
-        per consume batch, not per partition) and its runs cut back at the partitions' boundaries:
-        the same rows, reasons and errors as each batch decoded alone."""
-
-        def decode() -> list[list[JsonRun]]:
-            if len(batches) > 1 and self._decoder.parses_columns:
-                return self._decode_joined(batches)
-            return [self.decode(state, messages) for state, messages in batches]
-
-        if sum(len(messages) for _, messages in batches) <= INLINE_DECODE_MESSAGES:
-            return decode()
-        return await asyncio.to_thread(decode)
-
-    def _decode_joined(
-        self, batches: Sequence[tuple[PartitionState, Sequence[Message]]]
-    ) -> list[list[JsonRun]]:
-        joined = [message for _, messages in batches for message in messages]
-        runs = self._decoder.decode(joined)
-        decoded: list[list[JsonRun]] = []
-        index = base = 0
-        for state, messages in batches:
-            stop = base + len(messages)
-            mine: list[JsonRun] = []
-            while index < len(runs) and runs[index].start < stop:
-                run = runs[index]
-                first, last = max(run.start, base), min(run.stop, stop)
-                rows = run.rows
-                if isinstance(rows, pa.RecordBatch):
-                    rows = rows.slice(first - run.start, last - first)
-                mine.append(JsonRun(first - base, last - base, rows, run.reason))
-                if run.stop > stop:
-                    break  # the run goes on into the next partition's batch
-                index += 1
-            if self.config.on_malformed == "halt":
-                self._halt_on_malformed(state, messages, mine)
-            decoded.append(mine)
-            base = stop
-        return decoded
-
-    def _halt_on_malformed(
-        self, state: PartitionState, messages: Sequence[Message], runs: list[JsonRun]
-    ) -> None:
-        for run in runs:
-            if run.rows is None:
-                where = where_of(state.topic, state.partition, messages[run.start].offset())
-                raise DataError(run.reason, where=where)
-
-    async def write(
-        self,
-        sink: StreamRecordSink,
-        state: PartitionState,
-        messages: Sequence[Message],
-        offsets: list[int],
-        runs: Sequence[JsonRun],
-    ) -> None:
-        """Write the decoded ``runs`` of ``messages`` (at ``offsets``) to ``sink``, rejecting malformed
-        ones, in offset order."""
-        positions = list(map(str, offsets))
-        for run in runs:
-            if run.rows is not None:
-                if run.start or run.stop != len(positions):
-                    ids = Identities(positions[run.start : run.stop])
-                else:
-                    ids = Identities(positions)
-                await sink.write(state.domain, run.rows, ids)
-                continue
-            offset = offsets[run.start]
-            await sink.reject(
-                RejectedRecord(
-                    EventIdentity(state.domain, positions[run.start]),
-                    run.reason,
-                    messages[run.start].value() or b"",
-                    where_of(state.topic, state.partition, offset),
-                )
-            )
-
-
 class KafkaStreamSession(StreamSession):
     """A session over the partitions its membership owns; reads and acknowledgements are serialized.
 
@@ -210,7 +90,7 @@ class KafkaStreamSession(StreamSession):
     def __init__(self, reader: KafkaReader, worker: WorkerIdentity) -> None:
         self._reader = reader
         self._worker = worker
-        self._deliverer = _Deliverer(reader.config)
+        self._deliverer = Deliverer(reader.config)
         self._lock = asyncio.Lock()
         self._closed = False
         self._rewind = False
@@ -409,7 +289,7 @@ class KafkaStreamSource(StreamSource):
         self.config = config
 
     def capabilities(self) -> SourceCapabilities:
-        return _capabilities(self.config, continuous=True)
+        return capabilities(self.config, continuous=True)
 
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         return (KafkaOffsetCodec(),)
@@ -417,7 +297,7 @@ class KafkaStreamSource(StreamSource):
     async def check(self) -> None:
         """Connect, authenticate and find every configured topic (``faucet check``), as the bounded
         source checks: a missing topic raises ConfigError naming it."""
-        await KafkaSource(self.config).check()
+        await partitions_of(self.config, self.config.topics)
 
     async def open(
         self,
@@ -451,225 +331,3 @@ class KafkaStreamSource(StreamSource):
             await reader.close()
             raise
         return self.session_type(reader, worker)
-
-
-class KafkaSource(Source):
-    """The bounded Kafka source: from the bookmark (else the group's committed offsets, else the
-    beginning) up to the high watermarks captured when the read starts.
-
-    Bookmark: ``{"positions": [{"topic", "partition", "incarnation", "offset"}]}`` with the last
-    offset read per partition; a bookmark of another topic incarnation raises IncarnationChanged.
-    Shards are partitions (``topic/partition``). Pages hold at most ``batch_size`` records and carry
-    a bookmark each. The bounded contract has no channel for records that cannot become rows, so
-    ``on_malformed: dead_letter`` is refused here (a malformed record halts with DataError).
-    """
-
-    connector_name = "kafka"
-    config_model = KafkaSourceConfig
-
-    def __init__(self, config: KafkaSourceConfig) -> None:
-        self.config = config
-        self._start: list[Position] = []
-        self._shard: TopicPartitionKey | None = None
-        self._reached: JsonValue | None = None
-
-    def capabilities(self) -> SourceCapabilities:
-        return _capabilities(self.config, continuous=False)
-
-    def dataset_uri(self) -> str:
-        first = self.config.bootstrap_servers.split(",")[0].strip()
-        return f"kafka://{first}/{','.join(self.config.topics)}"
-
-    def state_key(self) -> str:
-        key = f"kafka/{self.config.group_id}/{'+'.join(self.config.topics)}"
-        return key if self._shard is None else f"{key}/{self._shard[0]}/{self._shard[1]}"
-
-    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
-        try:
-            assert isinstance(bookmark, dict)
-            items = bookmark["positions"]
-            assert isinstance(items, list)
-            self._start = [
-                Position(
-                    OrderingDomain(
-                        self.config.source_name,
-                        str(item["topic"]),
-                        str(int(str(item["partition"]))),
-                        str(item["incarnation"]),
-                        CODEC.name,
-                    ),
-                    CODEC.canonicalize(CODEC.validate(item["offset"])),
-                )
-                for item in items
-                if isinstance(item, dict)
-            ]
-            assert len(self._start) == len(items)
-        except (AssertionError, KeyError, TypeError, ValueError, DataError):
-            raise ConfigError(
-                "the bookmark is not one this source wrote ({'positions': [{topic, partition, "
-                "incarnation, offset}]})",
-                where=self.dataset_uri(),
-            ) from None
-
-    def bookmark(self) -> JsonValue | None:
-        return self._reached
-
-    async def enumerate_shards(self) -> Sequence[str]:
-        described = await self._describe(self.config.topics)
-        return [f"{topic}/{partition}" for topic in self.config.topics for partition in described[topic]]
-
-    def apply_shard(self, shard: str) -> None:
-        topic, _, partition = shard.rpartition("/")
-        if topic not in self.config.topics or not partition.isdigit():
-            raise ConfigError(
-                f"{shard!r} is not a shard of this source (topic/partition)", where=self.dataset_uri()
-            )
-        self._shard = (topic, int(partition))
-
-    async def discover(self) -> Sequence[DiscoveredDataset]:
-        thread = ClientThread("faucet-kafka-discover")
-        try:
-            admin = AdminClient(client_settings(self.config))
-            names = await thread.call(list_topics, admin, self.config.request_timeout, self.dataset_uri())
-            _, described = await thread.call(
-                describe, admin, names, self.config.request_timeout, self.dataset_uri()
-            )
-        finally:
-            await thread.close()
-        schema = (
-            self.config.declared_schema()
-            if self.config.format == "json"
-            else raw_schema(self.config.format == "text")
-        )
-        return [
-            DiscoveredDataset(
-                name, schema, {"partitions": str(len(info.partitions)), "topic_id": info.topic_id}
-            )
-            for name, info in described.items()
-            if info is not None
-        ]
-
-    async def check(self) -> None:
-        await self._describe(self.config.topics)
-
-    async def _describe(self, topics: Sequence[str]) -> dict[str, tuple[int, ...]]:
-        thread = ClientThread("faucet-kafka-check")
-        try:
-            admin = AdminClient(client_settings(self.config))
-            _, described = await thread.call(
-                describe, admin, topics, self.config.request_timeout, self.dataset_uri()
-            )
-        finally:
-            await thread.close()
-        partitions: dict[str, tuple[int, ...]] = {}
-        for topic in topics:
-            info = described.get(topic)
-            if info is None:
-                raise ConfigError(f"topic {topic} does not exist", where=where_of(topic))
-            partitions[topic] = info.partitions
-        return partitions
-
-    async def fetch(self, ctx: FetchContext) -> Records:
-        pages = [page.records async for page in self.stream_pages(ctx, 0)]
-        return pages[0] if pages else []
-
-    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
-        """Read every partition (or the shard) from its start to the high watermark captured at start.
-
-        The records after that watermark are left for the next run. Each page ends with every
-        partition it read proven gap-free and carries the bookmark reached after it.
-        """
-        if batch_size < 0:
-            raise ConfigError(f"batch_size must be >= 0, got {batch_size}", where=self.dataset_uri())
-        if self.config.on_malformed == "dead_letter":
-            raise ConfigError(
-                "a bounded Kafka read cannot route unparseable records to a dead-letter route; "
-                "use on_malformed: halt",
-                where=self.dataset_uri(),
-            )
-        shard = self._shard
-        reader = KafkaReader(self.config, "bounded")
-        try:
-            await reader.open(
-                self.config.topics,
-                lambda topic, partition: shard is None or (topic, partition) == shard,
-                self._start,
-                "committed",
-            )
-            stops = dict(reader.high_watermarks)
-            deliverer = _Deliverer(self.config)
-            remaining = {key for key, state in reader.parts.items() if state.next_offset < stops[key]}
-            self._reached = self._bookmark(reader)
-            yielded = False
-            while remaining:
-                page, tracker = await self._read_page(reader, deliverer, stops, remaining, batch_size)
-                ends = await reader.finish(tracker, list(tracker.last), stops)
-                reader.advance(ends)
-                self._reached = self._bookmark(reader)
-                if page:
-                    yielded = True
-                    yield Page(_concat(page), self._reached)
-            if not yielded:
-                yield Page([], self._reached)
-        finally:
-            await reader.close()
-
-    async def _read_page(
-        self,
-        reader: KafkaReader,
-        deliverer: _Deliverer,
-        stops: Mapping[TopicPartitionKey, int],
-        remaining: set[TopicPartitionKey],
-        batch_size: int,
-    ) -> tuple[list[Records], ReadTracker]:
-        """Records up to ``batch_size`` (0: all), dropping anything at or past a partition's stop."""
-        tracker = reader.tracker()
-        page: list[Records] = []
-        rows = 0
-        while remaining and (batch_size == 0 or rows < batch_size):
-            want = (
-                self.config.batch_size if batch_size == 0 else min(self.config.batch_size, batch_size - rows)
-            )
-            messages = await reader.poll(want, self.config.poll_timeout)
-            for key, batch in reader.group(messages).items():
-                stop = stops[key]
-                offsets = offsets_of(batch)
-                if offsets[-1] >= stop:
-                    cut = bisect.bisect_left(offsets, stop)
-                    batch, offsets = batch[:cut], offsets[:cut]
-                if not batch:
-                    continue
-                tracker.observe(key, offsets)
-                for run in deliverer.decode(reader.parts[key], batch):
-                    # dead_letter is refused above: under halt, every run has rows.
-                    assert run.rows is not None
-                    page.append(run.rows)
-                    rows += run.stop - run.start
-            positions = await reader.positions(remaining)
-            done = [key for key, position in positions.items() if position >= stops[key]]
-            if done:
-                await reader.pause(done)
-                remaining.difference_update(done)
-        return page, tracker
-
-    @staticmethod
-    def _bookmark(reader: KafkaReader) -> JsonValue:
-        return {
-            "positions": [
-                {
-                    "topic": state.topic,
-                    "partition": state.partition,
-                    "incarnation": state.domain.incarnation,
-                    "offset": state.boundary,
-                }
-                for state in reader.parts.values()
-                if state.boundary is not None
-            ]
-        }
-
-
-def _concat(parts: list[Records]) -> Records:
-    """One page's records: JSON objects joined in one list, or Arrow batches in one batch."""
-    if isinstance(parts[0], pa.RecordBatch):
-        return pa.concat_batches([part for part in parts if isinstance(part, pa.RecordBatch)])
-    return [row for part in parts for row in part]

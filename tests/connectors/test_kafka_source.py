@@ -17,7 +17,8 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 from faucet_kafka import KafkaSourceConfig
-from faucet_kafka.source import KafkaSource, KafkaStreamSession, KafkaStreamSource
+from faucet_kafka.bounded import KafkaSource
+from faucet_kafka.source import KafkaStreamSession, KafkaStreamSource
 from kafka_topics import committed, create_topic, delete_topic, produce, produce_json
 
 from faucet_dagster.protocol import (
@@ -556,8 +557,8 @@ def test_one_arrow_parse_per_consume_batch_decodes_as_each_partition_alone(polic
     at their boundaries: every row, malformed run, reason and halt error is the one each partition's
     batch decoded alone gives, also with bad values at a partition's first and last offsets."""
     from confluent_kafka import Message
+    from faucet_kafka.deliver import Deliverer
     from faucet_kafka.reader import PartitionState
-    from faucet_kafka.source import _Deliverer
 
     cfg = config("127.0.0.1:1", "t", "g", columns={"id": "int64", "name": "string"}, on_malformed=policy)
     # edges: first and last offsets of partitions, a tombstone, a value holding a newline (parsed
@@ -578,7 +579,7 @@ def test_one_arrow_parse_per_consume_batch_decodes_as_each_partition_alone(polic
             messages.append(Message(topic="t", partition=partition, offset=offset, value=value))
             index += 1
         batches.append((state, messages))
-    deliverer = _Deliverer(cfg)
+    deliverer = Deliverer(cfg)
 
     def outcome(decode: Callable[[], Any]) -> Any:
         try:
