@@ -12,7 +12,8 @@ from typing import Any
 import nats
 import pyarrow as pa
 import pytest
-from faucet_nats.sink import NatsSink, NatsSinkSession, NatsStreamingSink, _Published
+from faucet_nats.publisher import Published
+from faucet_nats.sink import NatsSink, NatsSinkSession, NatsStreamingSink
 from faucet_nats.sink_config import NatsSinkConfig
 from stream_ticks import stored_messages
 
@@ -361,7 +362,7 @@ def acknowledgements_lost(session: NatsSinkSession) -> Iterator[None]:
     publisher = session._publisher
     real = publisher.publish
 
-    async def publish(records: pa.RecordBatch, sent: _Published) -> None:
+    async def publish(records: pa.RecordBatch, sent: Published) -> None:
         await real(records, sent)
         await asyncio.gather(*sent.futures)  # the stream stored them (or named their duplicate)
         loop = asyncio.get_running_loop()
