@@ -23,17 +23,18 @@ still unanswered after ``republish_after`` while the connection is up, with the 
 ``Nats-Msg-Id``, at most ``republish_attempts`` times, and only within the first
 :data:`~faucet_nats.publisher.WINDOW_SAFETY` of the duplicate window counted from the message's first
 publish (:mod:`faucet_nats.publisher` does this): the stream then stores it at most once, and a
-``duplicate`` answer proves the first publish was stored. So a restart mid-epoch costs a re-publish, not a halted stream: the commit succeeds with every message
-stored exactly once. Receipts stay truthful: a re-published message answered ``duplicate`` of a
-sequence after the stream's last sequence at ``begin_epoch`` was stored by this epoch's first publish
-and counts as stored; otherwise as a duplicate; ``republished`` counts the messages re-published.
-UncertainOutcome remains for what cannot be proven: acknowledgements still missing after
-``ack_timeout`` (the total wait, re-publishes included), a message past the safe part of the window,
-or a re-publish stored but answered after it (the first publish may be stored too). This assumes a
-lost publish never reaches the server later than the window after its re-publish: one connection's
-bytes arrive in order, and a dropped connection's unread bytes die with it or with the server.
-Memory: until settled, the sink holds each published message's payload and id (about the epoch's
-JSON size), and for an aborted epoch with unanswered publishes until ``close_session``.
+``duplicate`` answer proves the first publish was stored. So a restart mid-epoch costs a re-publish,
+not a halted stream: the commit succeeds with every message stored exactly once. Receipts stay
+truthful: a re-published message answered ``duplicate`` of a sequence after the stream's last sequence
+at ``begin_epoch`` was stored by this epoch's first publish and counts as stored; otherwise as a
+duplicate; ``republished`` counts the messages re-published. UncertainOutcome remains for what cannot
+be proven: acknowledgements still missing after ``ack_timeout`` (the total wait, re-publishes
+included), a message past the safe part of the window, or a re-publish stored but answered after it
+(the first publish may be stored too). This assumes a lost publish never reaches the server later than
+the window after its re-publish: one connection's bytes arrive in order, and a dropped connection's
+unread bytes die with it or with the server. Memory: until settled, the sink holds each published
+message's payload and id (about the epoch's JSON size), and for an aborted epoch with unanswered
+publishes until ``close_session``.
 
 Duplicates: the stream drops a message whose ``Nats-Msg-Id`` it saw within its ``duplicate_window``,
 so an epoch replayed within the window adds nothing; a replay older than the window duplicates. The
