@@ -43,8 +43,8 @@ from faucet_dagster.runner.members import group_stream
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
 from faucet_dagster.testing import KafkaServer, PostgresServer, make_unique_name
-from faucet_dagster.testing.faults.scenarios import WorkerProcess
 from faucet_dagster.testing.faults.spec import Endpoint, WorkerSpec
+from faucet_dagster.testing.faults.worker_process import WorkerProcess
 
 PARTITIONS = 12
 COLUMNS = {"i": "int64", "name": "string", "score": "float64"}

@@ -56,8 +56,8 @@ from faucet_dagster.sensors import (
 )
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing import PostgresServer
-from faucet_dagster.testing.faults.scenarios import WorkerProcess
 from faucet_dagster.testing.faults.spec import Endpoint, WorkerSpec
+from faucet_dagster.testing.faults.worker_process import WorkerProcess
 
 ORDERS = (
     "CREATE TABLE orders (id int PRIMARY KEY, status text NOT NULL, total numeric(10,2), meta jsonb, "

@@ -14,7 +14,7 @@ changes in between, and a table without a key.
     replica must hold each of them, as many times as the source. Both sides are judged as multisets
     (:func:`numbered`).
 
-Both pairs run only their own faults in the named battery (:func:`.scenarios.named_faults`).
+Both pairs run only their own faults in the named battery (:func:`.catalog.named_faults`).
 
 The sides themselves are in :mod:`.pairs` (a few lines each, delegating here); this module imports
 neither it nor :mod:`.scenarios` at run time.

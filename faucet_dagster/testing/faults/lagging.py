@@ -26,11 +26,10 @@ from dataclasses import replace
 
 from faucet_dagster.protocol import Mode
 from faucet_dagster.runner.faults import Action, Point
+from faucet_dagster.testing.faults.catalog import Fault
 from faucet_dagster.testing.faults.pairs import NatsSource, Pair
 from faucet_dagster.testing.faults.scenarios import (
     Case,
-    Fault,
-    HarnessError,
     _all,
     _describe,
     _halted,
@@ -38,6 +37,7 @@ from faucet_dagster.testing.faults.scenarios import (
     _recovered,
 )
 from faucet_dagster.testing.faults.spec import Endpoint
+from faucet_dagster.testing.faults.worker_process import HarnessError
 
 RETENTION = "retention"
 PAGE_CRASH = "page_crash"

@@ -29,7 +29,8 @@ from faucet_dagster.state import StateStore
 from faucet_dagster.testing.faults.harness import managed_servers
 from faucet_dagster.testing.faults.oracle import Verdict, judge
 from faucet_dagster.testing.faults.pairs import KafkaSource, Pair, Servers, pair_named
-from faucet_dagster.testing.faults.scenarios import Case, CaseParams, HarnessError, WorkerProcess
+from faucet_dagster.testing.faults.scenarios import Case, CaseParams
+from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 
 MEMBER_GROUPS = 3
 MEMBER_PARTITIONS = 12

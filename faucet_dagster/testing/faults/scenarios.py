@@ -1,55 +1,30 @@
-"""The faults, and how one case (a pair, a fault, its parameters) runs from setup to verdict.
+"""How one case (a pair, a fault, its parameters) runs from setup to verdict.
 
 Every case creates its own source and destination, produces records, runs a worker process with the
 fault, then (unless the fault must halt the stream) a fresh recovery worker until every produced
 record is certified, and finally asks the oracle about every key (a change source's replica: about
-every row of the source table, :func:`~.oracle.judge_state`). Kinds of fault:
-
-``point``     SIGKILL (``kill``) or a clean stop (``term``: SIGTERM) at a named moment of the commit
-              order (see :data:`MOMENT_POINTS`); the acknowledgement's kill is timed to land while the
-              provider acknowledgement is in flight, the close's while the sink's close waits; a
-              transactional source's ``during_transaction`` lands after the sink applied a batch of a
-              source transaction whose end is not read yet (in the open destination transaction).
-``random``    SIGKILL or SIGTERM sent by the controller ``random_delay`` seconds after the worker's
-              ``random_after``-th step (a certified epoch, a committed page; 0: after it started).
-``zombie``    the owner SIGSTOPs itself at a named moment and stays stopped past its lease; a successor
-              takes the lease and certifies epochs; SIGCONT: the owner's commit must be fenced or
-              its certificate refused, and its acknowledgement refused (OwnershipLost, no retry).
-``restart``   the controller restarts a server while the pipeline runs. NATS and PostgreSQL keep their
-              data; the Tansu broker keeps its in memory, so its restart leaves the topic gone and the
-              stream must halt explicitly (PositionUnavailable, IncarnationChanged or ConfigError),
-              never wait or skip silently.
-``recreate``  the source is deleted and created again (new records) after the stream certified
-              everything: IncarnationChanged, no new certificate, nothing of the new records written.
-``purge``     positions after the certified one are removed (NATS purge): PositionUnavailable, no
-              new certificate, nothing written.
-``ddl``       a change source's table gets a column with a default, a type change and a dropped
-              column between runs (:mod:`.ddl`): the replica equals the source, or the stream halts
-              with a SchemaError naming the column until the operator's documented way out.
-``retention``, ``page_crash``  the source changes under a lagging consumer or between a bounded
-              run's crash and its rerun: see :mod:`faucet_dagster.testing.faults.lagging`.
-``snapshot_crash``  a change source with ``snapshot`` killed after the sink committed the snapshot's
-              epoch, rows it read changed at the source, then recovered (:mod:`.cdc_variants`).
+every row of the source table, :func:`~.oracle.judge_state`). The kinds of fault are
+described in :mod:`.catalog`.
 """
 
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from faucet_dagster.planner import Mechanism, Plan
 from faucet_dagster.protocol import EpochCertificate, Mode
-from faucet_dagster.runner.faults import FAULT_POINT_ENV, Action, Arming, Point
+from faucet_dagster.runner.faults import Action, Arming, Point
 from faucet_dagster.state import StateStore
+from faucet_dagster.testing.faults.catalog import (
+    ONCE_PER_RUN,
+    Fault,
+    FaultKind,
+    point_for,
+)
 from faucet_dagster.testing.faults.cdc_variants import snapshot_crash
 from faucet_dagster.testing.faults.ddl import run_source_ddl
 from faucet_dagster.testing.faults.oracle import (
@@ -61,15 +36,8 @@ from faucet_dagster.testing.faults.oracle import (
     judge_state,
 )
 from faucet_dagster.testing.faults.pairs import (
-    KAFKA_PURGE,
-    FilesSource,
-    KafkaSource,
     Key,
-    NatsSource,
     Pair,
-    PostgresChangesSource,
-    PostgresSnapshotChangesSource,
-    PostgresUnkeyedChangesSource,
     Produced,
     Servers,
 )
@@ -80,150 +48,8 @@ from faucet_dagster.testing.faults.spec import (
     Event,
     WorkerSpec,
 )
+from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 from faucet_dagster.testing.servers import make_unique_name
-
-
-class HarnessError(Exception):
-    """The harness itself could not carry a case out (a worker hung past every deadline)."""
-
-
-class FaultKind(StrEnum):
-    POINT = "point"
-    RANDOM = "random"
-    ZOMBIE = "zombie"
-    RESTART = "restart"
-    RECREATE = "recreate"
-    PURGE = "purge"
-    DDL = "ddl"
-    RETENTION = "retention"
-    PAGE_CRASH = "page_crash"
-    SNAPSHOT_CRASH = "snapshot_crash"
-
-
-class Moment(StrEnum):
-    """The named moments of the commit order a point fault or a zombie stops at."""
-
-    BEFORE_COMMIT = "before_commit"
-    AFTER_COMMIT = "after_commit"
-    AFTER_CERTIFICATE = "after_certificate"
-    DURING_ACK = "during_ack"
-    DURING_COPY = "during_copy"
-    DURING_PUBLISH = "during_publish"
-    DURING_TRANSACTION = "during_transaction"
-    DURING_CLOSE = "during_close"
-
-
-MOMENT_POINTS: dict[tuple[Mode, str, Moment], Point] = {
-    **{
-        (Mode.CONTINUOUS, sink, moment): point
-        for sink in ("postgres", "nats")
-        for moment, point in (
-            (Moment.BEFORE_COMMIT, Point.BEFORE_SINK_COMMIT),
-            (Moment.AFTER_COMMIT, Point.AFTER_SINK_COMMIT),
-            (Moment.AFTER_CERTIFICATE, Point.AFTER_CERTIFICATE),
-            (Moment.DURING_ACK, Point.DURING_ACK),
-            (Moment.DURING_CLOSE, Point.DURING_SINK_CLOSE),
-        )
-    },
-    (Mode.CONTINUOUS, "postgres", Moment.DURING_COPY): Point.DURING_COPY,
-    (Mode.CONTINUOUS, "nats", Moment.DURING_PUBLISH): Point.AFTER_APPLY,
-    # Only for transactional sources (see point_for): a batch of a source transaction is applied.
-    (Mode.CONTINUOUS, "postgres", Moment.DURING_TRANSACTION): Point.AFTER_APPLY,
-    # Bounded: a page's COPY is the last statement of its transaction; the bookmark persisted by the
-    # caller (Dagster's run storage) plays the certificate; there is no acknowledgement.
-    (Mode.BOUNDED, "postgres", Moment.BEFORE_COMMIT): Point.AFTER_COPY,
-    (Mode.BOUNDED, "postgres", Moment.DURING_COPY): Point.DURING_COPY,
-    (Mode.BOUNDED, "postgres", Moment.AFTER_COMMIT): Point.AFTER_PAGE,
-    (Mode.BOUNDED, "postgres", Moment.AFTER_CERTIFICATE): Point.AFTER_BOOKMARK,
-    (Mode.BOUNDED, "postgres", Moment.DURING_CLOSE): Point.DURING_SINK_CLOSE,
-}
-"""The fault point each moment arms, per mode and sink connector (absent: not applicable)."""
-
-CDC_SLOT_FAULTS = (
-    "a slot dropped and set up again, and one advanced past the certified position, halt the stream "
-    "before anything is written (IncarnationChanged, PositionUnavailable): tests/test_stream_postgres_cdc.py "
-    "checks both"
-)
-"""Why the harness neither recreates nor purges a change source."""
-
-ONCE_PER_RUN = frozenset({Point.AFTER_BOOKMARK, Point.DURING_SINK_CLOSE})
-"""Points a worker reaches once: they are always armed for their first hit."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One fault: its kind, and the action, moment or server it needs."""
-
-    kind: FaultKind
-    action: Action | None = None
-    moment: Moment | None = None
-    server: str | None = None
-
-    @property
-    def name(self) -> str:
-        if self.kind is FaultKind.POINT:
-            return f"{self.action}@{self.moment}"
-        if self.kind is FaultKind.RANDOM:
-            return f"{self.action}@random"
-        if self.kind is FaultKind.ZOMBIE:
-            return f"zombie@{self.moment}"
-        if self.kind is FaultKind.RESTART:
-            return f"restart {self.server}"
-        if self.kind is FaultKind.DDL:
-            return "source ddl"
-        if self.kind is FaultKind.SNAPSHOT_CRASH:
-            return "kill@snapshot_commit, source changed"
-        return f"{self.kind} source"
-
-
-def point_for(pair: Pair, moment: Moment) -> Point | None:
-    if moment is Moment.DURING_TRANSACTION and not pair.source.transactions:
-        return None
-    return MOMENT_POINTS.get((pair.mode, pair.sink.connector, moment))
-
-
-def named_faults(pair: Pair) -> list[Fault]:
-    """Every fault that applies to ``pair``, each once: the suite's battery."""
-    if pair.source is PostgresSnapshotChangesSource:  # its class: see .cdc_variants
-        return [
-            Fault(FaultKind.SNAPSHOT_CRASH),
-            Fault(FaultKind.POINT, Action.KILL, Moment.DURING_TRANSACTION),
-        ]
-    if pair.source is PostgresUnkeyedChangesSource:
-        moments = (Moment.AFTER_COMMIT, Moment.DURING_TRANSACTION)
-        return [Fault(FaultKind.POINT, Action.KILL, moment) for moment in moments]
-    faults = [
-        Fault(FaultKind.POINT, action, moment)
-        for moment in Moment
-        if point_for(pair, moment) is not None
-        for action in (Action.KILL, Action.TERM)
-    ]
-    faults += [Fault(FaultKind.RANDOM, action) for action in (Action.KILL, Action.TERM)]
-    if pair.mode is Mode.CONTINUOUS:
-        faults += [
-            Fault(FaultKind.ZOMBIE, Action.STOP, moment)
-            for moment in (Moment.BEFORE_COMMIT, Moment.AFTER_CERTIFICATE)
-        ]
-    faults += [Fault(FaultKind.RESTART, server=server) for server in pair.servers_used]
-    if pair.source not in (FilesSource, PostgresChangesSource):
-        faults.append(Fault(FaultKind.RECREATE))
-    if pair.source is NatsSource:
-        faults.append(Fault(FaultKind.PURGE))
-    if pair.source is PostgresChangesSource:
-        faults.append(Fault(FaultKind.DDL))
-    from faucet_dagster.testing.faults import lagging  # builds on this module
-
-    faults += [Fault(FaultKind(kind)) for kind in lagging.RUNNERS if lagging.applies(pair, kind)]
-    return faults
-
-
-def not_applicable(pair: Pair) -> list[tuple[str, str]]:
-    """Faults left out for ``pair`` and why (the harness's table notes)."""
-    if pair.source is KafkaSource:
-        return [("purge source", KAFKA_PURGE)]
-    if pair.source is PostgresChangesSource:
-        return [("recreate or purge source", CDC_SLOT_FAULTS)]
-    return []
 
 
 @dataclass(frozen=True)
@@ -273,106 +99,6 @@ class CaseResult:
             and (verdict.duplicated == 0 or self.duplicates_allowed)
             and self.halted_correctly
         )
-
-
-# -- worker processes -----------------------------------------------------------------------------
-
-
-class WorkerProcess:
-    """A fault worker process, its events (read on a thread) and its stderr log."""
-
-    def __init__(self, spec: WorkerSpec, arming: Arming | None, log: Path) -> None:
-        env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
-        if arming is not None:
-            env[FAULT_POINT_ENV] = arming.to_env()
-        self.spec = spec
-        self.log = log
-        self._stderr: IO[bytes] = log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "faucet_dagster.testing.faults.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=env,
-            start_new_session=True,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(spec.to_json().encode())
-        self.proc.stdin.close()
-        self.events: list[Event] = []
-        self._changed = threading.Condition()
-        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: IO[bytes]) -> None:
-        with self.log.with_suffix(".events").open("wb") as copy:
-            for line in stream:
-                copy.write(line)
-                with contextlib.suppress(ValueError, KeyError):
-                    event = Event.from_line(line.decode())
-                    with self._changed:
-                        self.events.append(event)
-                        self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_for(self, wanted: Callable[[Event], bool], timeout: float) -> Event | None:
-        """The first event ``wanted`` accepts, waiting up to ``timeout`` seconds (None: none came)."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                found = next((event for event in self.events if wanted(event)), None)
-                left = deadline - time.monotonic()
-                if found is not None or left <= 0 or not self._reader.is_alive():
-                    return found
-                self._changed.wait(left)
-
-    def wait(self, timeout: float) -> int:
-        """The exit code (negative: the signal that ended it); HarnessError after ``timeout``."""
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.close()
-            raise HarnessError(f"worker {self.spec.worker_id} did not exit within {timeout:.0f}s") from None
-        self._reader.join(10)
-        return code
-
-    def send(self, sig: signal.Signals) -> bool:
-        """Send ``sig`` while the process runs; False when it had already exited."""
-        if self.proc.poll() is not None:
-            return False
-        self.proc.send_signal(sig)
-        return True
-
-    def is_stopped(self) -> bool:
-        """True while the process is stopped (SIGSTOP)."""
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-    def error(self) -> Event | None:
-        return next((event for event in reversed(self.events) if event.event == "error"), None)
-
-    def count(self, *names: str) -> int:
-        return sum(1 for event in self.events if event.event in names)
-
-    def tail(self) -> str:
-        """The last lines of the worker's stderr (tracebacks, warnings)."""
-        self._stderr.flush()
-        lines = self.log.read_text(errors="replace").splitlines()
-        return " | ".join(lines[-6:])
-
-    def close(self) -> None:
-        """Kill the process if it still runs (a stopped one is continued first) and release files."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.send_signal(signal.SIGCONT)
-            self.proc.wait(30)
-        self._reader.join(10)
-        self._stderr.close()
 
 
 # -- one case -------------------------------------------------------------------------------------
@@ -779,19 +505,4 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
     return result
 
 
-__all__ = [
-    "CDC_SLOT_FAULTS",
-    "MOMENT_POINTS",
-    "Case",
-    "CaseParams",
-    "CaseResult",
-    "Fault",
-    "FaultKind",
-    "HarnessError",
-    "Moment",
-    "WorkerProcess",
-    "named_faults",
-    "not_applicable",
-    "point_for",
-    "run_case",
-]
+__all__ = ["Case", "CaseParams", "CaseResult", "run_case"]
