@@ -26,7 +26,7 @@ def _stream_source(config: NatsSourceConfig) -> StreamSource:
 
 
 def _source(config: NatsSourceConfig) -> Source:
-    from faucet_nats.source import NatsSource
+    from faucet_nats.bounded import NatsSource
 
     return NatsSource(config)
 

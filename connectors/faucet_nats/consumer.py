@@ -2,7 +2,9 @@
 
 :class:`PushConsumer` (re)creates its consumer at a given stream sequence, delivering to a private
 inbox, and turns what arrives into ordered :class:`Chunk` values. Everything per message is done in
-bulk with Arrow; the subscription callback only appends.
+bulk with Arrow. Deliveries come straight from the client's protocol parser (:mod:`faucet_nats.direct`)
+and are only appended, as plain tuples (:mod:`faucet_nats.chunks`); the subscription callback receives
+flow control, heartbeats and statuses (and every message if the parser hook cannot be installed).
 
 Why nothing is skipped, and how it is checked (for every chunk, before any of it is handed on):
 
@@ -38,7 +40,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
@@ -57,7 +58,17 @@ from faucet_dagster.protocol import (
     PositionUnavailable,
     WorkerIdentity,
 )
+from faucet_nats.chunks import (
+    REPLY,
+    Chunk,
+    Delivery,
+    Parsed,
+    parse_replies,
+    reply_prefix,
+    strictly_increasing,
+)
 from faucet_nats.config import NatsSourceConfig
+from faucet_nats.direct import deliver_directly
 from faucet_nats.jetstream import JetStreamApi, Removed, StreamFacts, stream_missing
 
 ACK_PREFIX = "$JS.ACK."
@@ -67,74 +78,6 @@ _PROOF_CONCURRENCY = 256
 _NANOS = 1_000_000_000
 INLINE_PARSE_MESSAGES = 512
 """Arrivals up to this many are parsed on the event loop (a worker thread's hand-off costs more)."""
-
-
-@dataclass(eq=False)
-class Chunk:
-    """Consecutive new messages of one consumer, in stream order, with what was parsed from them.
-
-    Compared by identity: a chunk is tracked as one object moving between ready, reading and covered.
-
-    ``seqs`` are their stream sequences (strictly increasing), ``positions`` the same as canonical
-    strings, ``stamps`` the server timestamps in nanoseconds (when parsed). ``gaps`` lists the
-    ``(after, before)`` pairs of stream sequences whose absence is not proven yet. ``touched`` is
-    when the server last heard about these messages (delivery or ``+WPI``), on the monotonic clock.
-    """
-
-    msgs: list[Msg]
-    seqs: pa.Int64Array
-    positions: list[str]
-    stamps: pa.Int64Array | None
-    touched: float
-    gaps: list[tuple[int, int]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.msgs)
-
-    @property
-    def first(self) -> int:
-        return int(self.seqs[0].as_py())
-
-    @property
-    def last(self) -> int:
-        return int(self.seqs[-1].as_py())
-
-    def split(self, count: int) -> tuple["Chunk", "Chunk"]:
-        """The first ``count`` messages and the rest (each keeps the gaps that precede its messages)."""
-        cut = self.first - 1 if count == 0 else int(self.seqs[count - 1].as_py())
-        head = Chunk(
-            self.msgs[:count],
-            self.seqs.slice(0, count),
-            self.positions[:count],
-            None if self.stamps is None else self.stamps.slice(0, count),
-            self.touched,
-            [gap for gap in self.gaps if gap[1] <= cut],
-        )
-        tail = Chunk(
-            self.msgs[count:],
-            self.seqs.slice(count),
-            self.positions[count:],
-            None if self.stamps is None else self.stamps.slice(count),
-            self.touched,
-            [gap for gap in self.gaps if gap[1] > cut],
-        )
-        return head, tail
-
-
-@dataclass(frozen=True)
-class _Parsed:
-    """The fields of a run of acknowledgement subjects, column-wise."""
-
-    seqs: pa.Int64Array
-    deliveries: pa.Int64Array
-    positions: list[str]
-    stamps: pa.Int64Array | None
-
-
-def _strictly_increasing(values: pa.Int64Array) -> bool:
-    if len(values) < 2:
-        return True
-    return bool(pc.all(pc.greater(values.slice(1), values.slice(0, len(values) - 1))).as_py())
 
 
 class PushConsumer:
@@ -166,12 +109,13 @@ class PushConsumer:
         self.name = config.consumer_name if durable else ""
         self._inbox = client.new_inbox()
         self._subscription: Subscription | None = None
+        self._restore: Callable[[], None] | None = None
         self._keeper: asyncio.Task[None] | None = None
-        # What arrived, not parsed yet (appended by the subscription callback).
-        self._incoming: list[Msg] = []
+        # What arrived, not parsed yet (appended by _arrive, from the parser or the callback).
+        self._incoming: list[Delivery] = []
         self._incoming_since = 0.0
         # What an intake is parsing right now (taken from _incoming, not yet a chunk).
-        self._parsing: list[Msg] = []
+        self._parsing: list[Delivery] = []
         self._parsing_since = 0.0
         self._arrived = asyncio.Event()
         self.activity = time.monotonic()
@@ -205,6 +149,8 @@ class PushConsumer:
             )
         except (nats.errors.Error, OSError) as exc:
             raise ConnectionFailed(f"cannot subscribe: {type(exc).__name__}", where=self.where) from exc
+        # Deliveries skip nats-py's per-message queue and task: the callback then sees statuses only.
+        self._restore = deliver_directly(self._client, self._subscription, self._arrive)
         consumer: dict[str, Any] = {
             "deliver_subject": self._inbox,
             "deliver_policy": "by_start_sequence",
@@ -251,6 +197,9 @@ class PushConsumer:
         if keeper is not None:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            restore()
         subscription, self._subscription = self._subscription, None
         if subscription is not None and not self._client.is_closed:
             try:
@@ -260,14 +209,18 @@ class PushConsumer:
         if not self._durable and self.name and not self._client.is_closed:
             await self._api.delete_consumer(self.facts.name, self.name)
 
-    # -- arrival (subscription callback) -----------------------------------------------------------
+    # -- arrival (parser hook and subscription callback) ------------------------------------------
+
+    def _arrive(self, msg: Delivery) -> None:
+        """A delivery (its reply is an acknowledgement subject): held as arrived, parsed by intake."""
+        if not self._incoming:
+            self._incoming_since = time.monotonic()
+        self._incoming.append(msg)
+        self._arrived.set()
 
     async def _on_message(self, msg: Msg) -> None:
         if msg.reply.startswith(ACK_PREFIX):
-            if not self._incoming:
-                self._incoming_since = time.monotonic()
-            self._incoming.append(msg)
-            self._arrived.set()
+            self._arrive((msg.subject, msg.reply, msg.data, msg.headers))
             return
         try:
             await self._on_status(msg)
@@ -280,7 +233,12 @@ class PushConsumer:
         self._arrived.set()
 
     async def _on_status(self, msg: Msg) -> None:
-        """Flow control, idle heartbeats and consumer status messages."""
+        """Flow control, idle heartbeats and consumer status messages.
+
+        Handled after deliveries that arrived behind them (those skip the callback's queue): a
+        heartbeat's last delivery is compared with what was received by now, never less than at its
+        arrival, so the check cannot see a loss that is not one.
+        """
         self.activity = time.monotonic()
         headers = msg.headers or {}
         status = headers.get("Status")
@@ -308,7 +266,7 @@ class PushConsumer:
         """The consumer sequence of the last message received (parsed or not)."""
         last = self._incoming or self._parsing
         if last:
-            tokens = last[-1].reply.split(".")
+            tokens = last[-1][REPLY].split(".")
             # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>... or the 12-token domain form.
             return int(tokens[6] if len(tokens) == 9 else tokens[8])
         return self._last_delivery
@@ -378,7 +336,7 @@ class PushConsumer:
         if (
             first_delivery != self._last_delivery + 1
             or last_delivery - first_delivery != count - 1
-            or not _strictly_increasing(deliveries)
+            or not strictly_increasing(deliveries)
         ):
             raise IntegrityError(
                 f"deliveries {self._last_delivery + 1} to {last_delivery} arrived incomplete or out of "
@@ -388,7 +346,7 @@ class PushConsumer:
             )
         self._last_delivery = last_delivery
         seqs = parsed.seqs
-        if int(seqs[0].as_py()) > self.max_seen and _strictly_increasing(seqs):
+        if int(seqs[0].as_py()) > self.max_seen and strictly_increasing(seqs):
             keep: list[int] | None = None
         else:
             keep = self._new_indices(seqs.to_pylist(), msgs)
@@ -405,7 +363,7 @@ class PushConsumer:
         self.max_seen = chunk.last
         self.ready.append(chunk)
 
-    def _new_indices(self, seqs: list[int], msgs: list[Msg]) -> list[int]:
+    def _new_indices(self, seqs: list[int], msgs: list[Delivery]) -> list[int]:
         """Indices of the new messages; redeliveries of held (or acknowledged) ones are suppressed."""
         keep: list[int] = []
         highest = self.max_seen
@@ -418,7 +376,7 @@ class PushConsumer:
             if seq <= self.acked and (self._stale_reply is None or seq > self._stale_reply[0]):
                 # Already certified and acknowledged, yet redelivered: acknowledged again by the
                 # next ``acknowledge``, after its authority check.
-                self._stale_reply = (seq, msgs[index].reply)
+                self._stale_reply = (seq, msgs[index][REPLY])
         return keep
 
     def _gaps(self, seqs: pa.Int64Array) -> list[tuple[int, int]]:
@@ -433,34 +391,13 @@ class PushConsumer:
             previous = seq
         return gaps
 
-    def _parse(self, msgs: list[Msg], *, with_stamps: bool) -> _Parsed:
-        """Stream sequence, delivery number (and timestamp) of each message's acknowledgement subject,
-        in bulk. Touches no state but the prefix (the same for every call): safe on a worker thread."""
-        replies = [msg.reply for msg in msgs]
+    def _parse(self, msgs: list[Delivery], *, with_stamps: bool) -> Parsed:
+        """The acknowledgement subjects' fields, in bulk. Touches no state but the prefix (the same for
+        every call): safe on a worker thread."""
+        replies = [msg[REPLY] for msg in msgs]
         if self._prefix is None:
-            tokens = replies[0].split(".")
-            # $JS.ACK.<stream>.<consumer>.<tail> or $JS.ACK.<domain>.<account>.<stream>.<consumer>.<tail>
-            head = 4 if len(tokens) == 9 else 6
-            if len(tokens) not in (9, 11, 12) or tokens[head - 2] != self.facts.name:
-                raise IntegrityError(
-                    f"an unexpected acknowledgement subject {replies[0]!r}", where=self.where
-                )
-            self._prefix = ".".join(tokens[:head]) + "."
-        prefix = self._prefix
-        texts = pa.array(replies, pa.string())
-        if not pc.all(pc.starts_with(texts, prefix)).as_py():
-            raise IntegrityError(f"a message arrived from another consumer than {prefix}", where=self.where)
-        tails = pc.binary_slice(texts.cast(pa.binary()), len(prefix), 1 << 16)
-        # <delivered>.<stream seq>.<consumer seq>.<timestamp>.<pending>[.<token>]
-        fields = pc.split_pattern(tails, b".", max_splits=4 if with_stamps else 3)
-        seq_text = pc.list_element(fields, 1).cast(pa.string())
-        try:
-            seqs = seq_text.cast(pa.int64())
-            deliveries = pc.list_element(fields, 2).cast(pa.string()).cast(pa.int64())
-            stamps = pc.list_element(fields, 3).cast(pa.string()).cast(pa.int64()) if with_stamps else None
-        except (pa.ArrowInvalid, IndexError) as exc:
-            raise IntegrityError(f"malformed acknowledgement subjects: {exc}", where=self.where) from exc
-        return _Parsed(seqs, deliveries, seq_text.to_pylist(), stamps)
+            self._prefix = reply_prefix(replies[0], self.facts.name, self.where)
+        return parse_replies(replies, self._prefix, with_stamps=with_stamps, where=self.where)
 
     def take(self, limit: int, *, upto: int | None = None) -> Chunk | None:
         """The next ready chunk: at most ``limit`` messages, none past stream sequence ``upto``.
@@ -630,7 +567,7 @@ class PushConsumer:
             if chunk.first <= seq <= chunk.last:
                 index = pc.index(chunk.seqs, seq).as_py()
                 if index >= 0:
-                    return str(chunk.msgs[index].reply)
+                    return chunk.msgs[int(index)][REPLY]
         raise IntegrityError(
             f"stream sequence {seq} is not the end of anything this session read", where=self.where
         )
@@ -644,7 +581,7 @@ class PushConsumer:
                 index = pc.index(chunk.seqs, seq).as_py()
                 if index >= 0:
                     # <delivered>.<stream seq>.<consumer seq>.<timestamp>.<pending>[.<token>]
-                    fields = str(chunk.msgs[index].reply)[len(self._prefix) :].split(".")
+                    fields = chunk.msgs[index][REPLY][len(self._prefix) :].split(".")
                     return int(fields[3]) if len(fields) > 3 and fields[3].isdigit() else None
         return None
 
@@ -692,7 +629,7 @@ class PushConsumer:
                 f"keeping delivered messages alive failed: {exc!r}", where=self.where
             )
 
-    async def _progress(self, msgs: list[Msg]) -> None:
+    async def _progress(self, msgs: list[Delivery]) -> None:
         publish = self._client.publish
         for msg in msgs:
-            await publish(msg.reply, _PROGRESS)
+            await publish(msg[REPLY], _PROGRESS)

@@ -9,9 +9,9 @@ Kafka source's are.
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
-from nats.aio.msg import Msg
 
 from faucet_dagster.protocol.json_rows import JsonRows, JsonRun
+from faucet_nats.chunks import DATA, HEADERS, SUBJECT, Delivery
 from faucet_nats.config import HEADER_TYPE, RAW_SCHEMA, NatsSourceConfig
 
 _NANOS = pa.timestamp("ns", tz="UTC")
@@ -31,19 +31,21 @@ class Decoder:
         """True when rows carry the server timestamp (parsed from the acknowledgement subjects)."""
         return self._format == "bytes"
 
-    def decode(self, msgs: Sequence[Msg], seqs: pa.Int64Array, stamps: pa.Int64Array | None) -> list[JsonRun]:
+    def decode(
+        self, msgs: Sequence[Delivery], seqs: pa.Int64Array, stamps: pa.Int64Array | None
+    ) -> list[JsonRun]:
         """Decode ``msgs`` (stream sequences ``seqs``) into runs of rows and malformed messages."""
         if self._format == "bytes":
             assert stamps is not None  # needs_stamps
             return [JsonRun(0, len(msgs), self._raw(msgs, seqs, stamps))]
-        return self._json.decode([msg.data for msg in msgs])
+        return self._json.decode([msg[DATA] for msg in msgs])
 
-    def _raw(self, msgs: Sequence[Msg], seqs: pa.Int64Array, stamps: pa.Int64Array) -> pa.RecordBatch:
+    def _raw(self, msgs: Sequence[Delivery], seqs: pa.Int64Array, stamps: pa.Int64Array) -> pa.RecordBatch:
         count = len(msgs)
-        headers = [None if msg.headers is None else _header_items(msg.headers) for msg in msgs]
+        headers = [None if msg[HEADERS] is None else _header_items(msg[HEADERS]) for msg in msgs]
         columns = [
-            pa.array([msg.subject for msg in msgs], pa.string()),
-            pa.array([msg.data for msg in msgs], pa.binary()),
+            pa.array([msg[SUBJECT] for msg in msgs], pa.string()),
+            pa.array([msg[DATA] for msg in msgs], pa.binary()),
             pa.array(headers, HEADER_TYPE),
             # Microseconds: what PostgreSQL and Python datetimes hold.
             stamps.cast(_NANOS).cast(_STAMP, safe=False),

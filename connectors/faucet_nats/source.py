@@ -1,4 +1,4 @@
-"""The NATS JetStream source: a continuous StreamSource (epochs) and a bounded Source (one finite read).
+"""The NATS JetStream source: the continuous StreamSource (epochs) and the session both sources read through.
 
 Ordering domain: one stream incarnation, or the part of it a subject filter selects
 (``OrderingDomain(source_name, stream, subject filter or "", "<created>#<first seq>",
@@ -17,17 +17,16 @@ sequence written (every JetStream message is a safe boundary: there are no trans
 sequences after the last read's end up to the stream's last sequence, with the age of that end's
 message against the newest one (server timestamps).
 
-Bounded: an ephemeral consumer reads from the bookmark to the stream's last sequence at the start, in
-pages whose bookmark is the last sequence they hold.
+The bounded Source (:mod:`faucet_nats.bounded`) reads through the same session, with an ephemeral
+consumer.
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import nats.errors
-import pyarrow as pa
 from nats.aio.client import Client
 
 from faucet_dagster.protocol import (
@@ -35,33 +34,27 @@ from faucet_dagster.protocol import (
     CancelToken,
     ConfigError,
     ConnectionFailed,
-    Control,
     Coverage,
     DataError,
     DomainCoverage,
     Emits,
     EventIdentity,
     FaucetError,
-    FetchContext,
     Identities,
     IncarnationChanged,
     IntegrityError,
-    JsonValue,
     LifecycleError,
     Membership,
     Operation,
     Ordering,
     OrderingDomain,
-    Page,
     Position,
     PositionCodec,
     PositionUnavailable,
     ProgressBoundary,
     ReadLimits,
-    Records,
     RejectedRecord,
     Replay,
-    Source,
     SourceCapabilities,
     SourceLag,
     StreamRecordSink,
@@ -69,9 +62,10 @@ from faucet_dagster.protocol import (
     StreamSource,
     WorkerIdentity,
 )
+from faucet_nats.chunks import DATA, Chunk
 from faucet_nats.codecs import NatsStreamSequenceCodec
 from faucet_nats.config import NatsSourceConfig
-from faucet_nats.consumer import Chunk, PushConsumer
+from faucet_nats.consumer import PushConsumer
 from faucet_nats.decode import Decoder
 from faucet_nats.jetstream import (
     NO_MESSAGE_FOUND,
@@ -355,7 +349,7 @@ class NatsStreamSession(StreamSession):
                     return None, False
                 written += len(chunk)
                 if limits.bytes is not None:
-                    size += sum(len(msg.data) for msg in chunk.msgs)
+                    size += sum(len(msg[DATA]) for msg in chunk.msgs)
                 end = chunk.last
                 if self._end is not None and end >= self._end:
                     return end, True
@@ -414,7 +408,7 @@ class NatsStreamSession(StreamSession):
                     RejectedRecord(
                         EventIdentity(self.domain, positions[run.start]),
                         run.reason,
-                        chunk.msgs[run.start].data,
+                        chunk.msgs[run.start][DATA],
                         where,
                         self._config.stream,
                     )
@@ -586,153 +580,3 @@ class NatsStreamSource(StreamSource):
             durable=True,
             bounded=config.bounded,
         )
-
-
-class _PageCollector(StreamRecordSink):
-    """Collects what one read of a bounded session writes, as one page's records."""
-
-    def __init__(self, where: str) -> None:
-        self._where = where
-        self._parts: list[Records] = []
-
-    async def write(
-        self, domain: OrderingDomain, rows: Records, identities: Identities, *, resource: str | None = None
-    ) -> None:
-        self._parts.append(rows)
-
-    async def control(self, control: Control) -> None:
-        return None
-
-    def take(self) -> Records:
-        parts, self._parts = self._parts, []
-        if parts and all(isinstance(part, pa.RecordBatch) for part in parts):
-            return pa.concat_batches([part for part in parts if isinstance(part, pa.RecordBatch)])
-        rows: list[Any] = []
-        for part in parts:
-            if isinstance(part, pa.RecordBatch):
-                raise IntegrityError("a page mixes Arrow batches and JSON rows", where=self._where)
-            rows.extend(part)
-        return rows
-
-
-async def _owner_always() -> None:
-    """A bounded read's acknowledgements only release its own ephemeral consumer's window."""
-
-
-class NatsSource(Source):
-    """The bounded NATS source: from the bookmark to the stream's last sequence at the start.
-
-    Bookmark: ``{"stream", "subject", "incarnation", "sequence"}`` (the last sequence read). A
-    malformed payload raises DataError (a bounded read has no dead-letter route for source records).
-
-    Watermark positions: a page's position is its bookmark's stream sequence, so a commit-token sink
-    stores the last sequence it holds, and a rerun resumes right after it (or fails with
-    :class:`PositionUnavailable` when retention removed what follows). The token carries no
-    incarnation: after the stream is deleted and recreated, a destination holding the old stream's
-    token must be reset, or a rerun without a bookmark would resume past the new stream's start.
-    """
-
-    connector_name = "nats"
-    config_model = NatsSourceConfig
-    watermark_by_position = True
-
-    def __init__(self, config: NatsSourceConfig) -> None:
-        self.config = config
-        self._start: Position | None = None
-        self._after: int | None = None
-        self._bookmark: JsonValue | None = None
-
-    def capabilities(self) -> SourceCapabilities:
-        return _capabilities(self.config, continuous=False)
-
-    def dataset_uri(self) -> str:
-        server = self.config.servers[0].split("://", 1)[-1].split(",")[0]
-        subject = f"/{self.config.subject}" if self.config.subject else ""
-        return f"nats://{server}/{self.config.stream}{subject}"
-
-    def state_key(self) -> str:
-        return f"nats:{self.config.stream}:{self.config.subject or '>'}"
-
-    def bookmark(self) -> JsonValue | None:
-        return self._bookmark
-
-    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
-        config = self.config
-        if not isinstance(bookmark, dict) or set(bookmark) != {
-            "stream",
-            "subject",
-            "incarnation",
-            "sequence",
-        }:
-            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(config))
-        if bookmark["stream"] != config.stream or (bookmark["subject"] or "") != config.partition:
-            raise ConfigError(
-                f"the bookmark belongs to stream {bookmark['stream']!r} subject {bookmark['subject']!r}",
-                where=_where(config),
-            )
-        incarnation = bookmark["incarnation"]
-        if not isinstance(incarnation, str):
-            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(config))
-        domain = OrderingDomain(config.source_name, config.stream, config.partition, incarnation, CODEC.name)
-        self._start = Position(domain, CODEC.canonicalize(CODEC.validate(bookmark["sequence"])))
-        self._bookmark = bookmark
-
-    def watermark_position(self, bookmark: JsonValue) -> int:
-        if not isinstance(bookmark, dict) or "sequence" not in bookmark:
-            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(self.config))
-        return CODEC.validate(bookmark["sequence"])
-
-    def resume_after_position(self, position: int) -> None:
-        self._after = CODEC.validate(position)
-
-    async def check(self) -> None:
-        client = await connect(self.config, where=_where(self.config))
-        try:
-            await _stream_facts(JetStreamApi(client, self.config), self.config, known_incarnation=False)
-        finally:
-            await _close_client(client, _where(self.config))
-
-    async def fetch(self, ctx: FetchContext) -> Records:
-        pages = [page.records async for page in self.stream_pages(ctx, 0)]
-        if not pages:
-            return []
-        return pages[0]
-
-    async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
-        """Pages of at most ``batch_size`` messages (one page when 0), each with its bookmark.
-
-        At most about two pages are held in memory: the consumer's acknowledgement window.
-        """
-        if batch_size < 0:
-            raise ConfigError(f"batch_size must be >= 0, got {batch_size}", where=_where(self.config))
-        config = self.config
-        session = await NatsStreamSession.open(
-            config,
-            () if self._start is None else (self._start,),
-            owned=True,
-            worker=None,
-            durable=False,
-            bounded=True,
-            max_ack_pending=-1 if batch_size == 0 else max(2 * batch_size, config.chunk_messages),
-            after=self._after,
-        )
-        collector = _PageCollector(_where(config))
-        limits = ReadLimits(records=batch_size or None, bytes=None, idle=None, age=None)
-        try:
-            while True:
-                coverage = await session.read(collector, limits, CancelToken())
-                if coverage.empty:
-                    if not session.finished:
-                        raise IntegrityError("the bounded read stopped before its end", where=_where(config))
-                    return
-                end = coverage.domains[0].end
-                self._bookmark = {
-                    "stream": config.stream,
-                    "subject": config.subject,
-                    "incarnation": session.domain.incarnation,
-                    "sequence": int(end),
-                }
-                yield Page(collector.take(), self._bookmark)
-                await session.acknowledge(coverage, _owner_always)
-        finally:
-            await session.close()

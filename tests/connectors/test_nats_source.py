@@ -12,10 +12,12 @@ from typing import Any
 import nats
 import pyarrow as pa
 import pytest
+from faucet_nats.bounded import NatsSource
+from faucet_nats.chunks import REPLY, Chunk
 from faucet_nats.config import RAW_SCHEMA, NatsSourceConfig
-from faucet_nats.consumer import Chunk, PushConsumer
+from faucet_nats.consumer import PushConsumer
 from faucet_nats.jetstream import JetStreamApi, connect
-from faucet_nats.source import NatsSource, NatsStreamSession, NatsStreamSource
+from faucet_nats.source import NatsStreamSession, NatsStreamSource
 
 from faucet_dagster.protocol import (
     CancelToken,
@@ -798,7 +800,7 @@ def test_arrivals_parsed_in_a_thread_still_count_as_received(nats_url: str, stre
             release = threading.Event()
             parse = consumer._parse
 
-            def slow_parse(msgs: list[Msg], *, with_stamps: bool) -> Any:
+            def slow_parse(msgs: list[Any], *, with_stamps: bool) -> Any:
                 assert release.wait(60)
                 return parse(msgs, with_stamps=with_stamps)
 
@@ -817,7 +819,7 @@ def test_arrivals_parsed_in_a_thread_still_count_as_received(nats_url: str, stre
             release.set()
             with pytest.raises(asyncio.CancelledError):
                 await cancelled
-            assert [m.reply.split(".")[5] for m in consumer._incoming] == [
+            assert [m[REPLY].split(".")[5] for m in consumer._incoming] == [
                 str(n) for n in range(1, count + 2)
             ]
             assert consumer.held == count + 1
