@@ -28,7 +28,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_nats.config import NatsSourceConfig
 from faucet_nats.jetstream import JetStreamApi, connect
-from faucet_nats.source import CODEC, NatsStreamSession, _capabilities, _close_client, _stream_facts, _where
+from faucet_nats.source import CODEC, NatsStreamSession, capabilities, close_client, stream_facts, where_of
 
 
 class _PageCollector(StreamRecordSink):
@@ -86,7 +86,7 @@ class NatsSource(Source):
         self._bookmark: JsonValue | None = None
 
     def capabilities(self) -> SourceCapabilities:
-        return _capabilities(self.config, continuous=False)
+        return capabilities(self.config, continuous=False)
 
     def dataset_uri(self) -> str:
         server = self.config.servers[0].split("://", 1)[-1].split(",")[0]
@@ -107,33 +107,33 @@ class NatsSource(Source):
             "incarnation",
             "sequence",
         }:
-            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(config))
+            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=where_of(config))
         if bookmark["stream"] != config.stream or (bookmark["subject"] or "") != config.partition:
             raise ConfigError(
                 f"the bookmark belongs to stream {bookmark['stream']!r} subject {bookmark['subject']!r}",
-                where=_where(config),
+                where=where_of(config),
             )
         incarnation = bookmark["incarnation"]
         if not isinstance(incarnation, str):
-            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(config))
+            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=where_of(config))
         domain = OrderingDomain(config.source_name, config.stream, config.partition, incarnation, CODEC.name)
         self._start = Position(domain, CODEC.canonicalize(CODEC.validate(bookmark["sequence"])))
         self._bookmark = bookmark
 
     def watermark_position(self, bookmark: JsonValue) -> int:
         if not isinstance(bookmark, dict) or "sequence" not in bookmark:
-            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=_where(self.config))
+            raise ConfigError(f"not a NATS bookmark: {bookmark!r}", where=where_of(self.config))
         return CODEC.validate(bookmark["sequence"])
 
     def resume_after_position(self, position: int) -> None:
         self._after = CODEC.validate(position)
 
     async def check(self) -> None:
-        client = await connect(self.config, where=_where(self.config))
+        client = await connect(self.config, where=where_of(self.config))
         try:
-            await _stream_facts(JetStreamApi(client, self.config), self.config, known_incarnation=False)
+            await stream_facts(JetStreamApi(client, self.config), self.config, known_incarnation=False)
         finally:
-            await _close_client(client, _where(self.config))
+            await close_client(client, where_of(self.config))
 
     async def fetch(self, ctx: FetchContext) -> Records:
         pages = [page.records async for page in self.stream_pages(ctx, 0)]
@@ -147,7 +147,7 @@ class NatsSource(Source):
         At most about two pages are held in memory: the consumer's acknowledgement window.
         """
         if batch_size < 0:
-            raise ConfigError(f"batch_size must be >= 0, got {batch_size}", where=_where(self.config))
+            raise ConfigError(f"batch_size must be >= 0, got {batch_size}", where=where_of(self.config))
         config = self.config
         session = await NatsStreamSession.open(
             config,
@@ -159,14 +159,16 @@ class NatsSource(Source):
             max_ack_pending=-1 if batch_size == 0 else max(2 * batch_size, config.chunk_messages),
             after=self._after,
         )
-        collector = _PageCollector(_where(config))
+        collector = _PageCollector(where_of(config))
         limits = ReadLimits(records=batch_size or None, bytes=None, idle=None, age=None)
         try:
             while True:
                 coverage = await session.read(collector, limits, CancelToken())
                 if coverage.empty:
                     if not session.finished:
-                        raise IntegrityError("the bounded read stopped before its end", where=_where(config))
+                        raise IntegrityError(
+                            "the bounded read stopped before its end", where=where_of(config)
+                        )
                     return
                 end = coverage.domains[0].end
                 self._bookmark = {

@@ -82,7 +82,7 @@ INLINE_DECODE_MESSAGES = 512
 T = TypeVar("T")
 
 
-def _capabilities(config: NatsSourceConfig, *, continuous: bool) -> SourceCapabilities:
+def capabilities(config: NatsSourceConfig, *, continuous: bool) -> SourceCapabilities:
     schema = config.declared_schema()
     return SourceCapabilities(
         emits=Emits.MESSAGES,
@@ -102,7 +102,7 @@ def _capabilities(config: NatsSourceConfig, *, continuous: bool) -> SourceCapabi
     )
 
 
-def _where(config: NatsSourceConfig) -> str:
+def where_of(config: NatsSourceConfig) -> str:
     return f"nats stream {config.stream}" + (f" subject {config.subject}" if config.subject else "")
 
 
@@ -112,7 +112,7 @@ def _domain(config: NatsSourceConfig, facts: StreamFacts) -> OrderingDomain:
 
 def _check_available(config: NatsSourceConfig, facts: StreamFacts, after: int) -> None:
     """Raise PositionUnavailable unless the stream still stores everything after sequence ``after``."""
-    where = _where(config)
+    where = where_of(config)
     if after > facts.last_seq:
         raise PositionUnavailable(
             f"the position {after} is past the stream's last sequence {facts.last_seq}: the stream lost "
@@ -131,7 +131,7 @@ def _resume_after(
     config: NatsSourceConfig, domain: OrderingDomain, positions: Sequence[Position]
 ) -> int | None:
     """The certified sequence of ``domain`` among ``positions`` (None: start at the beginning)."""
-    where = _where(config)
+    where = where_of(config)
     found: int | None = None
     for position in positions:
         known = position.domain
@@ -158,7 +158,7 @@ def _resume_after(
     return found
 
 
-async def _stream_facts(
+async def stream_facts(
     api: JetStreamApi, config: NatsSourceConfig, *, known_incarnation: bool
 ) -> StreamFacts:
     try:
@@ -169,12 +169,12 @@ async def _stream_facts(
         if known_incarnation:
             raise IncarnationChanged(
                 "the stream was deleted: the certified position's incarnation no longer exists",
-                where=_where(config),
+                where=where_of(config),
             ) from exc
-        raise ConfigError("the stream does not exist", where=_where(config)) from exc
+        raise ConfigError("the stream does not exist", where=where_of(config)) from exc
 
 
-async def _close_client(client: Client, where: str) -> None:
+async def close_client(client: Client, where: str) -> None:
     try:
         await client.close()
     except (nats.errors.Error, OSError) as exc:
@@ -203,7 +203,7 @@ class NatsStreamSession(StreamSession):
         self._client = client
         self._consumer = consumer
         self.domain = domain
-        self._where = _where(config)
+        self._where = where_of(config)
         self._decoder = Decoder(config)
         self._position = resumed
         self._end = end
@@ -229,11 +229,11 @@ class NatsStreamSession(StreamSession):
         ``after`` (a bounded read only) starts right after that sequence of the current incarnation
         instead, when it is past the certified position: everything up to it is at the destination.
         """
-        where = _where(config)
+        where = where_of(config)
         client = await connect(config, where=where)
         try:
             api = JetStreamApi(client, config)
-            facts = await _stream_facts(api, config, known_incarnation=bool(positions))
+            facts = await stream_facts(api, config, known_incarnation=bool(positions))
             domain = _domain(config, facts)
             resumed = _resume_after(config, domain, positions)
             if after is not None and (resumed is None or after > resumed):
@@ -503,7 +503,7 @@ class NatsStreamSession(StreamSession):
                 if self._consumer is not None:
                     await self._consumer.close()
             finally:
-                await _close_client(self._client, self._where)
+                await close_client(self._client, self._where)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -552,7 +552,7 @@ class NatsStreamSource(StreamSource):
         self.config = config
 
     def capabilities(self) -> SourceCapabilities:
-        return _capabilities(self.config, continuous=True)
+        return capabilities(self.config, continuous=True)
 
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         return (CODEC,)
@@ -570,7 +570,7 @@ class NatsStreamSource(StreamSource):
         if unknown:
             raise ConfigError(
                 f"this source reads stream {config.stream!r} only, not {', '.join(unknown)}",
-                where=_where(config),
+                where=where_of(config),
             )
         return await NatsStreamSession.open(
             config,
