@@ -249,7 +249,15 @@ def faucet_stream_sensor(
         budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=streams_sharing)
         stop_after = max(READER_STOP_SECONDS, 4.0 * minimum_interval_seconds)
         starting = STARTING_TICK_BUDGET if budget_seconds is None else None
-        return _tick(context, stream, key, budget, stop_after, starting_budget=starting)
+        return _tick(
+            context,
+            stream,
+            key,
+            budget,
+            stop_after,
+            starting_budget=starting,
+            interval=minimum_interval_seconds,
+        )
 
     return _sensor
 
@@ -507,6 +515,7 @@ def _tick(
     stop_after: float | None = None,
     *,
     starting_budget: float | None = None,
+    interval: float | None = None,
 ) -> dg.SensorResult:
     began = time.perf_counter()
     handle = cached_runner(stream.name, stream.state_url, lambda: stream.build_spec(context.resources))
@@ -524,7 +533,9 @@ def _tick(
     if handle.lock.acquire(blocking=False):
         try:
             pending = stream_loop().run(
-                handle.runner.tick(budget, stop_after=stop_after, starting_budget=starting_budget)
+                handle.runner.tick(
+                    budget, stop_after=stop_after, starting_budget=starting_budget, interval=interval
+                )
             )
         except OwnershipLost as exc:
             lost = exc

@@ -1,29 +1,37 @@
 """Measure many NATS -> PostgreSQL streams in one code location under a real ``dagster-daemon run``.
 
 ``.venv/bin/python scripts/daemon_many_streams_bench.py [--streams 10] [--seconds 180] [--rate 45]
-[--interval 30] [--keep DIR]``
+[--interval 30] [--threads N] [--keep DIR]``
 
 Starts the test servers (PostgreSQL, NATS from their wheels), a code location with ``--streams``
 streams (each its own NATS stream and destination table, the sensors' default interval and budget:
 ``build_stream_defs`` shares the interval between them) and ``dagster-daemon run -f streams.py``
-with the daemon's defaults (sensors evaluated one at a time, its own code servers). Publishes
+with the daemon's defaults (sensors evaluated one at a time, its own code servers; ``--threads N``
+sets ``sensors: {use_threads: true, num_workers: N}`` in ``dagster.yaml``: N at a time). Publishes
 ``--rate`` numbered messages per second to each stream for ``--seconds``, then waits until every
 stream certified everything and checks each destination table holds every message exactly once.
-Prints, from the ticks the daemon recorded: the ticks' p50, p95 and longest duration, and per stream
-the longest gap between the starts of two of its ticks (what "every stream still ticks about every
-interval" means). ``--keep`` keeps the daemon's log and its instance in ``DIR``.
+Prints, from the ticks the daemon recorded: the ticks' p50, p95 and longest duration (the first
+ticks of a code server apart: they start its readers), per stream the longest gap between the starts
+of two of its ticks (what "every stream still ticks about every interval" means), and where the time
+beyond the interval went: the daemon busy with other sensors' ticks (it evaluates a code location's
+sensors one at a time) or idle (its sensor loop looks for due sensors every 5 s at most). Then the
+CPU the daemon and its code servers used. ``--keep`` keeps the daemon's log and its instance in
+``DIR``.
 """
 
 import argparse
 import itertools
+import statistics
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import dagster as dg
+import psutil
 import psycopg
 import test_daemon_streams as daemon_test
 from daemon_streams_bench import with_test_servers
@@ -72,16 +80,19 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--rate", type=int, default=45, help="messages per second and stream")
     parser.add_argument("--interval", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=0, help="sensors evaluated at a time (0: serial)")
     parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
     args = parser.parse_args()
     daemon_test.RATE = args.rate
-    return with_test_servers(run, args, keep=args.keep)
+    return with_test_servers(run, args, keep=None if args.keep is None else args.keep.resolve())
 
 
 def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argparse.Namespace) -> int:
     (tmp / "streams.py").write_text(textwrap.dedent(PROJECT.replace("INTERVAL", str(args.interval))))
     home = tmp / "dagster_home"
     home.mkdir()
+    if args.threads:
+        (home / "dagster.yaml").write_text(f"sensors:\n  use_threads: true\n  num_workers: {args.threads}\n")
     names = [make_unique_name(f"many{i}") for i in range(args.streams)]
     database = postgres.create_database(make_unique_name("many_db"))
     state = f"sqlite:///{tmp / 'state.db'}"
@@ -102,7 +113,11 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
         for publisher in publishers:
             publisher.start()
         deployment.start_daemon()
+        cpu = CpuMeter(deployment)
+        cpu.start()
         time.sleep(args.seconds)
+        cpu.stopped.set()
+        cpu.join()
         for publisher in publishers:
             publisher.stopped.set()
             publisher.join(30)
@@ -124,7 +139,8 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
             f"{args.streams} streams at {args.rate}/s each, interval {args.interval}s, {args.seconds:.0f}s: "
             "every message in its destination exactly once"
         )
-        print_ticks(home)
+        print_ticks(home, args.interval)
+        print(cpu.describe(args.seconds))
         return 0
     finally:
         for publisher in publishers:
@@ -134,32 +150,117 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
         deployment.store.close()
 
 
-def print_ticks(home: Path) -> None:
-    """The longest tick of all, and per stream its longest tick and longest gap between tick starts."""
-    longest_tick, longest_gap = 0.0, 0.0
-    every: list[float] = []
+class CpuMeter(threading.Thread):
+    """Samples the CPU time of the daemon and of each of its code servers (they come and go) once a
+    second while publishing; ``describe`` sums the last sample of each process."""
+
+    def __init__(self, deployment: daemon_test.Deployment) -> None:
+        super().__init__(daemon=True)
+        self.deployment = deployment
+        self.stopped = threading.Event()
+        self.seconds: dict[tuple[int, float], tuple[bool, float]] = {}
+
+    def run(self) -> None:
+        assert self.deployment.daemon is not None
+        daemon = psutil.Process(self.deployment.daemon.pid)
+        while not self.stopped.wait(1.0):
+            try:
+                processes = [daemon, *daemon.children(recursive=True)]
+            except psutil.Error:
+                continue  # a child ended while listing them
+            for process in processes:
+                try:
+                    times = process.cpu_times()
+                    key = (process.pid, process.create_time())
+                except psutil.Error:
+                    continue  # it ended between the listing and the sample
+                # Once seen as a code server, always one (an exited one's command line is gone).
+                server = self.seconds.get(key, (False, 0.0))[0] or daemon_test._is_code_server(process)
+                self.seconds[key] = (server, times.user + times.system)
+
+    def describe(self, wall: float) -> str:
+        servers = sum(seconds for server, seconds in self.seconds.values() if server)
+        others = sum(seconds for server, seconds in self.seconds.values() if not server)
+        count = sum(1 for server, _ in self.seconds.values() if server)
+        return (
+            f"CPU while publishing ({wall:.0f}s): {servers + others:.1f}s, code servers {servers:.1f}s "
+            f"({count} processes, {servers / wall:.2f} of a core), the daemon {others:.1f}s "
+            f"({others / wall:.2f} of a core)"
+        )
+
+
+Tick = tuple[float, float, str, bool]
+"""A tick the daemon recorded: start, end, sensor, whether it started its stream's reader."""
+
+
+def print_ticks(home: Path, interval: float) -> None:
+    """The ticks' durations, per stream its longest tick and longest gap between tick starts, and the
+    time beyond the interval, split into the daemon busy with other ticks and the daemon idle."""
+    longest_gap = 0.0
+    ticks: list[Tick] = []
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for state in instance.all_instigator_state():
-            ticks = sorted(
+            mine = sorted(
                 instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=100_000),
                 key=lambda t: t.timestamp,
             )
-            durations = [t.end_timestamp - t.timestamp for t in ticks if t.end_timestamp]
-            gaps = [b.timestamp - a.timestamp for a, b in itertools.pairwise(ticks)]
+            durations = [t.end_timestamp - t.timestamp for t in mine if t.end_timestamp]
+            gaps = [b.timestamp - a.timestamp for a, b in itertools.pairwise(mine)]
             if not durations:
                 continue
-            every.extend(durations)
-            longest_tick, longest_gap = max(longest_tick, *durations), max(longest_gap, *gaps, 0.0)
-            certified = sum(1 for t in ticks if (t.skip_reason or "").startswith("certified "))
+            ticks.extend(
+                (t.timestamp, t.end_timestamp, state.instigator_name, _starts_reader(t.skip_reason))
+                for t in mine
+                if t.end_timestamp
+            )
+            longest_gap = max(longest_gap, *gaps, 0.0)
+            certified = sum(1 for t in mine if (t.skip_reason or "").startswith("certified "))
             print(
-                f"  {state.instigator_name}: {len(ticks)} ticks, {certified} certified; longest tick "
+                f"  {state.instigator_name}: {len(mine)} ticks, {certified} certified; longest tick "
                 f"{max(durations):.1f}s, longest gap between ticks {max(gaps, default=0.0):.1f}s"
             )
-    every.sort()
-    p50, p95 = (every[int(q * (len(every) - 1))] if every else 0.0 for q in (0.5, 0.95))
+    every = sorted(end - start for start, end, _, _ in ticks)
+    others = sorted(end - start for start, end, _, starting in ticks if not starting)
     print(
-        f"ticks: {len(every)}, p50 {p50:.2f}s, p95 {p95:.2f}s, longest {longest_tick:.1f}s; "
+        f"ticks: {len(every)}, {_spread(every)}; those that did not start a reader: {_spread(others)}; "
         f"longest gap between one stream's ticks {longest_gap:.1f}s"
+    )
+    print(_lateness(sorted(ticks), interval))
+
+
+def _starts_reader(reason: str | None) -> bool:
+    return (reason or "").startswith("started reading")
+
+
+def _spread(durations: list[float]) -> str:
+    if not durations:
+        return "none"
+    p50, p95 = (durations[int(q * (len(durations) - 1))] for q in (0.5, 0.95))
+    return f"p50 {p50:.2f}s, p95 {p95:.2f}s, longest {durations[-1]:.2f}s"
+
+
+def _lateness(ticks: list[Tick], interval: float) -> str:
+    """Where each gap's time beyond ``interval`` went: the daemon running other sensors' ticks, or idle
+    (between its sensor loop's passes); the mean over all gaps and the split of the longest one."""
+    rows: list[tuple[float, float, float]] = []
+    for name in {tick[2] for tick in ticks}:
+        mine = [tick for tick in ticks if tick[2] == name]
+        for before, after in itertools.pairwise(mine):
+            due, late = before[0] + interval, after[0] - before[0] - interval
+            busy = sum(
+                max(0.0, min(end, after[0]) - max(start, due))
+                for start, end, other, _ in ticks
+                if other != name
+            )
+            rows.append((after[0] - before[0], late, busy))
+    if not rows:
+        return "beyond the interval: no gaps"
+    gap, late, busy = max(rows)
+    return (
+        f"beyond the interval, mean over {len(rows)} gaps: {statistics.mean(r[1] for r in rows):.1f}s "
+        f"({statistics.mean(r[2] for r in rows):.1f}s other ticks, "
+        f"{statistics.mean(r[1] - r[2] for r in rows):.1f}s daemon idle); longest gap {gap:.1f}s: "
+        f"{late:.1f}s late, {busy:.1f}s other ticks, {late - busy:.1f}s daemon idle"
     )
 
 

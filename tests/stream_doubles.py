@@ -85,6 +85,8 @@ class MemoryLog:
     incarnation: str = "inc-1"
     acknowledged: int = 0
     acknowledgements: list[int] = field(default_factory=list)
+    reads: list[ReadLimits] = field(default_factory=list)
+    """The limits of every read, in order."""
 
     def append(self, count: int, **extra: Any) -> None:
         start = len(self.rows)
@@ -102,6 +104,7 @@ class MemorySession(StreamSession):
         self.closed = False
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        self.log.reads.append(limits)
         dom = domain(self.log.incarnation)
         start = boundary = self.position
         available = len(self.log.rows)

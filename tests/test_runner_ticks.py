@@ -25,6 +25,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.runner.continuous import Pending, StreamRunner, StreamSpec
 from faucet_dagster.runner.loop import BackgroundLoop
+from faucet_dagster.runner.open_epoch import READ_SLICE_SECONDS, SEAL_SLICE_SECONDS
 from faucet_dagster.state import Lease, StateStore
 
 BOUND = 30.0
@@ -118,6 +119,27 @@ def test_a_tick_seals_what_the_open_epoch_read_since_the_last_one(
     assert len(store.certificates("s")) == 2
     loop.run(stream.close())
     assert store.status("s")[0].owner is None
+
+
+def test_reads_are_long_until_the_next_tick_can_come_and_short_once_it_can(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    log = MemoryLog()
+    log.append(40)
+    stream = runner(store, MemorySource(log), MemorySink())
+    # The first tick's seal is asked for before the reader's first read: a short one.
+    assert loop.run(stream.tick(10, interval=30)) is None
+    assert [limits.age for limits in log.reads[:1]] == [SEAL_SLICE_SECONDS]
+    # The next tick cannot come for 30 s: the reads of the open epoch are long ones until shortly before.
+    seen = len(log.reads)
+    wait_for("two reads after the tick", lambda: len(log.reads) >= seen + 2)
+    assert {limits.age for limits in log.reads[seen:]} == {READ_SLICE_SECONDS}
+    # A tick that says the next one can come at once: short reads, so its seal waits a short one.
+    assert loop.run(stream.tick(10, interval=0)) is None
+    seen = len(log.reads)
+    wait_for("two reads after the tick", lambda: len(log.reads) >= seen + 2)
+    assert {limits.age for limits in log.reads[seen:]} == {SEAL_SLICE_SECONDS}
+    loop.run(stream.close())
 
 
 def test_a_tick_that_starts_the_reader_waits_its_starting_budget_and_the_first_seal_is_served_after_it(

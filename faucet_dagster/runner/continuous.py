@@ -242,6 +242,7 @@ class StreamRunner:
         *,
         stop_after: float | None = None,
         starting_budget: float | None = None,
+        interval: float | None = None,
     ) -> Pending | None:
         """One sensor tick: seal the open epoch at its next safe boundary and wait, within
         ``budget_seconds``, until it is committed, certified and acknowledged; while the epochs sealed
@@ -258,13 +259,16 @@ class StreamRunner:
         no tick came for ``stop_after`` seconds (its open epoch is aborted and its lease released).
         A tick that starts the reader waits at most ``starting_budget`` (default: ``budget_seconds``);
         its seal request stands, so the first epoch is sealed after the reader's first read and
-        certified in the background (:attr:`started` says the tick did that). The certificates are in
-        the store; the sensor reports them from there.
+        certified in the background (:attr:`started` says the tick did that). ``interval`` says the
+        next tick comes that many seconds after this one at the earliest (a sensor's minimum interval):
+        the reader reads in long slices until shortly before then, and in short ones after it, so the
+        next tick's seal waits a fraction of a second (without it, every read is a short one). The
+        certificates are in the store; the sensor reports them from there.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget_seconds
         clock = self._clock
-        clock.last_tick, clock.stop_after = loop.time(), stop_after
+        clock.ticked(loop.time(), interval, stop_after)
         self.cut_short = None
         self.started = False
         if self._reader is None or self._reader.done():

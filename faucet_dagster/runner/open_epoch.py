@@ -2,15 +2,22 @@
 
 Under a sensor, the runner reads in the background (:meth:`StreamRunner.tick
 <faucet_dagster.runner.continuous.StreamRunner.tick>` starts it): an epoch is begun at the sink, and the
-source session reads into it in short reads (at most ``READ_SLICE_SECONDS`` each outside a source
-transaction), each ending at a safe source boundary. A tick asks for a seal (:meth:`EpochClock.request`);
-the open epoch serves it at the end of the read in progress, that is at the next safe boundary, after at
-least one read of its own (when the last read found nothing, after one more begun after the request, so
-what reached the source before the tick is in the epoch it seals): the runner then seals, commits,
-certifies, acknowledges and begins the next epoch. A read inside a source transaction goes on until
-the transaction ends, however many ticks that takes; its rows reach the sink as they are read (a
-transactional sink holds them in its open epoch, invisible until the commit), so memory stays bounded
-by the pipeline's batches, never by the transaction.
+source session reads into it in short reads, each ending at a safe source boundary. A tick asks for a
+seal (:meth:`EpochClock.request`); the open epoch serves it at the end of the read in progress, that is
+at the next safe boundary, after at least one read of its own (when the last read found nothing, after
+one more begun after the request, so what reached the source before the tick is in the epoch it
+seals): the runner then seals, commits, certifies, acknowledges and begins the next epoch.
+
+How long a read lasts outside a source transaction is how long a tick's seal waits for it. A tick that
+says when the next one can come at the earliest (``quiet_until``: a sensor's ticks are at least its
+minimum interval apart) lets the reads before then last ``READ_SLICE_SECONDS`` (few boundaries, the
+destination written in few batches); from then on, and whenever a seal is asked for, reads last
+``SEAL_SLICE_SECONDS``, so the tick the daemon sends (as late as its loop makes it) waits a fraction
+of a second for its seal. Without ``quiet_until`` every read is a short one.
+
+A read inside a source transaction goes on until the transaction ends, however many ticks that takes;
+its rows reach the sink as they are read (a transactional sink holds them in its open epoch, invisible
+until the commit), so memory stays bounded by the pipeline's batches, never by the transaction.
 
 Bounds: the open epoch stops reading at the first safe boundary after ``limits.records`` rows or
 ``limits.bytes`` bytes (it is *full*), and waits for a tick; nothing is dropped. One open for
@@ -33,8 +40,13 @@ from faucet_dagster.protocol import CancelToken, Coverage, EpochId, Position, Re
 from faucet_dagster.runner.recovery import merge, reaches
 
 READ_SLICE_SECONDS = 1.0
-"""The longest read of an open epoch outside a source transaction: how long a seal request waits for
-the read in progress to reach its boundary."""
+"""The longest read of an open epoch outside a source transaction, while no tick can come before it ends."""
+SEAL_SLICE_SECONDS = 0.1
+"""The longest read of an open epoch outside a source transaction once a tick can come (or asked for a
+seal): how long a seal request waits for the read in progress to reach its boundary."""
+TICK_GUARD_SECONDS = 1.0
+"""How much sooner than its interval after a tick the next one is expected: what reaching the runner
+takes a tick (the daemon's own work, the gRPC call, the sensor's start) varies by up to this much."""
 READ_IDLE_SECONDS = 0.5
 """A read of an open epoch with nothing new returns after this long (or the stream's ``idle``)."""
 MAX_OPEN_SECONDS = 60.0
@@ -108,9 +120,18 @@ class EpochClock:
         self.pipeline: EpochPipeline | None = None
         self.since = 0.0
         self.last_tick = 0.0
+        self.quiet_until = 0.0
+        """Loop time before which no seal request is expected (the next tick's earliest time): reads
+        that end by then may be long ones."""
         self.stop_after: float | None = None
         self._sealing = 0
         self._event: asyncio.Event | None = None
+
+    def ticked(self, now: float, interval: float | None, stop_after: float | None) -> None:
+        """A tick came at loop time ``now``; the next comes ``interval`` seconds later at the earliest
+        (None: unknown); the reader stops when none came for ``stop_after`` seconds."""
+        self.last_tick, self.stop_after = now, stop_after
+        self.quiet_until = 0.0 if interval is None else now + interval - TICK_GUARD_SECONDS
 
     def request(self) -> int:
         """Ask the open epoch to seal at its next safe boundary; returns the request's number."""
@@ -159,18 +180,22 @@ class EpochClock:
         """True when no tick came for ``stop_after`` seconds: the reader stops."""
         return self.stop_after is not None and now - self.last_tick > self.stop_after
 
-    def slice(self, pipeline: EpochPipeline) -> ReadLimits | None:
-        """The limits of the next read into ``pipeline``'s epoch; None when the epoch is full."""
+    def slice(self, pipeline: EpochPipeline, now: float) -> ReadLimits | None:
+        """The limits of the next read into ``pipeline``'s epoch, begun at loop time ``now``; None when
+        the epoch is full. Its age: up to ``READ_SLICE_SECONDS`` while it ends before ``quiet_until``
+        and no seal is asked for, else ``SEAL_SLICE_SECONDS`` (never beyond the stream's own ``age``)."""
         limits = self.limits
         records = None if limits.records is None else limits.records - pipeline.rows_written
         size = None if limits.bytes is None else limits.bytes - pipeline.bytes_written
         if (records is not None and records <= 0) or (size is not None and size <= 0):
             return None
+        quiet = 0.0 if self.requested > self._sealing else self.quiet_until - now
+        age = min(READ_SLICE_SECONDS, max(SEAL_SLICE_SECONDS, quiet))
         return ReadLimits(
             records=records,
             bytes=size,
             idle=READ_IDLE_SECONDS if limits.idle is None else min(limits.idle, READ_IDLE_SECONDS),
-            age=READ_SLICE_SECONDS if limits.age is None else min(limits.age, READ_SLICE_SECONDS),
+            age=age if limits.age is None else min(limits.age, age),
         )
 
     async def read(
@@ -201,10 +226,10 @@ class EpochClock:
                 due = False
             if reads and not recovering and due:
                 self._sealing = self.requested
-                self.full = self.slice(pipeline) is None
+                self.full = self.slice(pipeline, loop.time()) is None
                 self.phase = "committing"
                 return coverage
-            limits = self.slice(pipeline)
+            limits = self.slice(pipeline, loop.time())
             if limits is None and recovering:
                 limits = ReadLimits(idle=READ_IDLE_SECONDS, age=READ_SLICE_SECONDS)
             if limits is None:
