@@ -177,8 +177,8 @@ async def _copy_sliced(
     encode: Callable[[pa.RecordBatch], Any | None],
 ) -> None:
     """COPY ``batch`` in ``format``, ``COPY_SLICE_ROWS`` rows at a time: ``first`` is the first slice's
-    body (already encoded), ``encode(slice)`` a later one's, run in a worker thread while the slice
-    before it is written. Raises _FormatChanged when ``encode`` returns None."""
+    body (already encoded), ``encode(slice)`` a later one's, run on the slice encoder thread while the
+    slice before it is written. Raises _FormatChanged when ``encode`` returns None."""
     statement = _copy_statement(target, batch, format)
     async with conn.cursor() as cursor, cursor.copy(statement) as copy:
         if format == "binary":
@@ -188,8 +188,13 @@ async def _copy_sliced(
             task = _encoded(encode, batch.slice(start, COPY_SLICE_ROWS))
             try:
                 await copy.write(body)
-            finally:
-                body = await task
+            except BaseException:
+                # The write's error wins; the slice being encoded is let finish and dropped.
+                await asyncio.wait([task])
+                if not task.cancelled():
+                    task.exception()
+                raise
+            body = await task
             if body is None:
                 raise _FormatChanged
         await copy.write(body)
