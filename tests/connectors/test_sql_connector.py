@@ -413,56 +413,58 @@ def test_a_sqlite_sink_under_an_unusable_folder_raises_a_config_error(tmp_path: 
     assert str(blocker) in str(info.value)
 
 
+def run_sql(url: str, *statements: str) -> None:
+    """Run ``statements`` in one transaction on the database at ``url``."""
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.exec_driver_sql(statement)
+    engine.dispose()
+
+
+async def pages_of(url: str, table: str, batch_size: int) -> list[pa.RecordBatch]:
+    """Every page of ``table`` read by the SQL source in pages of ``batch_size`` rows."""
+    src = source(url, table=table)
+    try:
+        return [page.records async for page in src.stream_pages({}, batch_size)]
+    finally:
+        await src.close()
+
+
 def test_sqlite_pages_keep_their_values_and_a_mistyped_value_is_named(tmp_path: Path) -> None:
     """SQLite pages are built from its own tuples (no SQLAlchemy type changes a value): the values
     arrive as stored, and a text stored in an INTEGER column (SQLite allows it) is a DataError naming
     the column, not an Arrow error."""
     url = f"sqlite:///{tmp_path / 'typed.db'}"
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE t (id INTEGER PRIMARY KEY, n INTEGER, note TEXT)")
-        conn.exec_driver_sql("INSERT INTO t VALUES (1, 10, 'a'), (2, NULL, NULL), (3, -3, '')")
-    engine.dispose()
+    run_sql(
+        url,
+        "CREATE TABLE t (id INTEGER PRIMARY KEY, n INTEGER, note TEXT)",
+        "INSERT INTO t VALUES (1, 10, 'a'), (2, NULL, NULL), (3, -3, '')",
+    )
 
-    async def pages(batch_size: int) -> list[pa.RecordBatch]:
-        src = source(url, table="t")
-        try:
-            return [page.records async for page in src.stream_pages({}, batch_size)]
-        finally:
-            await src.close()
-
-    read = asyncio.run(pages(2))
+    read = asyncio.run(pages_of(url, "t", 2))
     assert [batch.to_pylist() for batch in read] == [
         [{"id": 1, "n": 10, "note": "a"}, {"id": 2, "n": None, "note": None}],
         [{"id": 3, "n": -3, "note": ""}],
     ]
     assert read[0].schema == pa.schema([("id", pa.int64()), ("n", pa.int64()), ("note", pa.string())])
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("INSERT INTO t VALUES (4, 'four', 'x')")
-    engine.dispose()
+    run_sql(url, "INSERT INTO t VALUES (4, 'four', 'x')")
     with pytest.raises(DataError, match="column 'n'"):
-        asyncio.run(pages(0))
+        asyncio.run(pages_of(url, "t", 0))
 
 
 def test_sqlite_values_sqlalchemy_converts_still_arrive_converted(tmp_path: Path) -> None:
     """SQLite hands timestamps back as text and booleans as integers; SQLAlchemy's types convert
     them, so such a table is not read from SQLite's own tuples."""
     url = f"sqlite:///{tmp_path / 'converted.db'}"
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE t (id INTEGER PRIMARY KEY, at TIMESTAMP, ok BOOLEAN)")
-        conn.exec_driver_sql("INSERT INTO t VALUES (1, '2024-05-06 07:08:09.000000', 1), (2, NULL, 0)")
-    engine.dispose()
+    run_sql(
+        url,
+        "CREATE TABLE t (id INTEGER PRIMARY KEY, at TIMESTAMP, ok BOOLEAN)",
+        "INSERT INTO t VALUES (1, '2024-05-06 07:08:09.000000', 1), (2, NULL, 0)",
+    )
 
-    async def read() -> list[dict[str, Any]]:
-        src = source(url, table="t")
-        try:
-            return [row async for page in src.stream_pages({}, 10) for row in page.records.to_pylist()]
-        finally:
-            await src.close()
-
-    assert asyncio.run(read()) == [
+    (page,) = asyncio.run(pages_of(url, "t", 10))
+    assert page.to_pylist() == [
         {"id": 1, "at": dt.datetime(2024, 5, 6, 7, 8, 9), "ok": True},
         {"id": 2, "at": None, "ok": False},
     ]
