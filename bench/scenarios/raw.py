@@ -4,6 +4,7 @@ Each scenario checks its result after the timed section (row counts, last payloa
 """
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Callable
 
@@ -17,11 +18,14 @@ from psycopg import sql
 from bench import data
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
+from bench.scenarios.connectors import sqlite_file
 
 KAFKA_BATCH = 10_000
 NATS_FETCH_BATCH = 5_000
 NATS_PUSH_ACK_EVERY = 5_000
 TIMEOUT_S = 300.0
+SQLITE_FETCH_ROWS = 50_000
+"""Rows per sqlite3 ``fetchmany``, as the bounded runner's page."""
 
 
 def _count_rows(url: str, table: str) -> int:
@@ -57,6 +61,32 @@ def pg_copy(ctx: BenchContext) -> Measurement:
         seconds = time.perf_counter() - start
     _expect(f"rows in {table}", _count_rows(ctx.postgres_url, table), len(rows))
     return Measurement(len(rows), seconds)
+
+
+@scenario("raw.sqlite_to_pg_copy")
+def sqlite_to_pg_copy(ctx: BenchContext) -> Measurement:
+    """sqlite3 read of the SQLite table in id order, fetchmany(50,000), psycopg COPY, one transaction."""
+    path, table = sqlite_file(ctx), ctx.unique("sqlite_copy")
+    with psycopg.connect(ctx.postgres_url) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (id bigint, k text, payload jsonb)").format(sql.Identifier(table))
+        )
+        conn.commit()
+        start = time.perf_counter()
+        source = sqlite3.connect(path)
+        try:
+            cursor = source.execute("SELECT id, k, payload FROM dataset ORDER BY id")
+            copy_sql = sql.SQL("COPY {} (id, k, payload) FROM STDIN").format(sql.Identifier(table))
+            with conn.cursor().copy(copy_sql) as copy:
+                while rows := cursor.fetchmany(SQLITE_FETCH_ROWS):
+                    for row in rows:
+                        copy.write_row(row)
+            conn.commit()
+        finally:
+            source.close()
+        seconds = time.perf_counter() - start
+    _expect(f"rows in {table}", _count_rows(ctx.postgres_url, table), ctx.rows)
+    return Measurement(ctx.rows, seconds)
 
 
 # ------------------------------------------------------------------------------------------------ Kafka

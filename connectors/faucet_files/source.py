@@ -333,7 +333,9 @@ class FilesSource(Source):
     ) -> Generator[tuple[pa.RecordBatch, bool], None, None]:
         """Pages of one file after ``start_row``, each with whether it is the file's last page.
 
-        Reads one page ahead to know which page is the last. ``batch_size == 0``: one page.
+        A full page is held until a row after it is read (then it is not the last) or the file ends
+        (then it is): the first page goes out one block after its last row, not a page later.
+        ``batch_size == 0``: one page.
         """
         previous: pa.RecordBatch | None = None
         builder = PageBuilder(batch_size)
@@ -342,6 +344,9 @@ class FilesSource(Source):
                 if previous is not None:
                     yield previous, False
                 previous = page
+            if previous is not None and builder.pending_rows:
+                yield previous, False
+                previous = None
         last = builder.finish()
         if last is not None:
             if previous is not None:

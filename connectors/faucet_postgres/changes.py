@@ -11,7 +11,7 @@ How, in one transaction:
    operation, the unchanged columns (``jsonb``), the position and the ordinal; it is dropped at the
    end of the transaction (commit or rollback).
 2. :func:`stage` collects change rows and COPYs them into it in runs of at least
-   :data:`COPY_ROWS` (binary where the types allow, see :func:`faucet_postgres.common.copy_batch`):
+   :data:`COPY_ROWS` (binary where the types allow, see :func:`faucet_postgres.copy_arrow.copy_batch`):
    a source transaction is often a few rows, and a COPY per transaction would cost a round trip each.
    Nothing touches the destination yet.
 3. :func:`faucet_postgres.change_apply.apply_stage` applies the stage to the destination by key
@@ -47,7 +47,8 @@ from faucet_dagster.protocol import (
     Operation,
     SchemaError,
 )
-from faucet_postgres.common import PgColumn, copy_batch
+from faucet_postgres.common import PgColumn
+from faucet_postgres.copy_arrow import copy_batch
 from faucet_postgres.refusals import apply_finding_refusals
 
 KEY_METADATA = b"faucet.key"

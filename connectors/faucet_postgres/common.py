@@ -12,24 +12,16 @@ Used by the bounded source (:mod:`faucet_postgres.source`), the bounded sink
 - :func:`table_name`, :func:`table_columns`, :func:`create_table`, :func:`add_columns`: identifiers
   (always through ``psycopg.sql``) and the catalog.
 - :func:`pg_type` / :func:`arrow_type`: Arrow <-> PostgreSQL types.
-- :func:`copy_batch`: COPY one Arrow record batch into a table, in binary where every column has a
-  binary encoder for its destination type (about 1.4x faster on the server than CSV), else in CSV
-  written by pyarrow's C++ writer. No per-row Python on either path except for bytea and nested
-  values in CSV.
+
+COPY of Arrow batches (binary or CSV) is :mod:`faucet_postgres.copy_arrow`.
 """
 
-import array
-import asyncio
-import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pa_csv
 from psycopg import sql
 
 from faucet_dagster.protocol import (
@@ -358,269 +350,15 @@ _ARROW_BY_TYPNAME: Mapping[str, pa.DataType] = {
 }
 
 
-# -- COPY of Arrow batches ------------------------------------------------------------------------
-
-CopyFormat = Literal["binary", "csv"]
-
-_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00"
-_BINARY_TRAILER = b"\xff\xff"
-_NO_SEPARATOR = pa.scalar(b"", pa.large_binary())
-_POSTGRES_EPOCH_US = 946_684_800_000_000
-_POSTGRES_EPOCH_DAYS = 10_957
-INFINITE = (-(2**63), 2**63 - 1)
-"""``-infinity`` and ``infinity`` of a timestamp column in Arrow: the smallest and largest int64 (in
-the column's unit), as PostgreSQL stores them; written back as infinities."""
-INFINITE_DATES = (-(2**31), 2**31 - 1)
-"""``-infinity`` and ``infinity`` of a date column in Arrow (date32): the smallest and largest int32."""
-
-
-@dataclass(frozen=True)
-class CopyPayload:
-    """One batch encoded for ``COPY ... FROM STDIN``: its format and its bytes (header included)."""
-
-    format: CopyFormat
-    chunks: tuple[Any, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(memoryview(chunk)) for chunk in self.chunks)
-
-
-def encode_copy(batch: pa.RecordBatch, columns: Mapping[str, PgColumn] | None) -> CopyPayload:
-    """Encode ``batch`` for COPY into columns of the given destination types.
-
-    Binary when every column has a binary encoder for its destination type (integers, floats and
-    booleans into the same or a wider-typed column, text into text/varchar/json/jsonb, bytes into bytea,
-    timestamps and dates), else CSV. ``columns=None`` (types unknown) always means CSV. Blocks on CPU
-    (pyarrow releases the GIL): run it in a worker thread for large batches.
-    """
-    if columns is not None:
-        try:
-            fields = [
-                _binary_field(batch.column(i), columns[field.name]) for i, field in enumerate(batch.schema)
-            ]
-        except (
-            KeyError,
-            _NoBinary,
-            pa.ArrowInvalid,
-            pa.ArrowTypeError,
-            pa.ArrowNotImplementedError,
-            OverflowError,
-        ):
-            # A column without a binary encoder, or a value the exact cast refuses: let the server
-            # parse text and report the bad rows itself.
-            pass
-        else:
-            return CopyPayload(
-                "binary", (_BINARY_HEADER, _binary_rows(fields, batch.num_rows), _BINARY_TRAILER)
-            )
-    return CopyPayload("csv", (_csv(batch),))
-
-
-INLINE_ENCODE_ROWS = 256
-"""Batches up to this many rows are encoded for COPY on the event loop (:func:`copy_batch`)."""
-
-
-async def copy_batch(
-    conn: "psycopg.AsyncConnection[Any]",
-    target: "sql.Composable",
-    batch: pa.RecordBatch,
-    columns: Mapping[str, PgColumn] | None,
-) -> int:
-    """COPY ``batch`` into ``target`` (a table identifier) inside the connection's current transaction.
-
-    The batch's column names are the destination columns. Encoding runs in a worker thread so the event
-    loop stays free, except for a batch of at most ``INLINE_ENCODE_ROWS`` rows, encoded on the loop (in
-    microseconds: the hand-off to a thread would cost more). Returns the number of rows copied; psycopg
-    errors propagate unchanged (the caller knows what it was doing: wrap them with :func:`pg_error`).
-    """
-    if batch.num_rows == 0:
-        return 0
-    if batch.num_rows <= INLINE_ENCODE_ROWS:
-        payload = encode_copy(batch, columns)
-    else:
-        payload = await asyncio.to_thread(encode_copy, batch, columns)
-    names = sql.SQL(", ").join(map(sql.Identifier, batch.schema.names))
-    options = sql.SQL("FORMAT binary" if payload.format == "binary" else "FORMAT csv")
-    statement = sql.SQL("COPY {} ({}) FROM STDIN ({})").format(target, names, options)
-    async with conn.cursor() as cursor, cursor.copy(statement) as copy:
-        for chunk in payload.chunks:
-            await copy.write(chunk)
-    return int(batch.num_rows)
-
-
-class _NoBinary(Exception):
-    """The column has no binary encoder for its destination type."""
-
-
-def _binary_field(values: pa.Array, column: PgColumn) -> pa.Array:
-    """Each value as a binary COPY field (4-byte big-endian length, then the value), NULL as -1.
-
-    Raises _NoBinary when the destination type has no encoder for this Arrow type, and ArrowInvalid
-    when a value does not fit the destination exactly (the caller falls back to CSV).
-    """
-    source = values.type
-    target = column.type_name
-    text = pa.types.is_string(source) or pa.types.is_large_string(source)
-    if pa.types.is_dictionary(source):
-        return _binary_field(values.dictionary_decode(), column)
-    if target in _NUMBER_TYPES:
-        kind, code = _NUMBER_TYPES[target]
-        if not (pa.types.is_integer(source) or (pa.types.is_floating(source) and pa.types.is_floating(kind))):
-            raise _NoBinary
-        return _fixed(values, values.cast(kind), code, kind.byte_width)
-    if target == "bool" and pa.types.is_boolean(source):
-        one, zero = pa.scalar(b"\x01", pa.large_binary()), pa.scalar(b"\x00", pa.large_binary())
-        return _prefixed(values, pc.if_else(values, one, zero), 1)
-    if target in ("text", "varchar", "bpchar", "json") and text:
-        return _variable(values.cast(pa.large_string()).cast(pa.large_binary()))
-    if target == "jsonb" and text:
-        version = pa.scalar(b"\x01", pa.large_binary())
-        return _variable(
-            pc.binary_join_element_wise(
-                version, values.cast(pa.large_string()).cast(pa.large_binary()), _NO_SEPARATOR
-            )
-        )
-    if target == "bytea" and (pa.types.is_binary(source) or pa.types.is_large_binary(source)):
-        return _variable(values.cast(pa.large_binary()))
-    if target in ("timestamp", "timestamptz") and pa.types.is_timestamp(source):
-        # Arrow keeps UTC instants; a naive timestamp is taken as UTC, as the session's TimeZone does.
-        micros = values.cast(pa.timestamp("us", tz=source.tz), safe=False).cast(pa.int64())
-        shifted = pc.subtract(micros, pa.scalar(_POSTGRES_EPOCH_US, pa.int64()))
-        return _fixed(values, _infinities_kept(micros, shifted, INFINITE, pa.int64()), "q", 8)
-    if target == "date" and pa.types.is_date(source):
-        days = values.cast(pa.date32()).cast(pa.int32())
-        shifted = pc.subtract(days, pa.scalar(_POSTGRES_EPOCH_DAYS, pa.int32()))
-        return _fixed(values, _infinities_kept(days, shifted, INFINITE_DATES, pa.int32()), "i", 4)
-    raise _NoBinary
-
-
-def _infinities_kept(
-    values: pa.Array, shifted: pa.Array, extremes: tuple[int, int], kind: pa.DataType
-) -> pa.Array:
-    """``shifted``, except where ``values`` is an infinity (an extreme), which stays as it is: the
-    binary form of PostgreSQL's infinities is the same extreme."""
-    low, high = (pa.scalar(value, kind) for value in extremes)
-    infinite = pc.or_(pc.equal(values, low), pc.equal(values, high))
-    if not pc.any(infinite).as_py():
-        return shifted
-    return pc.if_else(infinite, values, shifted)
-
-
-_NUMBER_TYPES: Mapping[str, tuple[pa.DataType, str]] = {
-    "int2": (pa.int16(), "h"),
-    "int4": (pa.int32(), "i"),
-    "int8": (pa.int64(), "q"),
-    "float4": (pa.float32(), "f"),
-    "float8": (pa.float64(), "d"),
-}
-
-
-def _network_order(values: pa.Array, code: str, width: int) -> pa.Array:
-    """Fixed-width numbers as ``binary(width)`` values in network (big-endian) byte order."""
-    assert values.type.byte_width == width, (values.type, width)
-    data = array.array(code)
-    data.frombytes(
-        memoryview(values.buffers()[1])[values.offset * width : (values.offset + len(values)) * width]
-    )
-    if sys.byteorder == "little":
-        data.byteswap()
-    return pa.Array.from_buffers(pa.binary(width), len(values), [None, pa.py_buffer(data)])
-
-
-def _fixed(original: pa.Array, values: pa.Array, code: str, width: int) -> pa.Array:
-    """Fixed-width fields: the constant length, then the value; NULL where ``original`` is null."""
-    return _prefixed(original, _network_order(values, code, width).cast(pa.large_binary()), width)
-
-
-def _prefixed(original: pa.Array, raw: pa.Array, width: int) -> pa.Array:
-    joined = pc.binary_join_element_wise(
-        pa.scalar(width.to_bytes(4, "big"), pa.large_binary()), raw, _NO_SEPARATOR
-    )
-    return _nulls_marked(original, joined)
-
-
-def _variable(values: pa.Array) -> pa.Array:
-    """Variable-length fields (large_binary): the value's big-endian int32 length, then the value."""
-    lengths = pc.fill_null(pc.binary_length(values).cast(pa.int32()), 0)
-    prefix = _network_order(lengths, "i", 4).cast(pa.large_binary())
-    return _nulls_marked(values, pc.binary_join_element_wise(prefix, values, _NO_SEPARATOR))
-
-
-def _nulls_marked(original: pa.Array, fields: pa.Array) -> pa.Array:
-    """``fields`` with the NULL field (length -1) where ``original`` is null."""
-    if not original.null_count:
-        return fields
-    return pc.if_else(pc.is_null(original), pa.scalar(b"\xff\xff\xff\xff", pa.large_binary()), fields)
-
-
-def _binary_rows(fields: Sequence[pa.Array], num_rows: int) -> Any:
-    """The tuples of a binary COPY: per row a 2-byte field count, then its fields; one contiguous buffer."""
-    count = pa.scalar(len(fields).to_bytes(2, "big"), pa.large_binary())
-    rows = pc.binary_join_element_wise(count, *fields, _NO_SEPARATOR)
-    offsets = memoryview(rows.buffers()[1]).cast("q")
-    start, end = offsets[rows.offset], offsets[rows.offset + num_rows]
-    return memoryview(rows.buffers()[2])[start:end]
-
-
-def _csv(batch: pa.RecordBatch) -> pa.Buffer:
-    """``batch`` as CSV for ``COPY ... (FORMAT csv)``: NULL unquoted-empty, text always quoted (so an
-    empty string stays one), bytea as ``\\x`` hex, nested values as JSON, durations as intervals."""
-    columns = [_csv_ready(column) for column in batch.columns]
-    ready = pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
-    sink = pa.BufferOutputStream()
-    pa_csv.write_csv(ready, sink, pa_csv.WriteOptions(include_header=False))
-    return sink.getvalue()
-
-
-def _csv_ready(values: pa.Array) -> pa.Array:
-    kind = values.type
-    if pa.types.is_dictionary(kind):
-        return _csv_ready(values.dictionary_decode())
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind):
-        return pa.array(
-            [None if value is None else "\\x" + value.hex() for value in values.to_pylist()], pa.string()
-        )
-    if pa.types.is_nested(kind):
-        return pa.array(
-            [None if value is None else json.dumps(value, default=str) for value in values.to_pylist()],
-            pa.string(),
-        )
-    if pa.types.is_duration(kind):
-        micros = values.cast(pa.duration("us"), safe=False).cast(pa.int64()).cast(pa.string())
-        return pc.binary_join_element_wise(micros, " microseconds", "")
-    if pa.types.is_timestamp(kind) or pa.types.is_date32(kind):
-        storage, extremes = (
-            (pa.int32(), INFINITE_DATES) if pa.types.is_date32(kind) else (pa.int64(), INFINITE)
-        )
-        raw = values.cast(storage)
-        later, earlier = (pc.equal(raw, pa.scalar(value, storage)) for value in reversed(extremes))
-        if pc.any(later).as_py() or pc.any(earlier).as_py():
-            finite = pc.if_else(pc.or_(later, earlier), pa.scalar(None, kind), values)
-            text = _csv_ready(finite).cast(pa.string())
-            return pc.if_else(later, "infinity", pc.if_else(earlier, "-infinity", text))
-        if pa.types.is_timestamp(kind) and kind.unit == "ns":
-            return values.cast(pa.timestamp("us", tz=kind.tz), safe=False)
-    if pa.types.is_float16(kind):
-        return values.cast(pa.float32())
-    if pa.types.is_string_view(kind):
-        return values.cast(pa.string())
-    return values
-
-
 __all__ = [
     "SESSION_SETTINGS",
-    "CopyFormat",
-    "CopyPayload",
     "PgColumn",
     "PostgresConnection",
     "add_columns",
     "arrow_type",
     "connect",
-    "copy_batch",
     "create_table",
     "current_schema",
-    "encode_copy",
     "error_text",
     "is_row_error",
     "pg_error",

@@ -30,7 +30,8 @@ from faucet_dagster.protocol import OPERATION_COLUMN, UNCHANGED_COLUMN, DataErro
 from faucet_postgres import common
 from faucet_postgres.change_schema import MISSING_METADATA, UNLOGGED_DEFAULT_METADATA
 from faucet_postgres.changes import KEY_METADATA
-from faucet_postgres.common import INFINITE, INFINITE_DATES, PgColumn
+from faucet_postgres.common import PgColumn
+from faucet_postgres.copy_arrow import INFINITE, INFINITE_DATES
 
 _U32 = Struct(">I")
 _U64 = Struct(">Q")

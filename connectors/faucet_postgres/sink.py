@@ -3,7 +3,7 @@
 Modes (one per configured sink; ``capabilities().bounded_policies`` is exactly that mode):
 
 - ``append``: ``COPY table FROM STDIN``, binary when every column has a binary encoder for its
-  destination type, CSV otherwise (:func:`faucet_postgres.common.copy_batch`).
+  destination type, CSV otherwise (:func:`faucet_postgres.copy_arrow.copy_batch`).
 - ``upsert``: COPY into a temporary staging table, then ``INSERT ... SELECT DISTINCT ON (key) ...
   ON CONFLICT (key) DO UPDATE``; within a batch the last row of a key wins, so replayed pages converge.
   The table needs a unique constraint on ``key`` (a table this sink creates gets it as primary key).
@@ -66,7 +66,6 @@ from faucet_postgres.common import (
     add_columns,
     arrow_type,
     connect,
-    copy_batch,
     create_table,
     current_schema,
     is_row_error,
@@ -76,6 +75,7 @@ from faucet_postgres.common import (
     table_name,
 )
 from faucet_postgres.config import PostgresSinkConfig
+from faucet_postgres.copy_arrow import copy_batch
 
 T = TypeVar("T")
 Connection = psycopg.AsyncConnection[Any]

@@ -15,8 +15,9 @@ from psycopg import sql
 
 from faucet_dagster.protocol import ConfigError, DataError, RejectedRow, SchemaError, WritePolicy
 from faucet_postgres import change_schema, refusals
-from faucet_postgres.common import PgColumn, add_columns, copy_batch, create_table, table_columns
+from faucet_postgres.common import PgColumn, add_columns, create_table, table_columns
 from faucet_postgres.config import PostgresStreamingSinkConfig
+from faucet_postgres.copy_arrow import copy_batch
 from faucet_postgres.stream_state import Target
 
 Connection = psycopg.AsyncConnection[Any]

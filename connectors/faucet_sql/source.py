@@ -61,6 +61,9 @@ class _ReadPlan:
     converters: tuple[Converter | None, ...]
     upper: tuple[Any, ...] | None
     native: bool
+    plain_rows: bool
+    """The selected columns are the output columns, and neither SQLAlchemy nor a converter changes
+    their values: pages are built from the DBAPI's tuples at once (:func:`_batch_of_rows`)."""
 
     @property
     def order_names(self) -> tuple[str, ...]:
@@ -152,17 +155,28 @@ class SqlSource(KeysetSource):
                 .limit(1)
             ).first()
         native = {"auto": self.db.dialect in ROW_VALUE_DIALECTS, "native": True, "expanded": False}
+        converters = tuple(
+            converter(table.c[name].type, kind) for name, kind in zip(output, types, strict=True)
+        )
+        dialect = self.db.engine.dialect
+        plain = (
+            tuple(column.name for column in selected) == tuple(output)
+            and all(convert is None for convert in converters)
+            and all(
+                column.type.dialect_impl(dialect).result_processor(dialect, None) is None
+                for column in selected
+            )
+        )
         return _ReadPlan(
             table=table,
             order=order,
             output=tuple(output),
             selected=selected,
             schema=pa.schema([pa.field(name, kind) for name, kind in zip(output, types, strict=True)]),
-            converters=tuple(
-                converter(table.c[name].type, kind) for name, kind in zip(output, types, strict=True)
-            ),
+            converters=converters,
             upper=None if upper_row is None else tuple(upper_row),
             native=native[self.config.row_values],
+            plain_rows=plain,
         )
 
     def _read_page(
@@ -181,10 +195,19 @@ class SqlSource(KeysetSource):
         if batch_size:
             query = query.limit(batch_size)
         with self.db.engine.connect() as conn:
-            rows = conn.execute(query).all()
+            result = conn.execute(query)
+            # SQLAlchemy's Row objects cost as much as the fetch itself; when they would not change a
+            # value, the DBAPI's own tuples are the same rows.
+            rows: Sequence[Sequence[Any]] = result.cursor.fetchall() if plan.plain_rows else result.all()
+            result.close()
         if not rows:
             return _empty(plan.schema), None
         names = [column.name for column in plan.selected]
+        last = tuple(rows[-1][names.index(name)] for name in plan.order_names)
+        if plan.plain_rows:
+            whole = _batch_of_rows(rows, plan.schema)
+            if whole is not None:
+                return whole, last
         columns = list(zip(*rows, strict=True))
         arrays = []
         for field, convert in zip(plan.schema, plan.converters, strict=True):
@@ -199,7 +222,6 @@ class SqlSource(KeysetSource):
                     f"{field.type}: {exc}",
                     where=self.dataset_uri(),
                 ) from exc
-        last = tuple(rows[-1][names.index(name)] for name in plan.order_names)
         return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last
 
     def _discover(self) -> list[DiscoveredDataset]:
@@ -220,6 +242,17 @@ class SqlSource(KeysetSource):
                     )
                 )
         return found
+
+
+def _batch_of_rows(rows: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.RecordBatch | None:
+    """``rows`` (one value per field of ``schema``, in order) as one batch, converted by Arrow in one
+    call with no per-column Python lists; None when a value does not convert (the column-by-column
+    path then names the column)."""
+    try:
+        rows_array = pa.array(rows, type=pa.struct(list(schema)))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+        return None
+    return pa.RecordBatch.from_struct_array(rows_array).cast(schema)
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

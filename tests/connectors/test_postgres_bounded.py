@@ -13,7 +13,8 @@ import jsonschema  # type: ignore[import-untyped]
 import psycopg
 import pyarrow as pa
 import pytest
-from faucet_postgres.common import encode_copy, table_columns
+from faucet_postgres.common import table_columns
+from faucet_postgres.copy_arrow import COPY_SLICE_ROWS, encode_copy
 from faucet_postgres.sink import PostgresSink
 from psycopg import sql
 
@@ -184,6 +185,41 @@ def test_binary_copy_is_used_where_every_column_has_an_encoder(
     assert encode_copy(too_big, mixed).format == "csv"
     with pytest.raises(DataError, match="out of range"):
         asyncio.run(write_all(sink(postgres_url, table="mixed"), too_big))
+
+
+@pytest.mark.parametrize("bad_row", [None, 5, 2 * COPY_SLICE_ROWS + 3])
+def test_a_batch_copied_in_slices_lands_whole_or_names_the_value_that_does_not_fit(
+    postgres_url: str, conn: psycopg.Connection[Any], bad_row: int | None
+) -> None:
+    """A batch of several COPY slices: every row lands in order, or, with a value too big for smallint in
+    the first or a later slice (binary slices already sent), the server's out-of-range error and no
+    row; write_batch_partial then refuses that row alone."""
+    conn.execute("CREATE TABLE sliced (id bigint, small smallint, note text)")
+    count = 3 * COPY_SLICE_ROWS + 5
+    small = [i % 30_000 for i in range(count)]
+    if bad_row is not None:
+        small[bad_row] = 70_000
+    batch = pa.record_batch(
+        {
+            "id": pa.array(range(count), pa.int64()),
+            "small": pa.array(small, pa.int64()),
+            "note": ["n"] * count,
+        }
+    )
+    if bad_row is None:
+        assert asyncio.run(write_all(sink(postgres_url, table="sliced"), batch)) == count
+        landed = rows(conn, "sliced")
+        assert len(landed) == count and landed[-1] == (count - 1, (count - 1) % 30_000, "n")
+        return
+    with pytest.raises(DataError, match="out of range"):
+        asyncio.run(write_all(sink(postgres_url, table="sliced"), batch))
+    assert rows(conn, "sliced") == []
+    dst = sink(postgres_url, table="sliced")
+    result = asyncio.run(dst.write_batch_partial(batch))
+    asyncio.run(dst.close())
+    assert [row.index for row in result.rejected] == [bad_row]
+    assert result.written == count - 1
+    assert [row[0] for row in rows(conn, "sliced")] == [i for i in range(count) if i != bad_row]
 
 
 def test_ten_thousand_rows_sharing_one_cursor_value_arrive_exactly_once(

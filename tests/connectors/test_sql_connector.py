@@ -1,6 +1,7 @@
 """The SQL (SQLAlchemy) source and sink against SQLite files in tmp_path and the real PostgreSQL."""
 
 import asyncio
+import datetime as dt
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from faucet_dagster.protocol import (
     CommitToken,
     ConfigError,
     ConnectionFailed,
+    DataError,
     JsonValue,
     Ordering,
     Role,
@@ -409,3 +411,60 @@ def test_a_sqlite_sink_under_an_unusable_folder_raises_a_config_error(tmp_path: 
         unusable = sink(f"sqlite:///{blocker / 'orders.db'}", table="t")
         asyncio.run(unusable.write_batch(pa.record_batch({"a": [1]})))
     assert str(blocker) in str(info.value)
+
+
+def run_sql(url: str, *statements: str) -> None:
+    """Run ``statements`` in one transaction on the database at ``url``."""
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.exec_driver_sql(statement)
+    engine.dispose()
+
+
+async def pages_of(url: str, table: str, batch_size: int) -> list[pa.RecordBatch]:
+    """Every page of ``table`` read by the SQL source in pages of ``batch_size`` rows."""
+    src = source(url, table=table)
+    try:
+        return [page.records async for page in src.stream_pages({}, batch_size)]
+    finally:
+        await src.close()
+
+
+def test_sqlite_pages_keep_their_values_and_a_mistyped_value_is_named(tmp_path: Path) -> None:
+    """SQLite pages are built from its own tuples (no SQLAlchemy type changes a value): the values
+    arrive as stored, and a text stored in an INTEGER column (SQLite allows it) is a DataError naming
+    the column, not an Arrow error."""
+    url = f"sqlite:///{tmp_path / 'typed.db'}"
+    run_sql(
+        url,
+        "CREATE TABLE t (id INTEGER PRIMARY KEY, n INTEGER, note TEXT)",
+        "INSERT INTO t VALUES (1, 10, 'a'), (2, NULL, NULL), (3, -3, '')",
+    )
+
+    read = asyncio.run(pages_of(url, "t", 2))
+    assert [batch.to_pylist() for batch in read] == [
+        [{"id": 1, "n": 10, "note": "a"}, {"id": 2, "n": None, "note": None}],
+        [{"id": 3, "n": -3, "note": ""}],
+    ]
+    assert read[0].schema == pa.schema([("id", pa.int64()), ("n", pa.int64()), ("note", pa.string())])
+    run_sql(url, "INSERT INTO t VALUES (4, 'four', 'x')")
+    with pytest.raises(DataError, match="column 'n'"):
+        asyncio.run(pages_of(url, "t", 0))
+
+
+def test_sqlite_values_sqlalchemy_converts_still_arrive_converted(tmp_path: Path) -> None:
+    """SQLite hands timestamps back as text and booleans as integers; SQLAlchemy's types convert
+    them, so such a table is not read from SQLite's own tuples."""
+    url = f"sqlite:///{tmp_path / 'converted.db'}"
+    run_sql(
+        url,
+        "CREATE TABLE t (id INTEGER PRIMARY KEY, at TIMESTAMP, ok BOOLEAN)",
+        "INSERT INTO t VALUES (1, '2024-05-06 07:08:09.000000', 1), (2, NULL, 0)",
+    )
+
+    (page,) = asyncio.run(pages_of(url, "t", 10))
+    assert page.to_pylist() == [
+        {"id": 1, "at": dt.datetime(2024, 5, 6, 7, 8, 9), "ok": True},
+        {"id": 2, "at": None, "ok": False},
+    ]
