@@ -229,10 +229,9 @@ class StreamSchemaModel(dg.Model, _Located):
 
 
 class StreamEpochModel(dg.Model, _Located):
-    """How big an epoch gets. Under the sensor, an epoch is sealed by a tick, and ``records`` and
-    ``bytes`` bound the open epoch between ticks (it stops reading at the first safe boundary after
-    either, until a tick seals it); ``idle_seconds`` and ``age_seconds`` cap each read into it (at
-    most 0.5 s idle, 1 s long)."""
+    """How big an epoch gets. Under the sensor, an epoch is sealed by a tick, or at the first safe
+    boundary after ``records`` or ``bytes`` (without waiting for the tick, which reports it);
+    ``idle_seconds`` and ``age_seconds`` cap each read into it (at most 0.5 s idle, 1 s long)."""
 
     records: Annotated[int | None, _field("Records an open epoch holds at most.")] = (
         DEFAULT_EPOCH_LIMITS.records

@@ -172,6 +172,24 @@ def test_a_backlog_is_sealed_in_full_epochs_within_one_tick(store: StateStore, l
     loop.run(stream.close())
 
 
+def test_a_full_epoch_is_sealed_by_the_reader_without_waiting_for_a_tick(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    log = MemoryLog()
+    log.append(10)
+    stream = runner(store, MemorySource(log), MemorySink(), records=100)
+    assert loop.run(stream.tick(10)) is None
+    # No tick comes while a backlog arrives (the sensor's interval): the reader does not sit idle
+    # with a full epoch, it seals each one at its boundary and reads on.
+    log.append(250)
+    wait_for("two full epochs certified without a tick", lambda: len(store.certificates("s")) == 3)
+    assert [c.row_counts for c in store.certificates("s")] == [{"items": 10}, {"items": 100}, {"items": 100}]
+    assert log.acknowledgements == [10, 110, 210]
+    assert loop.run(stream.tick(10)) is None
+    assert [c.row_counts for c in store.certificates("s")][-1] == {"items": 50}
+    loop.run(stream.close())
+
+
 class HeldTransactionSession(MemorySession):
     """Reads one source transaction of all the log's rows, whose end arrives when ``release`` is set."""
 

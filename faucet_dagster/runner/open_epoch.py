@@ -19,13 +19,14 @@ A read inside a source transaction goes on until the transaction ends, however m
 its rows reach the sink as they are read (a transactional sink holds them in its open epoch, invisible
 until the commit), so memory stays bounded by the pipeline's batches, never by the transaction.
 
-Bounds: the open epoch stops reading at the first safe boundary after ``limits.records`` rows or
-``limits.bytes`` bytes (it is *full*), and waits for a tick; nothing is dropped. One open for
-``MAX_OPEN_SECONDS`` is sealed without waiting for a tick (the next tick reports it). A tick that
-sealed a full epoch seals the next one too, within its budget, so a backlog drains at the speed the
-source and the sink allow. A reader that no tick asked anything for ``stop_after`` seconds (the
-sensor was stopped, the daemon ticks another process) aborts its open epoch and stops, and the runner
-gives its lease up.
+Bounds: the open epoch ends at the first safe boundary after ``limits.records`` rows or
+``limits.bytes`` bytes (it is *full*) and is sealed then without waiting for a tick, as one open for
+``MAX_OPEN_SECONDS`` is (the next tick reports both): a reader that waited for the tick would sit idle
+for the rest of the sensor's interval, capping the stream at ``limits.records`` per interval. Nothing
+is dropped, and memory stays bounded by one epoch. A tick that sealed a full epoch waits for the next
+one too, within its budget, so a backlog drains at the speed the source and the sink allow. A reader
+that no tick asked anything for ``stop_after`` seconds (the sensor was stopped, the daemon ticks
+another process) aborts its open epoch and stops, and the runner gives its lease up.
 
 Nothing here changes what is certified: the seal, commit and certificate are the runner's single commit
 order, and an open epoch that dies with its process is rolled back and replayed from the certified
@@ -221,21 +222,18 @@ class EpochClock:
                 break
             recovering = bool(recover_to) and not reaches(coverage, recover_to)
             self.phase = "recovering" if recovering else "reading"
-            due = self.requested > self._sealing or loop.time() - self.since >= MAX_OPEN_SECONDS
-            if stale and self.requested > asked:
+            limits = self.slice(pipeline, loop.time())
+            full = limits is None
+            due = full or self.requested > self._sealing or loop.time() - self.since >= MAX_OPEN_SECONDS
+            if stale and self.requested > asked and not full:
                 due = False
             if reads and not recovering and due:
                 self._sealing = self.requested
-                self.full = self.slice(pipeline, loop.time()) is None
+                self.full = full
                 self.phase = "committing"
                 return coverage
-            limits = self.slice(pipeline, loop.time())
-            if limits is None and recovering:
+            if limits is None:  # full while recovering: read on to the destination's watermark
                 limits = ReadLimits(idle=READ_IDLE_SECONDS, age=READ_SLICE_SECONDS)
-            if limits is None:
-                # Full: read nothing more until a tick seals it (the provider keeps the rest).
-                await self.wait(READ_SLICE_SECONDS, cancel)
-                continue
             asked = self.requested
             more = await session.read(pipeline, limits, cancel)
             reads += 1
