@@ -182,7 +182,11 @@ def test_a_full_epoch_is_sealed_by_the_reader_without_waiting_for_a_tick(
     # No tick comes while a backlog arrives (the sensor's interval): the reader does not sit idle
     # with a full epoch, it seals each one at its boundary and reads on.
     log.append(250)
-    wait_for("two full epochs certified without a tick", lambda: len(store.certificates("s")) == 3)
+    # The certificate is persisted before the source is acknowledged: wait for both.
+    wait_for(
+        "two full epochs certified and acknowledged without a tick",
+        lambda: len(store.certificates("s")) == 3 and len(log.acknowledgements) == 3,
+    )
     assert [c.row_counts for c in store.certificates("s")] == [{"items": 10}, {"items": 100}, {"items": 100}]
     assert log.acknowledgements == [10, 110, 210]
     assert loop.run(stream.tick(10)) is None
