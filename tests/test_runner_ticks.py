@@ -162,12 +162,18 @@ def test_a_tick_that_starts_the_reader_waits_its_starting_budget_and_the_first_s
     loop.run(stream.close())
 
 
-def test_a_backlog_is_sealed_in_full_epochs_within_one_tick(store: StateStore, loop: BackgroundLoop) -> None:
+def test_a_tick_in_a_backlog_waits_for_its_own_seal_only(store: StateStore, loop: BackgroundLoop) -> None:
     log = MemoryLog()
     log.append(250)
     stream = runner(store, MemorySource(log), MemorySink(), records=100)
     assert loop.run(stream.tick(20)) is None
-    # Each epoch stopped reading when full (100 rows) and waited; the tick sealed the next ones too.
+    # The tick returned once its epoch (full at 100 rows) was certified: it did not wait for the
+    # backlog's next epochs, so a serial daemon's other sensors are not held up by this one. The
+    # reader seals the next full epoch itself; the last 50 rows wait in the open epoch for a tick.
+    counts = [c.row_counts for c in store.certificates("s")]
+    assert counts in ([{"items": 100}], [{"items": 100}, {"items": 100}]), counts
+    wait_for("the next full epoch certified without a tick", lambda: len(store.certificates("s")) == 2)
+    assert loop.run(stream.tick(20)) is None
     assert [c.row_counts for c in store.certificates("s")] == [{"items": 100}, {"items": 100}, {"items": 50}]
     loop.run(stream.close())
 

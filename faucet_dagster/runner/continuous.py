@@ -245,9 +245,11 @@ class StreamRunner:
         interval: float | None = None,
     ) -> Pending | None:
         """One sensor tick: seal the open epoch at its next safe boundary and wait, within
-        ``budget_seconds``, until it is committed, certified and acknowledged; while the epochs sealed
-        are full (a backlog), seal the next ones too. Returns None when done, or what was still
-        pending when the budget ended (the reader goes on; a later tick reports the certificate).
+        ``budget_seconds``, until it is committed, certified and acknowledged. Returns None when done,
+        or what was still pending when the budget ended (the reader goes on; a later tick reports the
+        certificate). In a backlog the reader seals each full epoch itself, tick or not, so a tick does
+        not wait for more than its own seal: under a serial daemon a tick that waited out its budget
+        while full epochs kept coming would hold up every other sensor, and drain nothing faster.
 
         The first tick (and the first after a failure) starts the reader, and its seal request is the
         reader's first: the reader takes the lease, opens the sessions, reads once and seals, so a new
@@ -282,20 +284,18 @@ class StreamRunner:
             if starting_budget is not None:
                 deadline = min(deadline, loop.time() + starting_budget)
         reader = self._reader
-        while True:
-            target = clock.request()
-            while clock.served < target:
-                if reader.done():
-                    failure, self._reader_failure = self._reader_failure, None
-                    if failure is not None:
-                        raise failure
-                    return self._pending(loop.time())
-                left = deadline - loop.time()
-                if left <= 0:
-                    return self._pending(loop.time())
-                await clock.wait(left)
-            if not clock.full:
-                return None
+        target = clock.request()
+        while clock.served < target:
+            if reader.done():
+                failure, self._reader_failure = self._reader_failure, None
+                if failure is not None:
+                    raise failure
+                return self._pending(loop.time())
+            left = deadline - loop.time()
+            if left <= 0:
+                return self._pending(loop.time())
+            await clock.wait(left)
+        return None
 
     def _pending(self, now: float) -> Pending:
         return replace(self._clock.pending(now), lease_wait=self._lease.waiting)

@@ -23,8 +23,8 @@ Bounds: the open epoch ends at the first safe boundary after ``limits.records`` 
 ``limits.bytes`` bytes (it is *full*) and is sealed then without waiting for a tick, as one open for
 ``MAX_OPEN_SECONDS`` is (the next tick reports both): a reader that waited for the tick would sit idle
 for the rest of the sensor's interval, capping the stream at ``limits.records`` per interval. Nothing
-is dropped, and memory stays bounded by one epoch. A tick that sealed a full epoch waits for the next
-one too, within its budget, so a backlog drains at the speed the source and the sink allow. A reader
+is dropped, and memory stays bounded by one epoch. So a backlog drains at the speed the source and the
+sink allow, between ticks as during them, and a tick waits for its own seal only. A reader
 that no tick asked anything for ``stop_after`` seconds (the sensor was stopped, the daemon ticks
 another process) aborts its open epoch and stops, and the runner gives its lease up.
 
@@ -106,14 +106,13 @@ class EpochClock:
     """The seal requests of ticks and the state of the open epoch they are served by. One event loop.
 
     ``requested`` counts seal requests, ``served`` the request the last ended epoch served (a seal, or
-    an empty epoch dropped). ``full`` says the last epoch sealed was full (a backlog).
+    an empty epoch dropped).
     """
 
     def __init__(self, limits: ReadLimits) -> None:
         self.limits = limits
         self.requested = 0
         self.served = 0
-        self.full = False
         self.stopping = False
         self.stopped_idle = False
         self.phase = "starting"
@@ -229,7 +228,6 @@ class EpochClock:
                 due = False
             if reads and not recovering and due:
                 self._sealing = self.requested
-                self.full = full
                 self.phase = "committing"
                 return coverage
             if limits is None:  # full while recovering: read on to the destination's watermark
