@@ -1,10 +1,9 @@
-"""Where the peers live: each in its own virtual environment, their shared scripts in one folder.
+"""Where the peers live: each in its own virtual environment, run as a child process.
 
 A peer scenario (``peer.*``) is registered only when its virtual environment exists, so ``python -m
 bench`` on a machine without the peer simply does not list it. The environment is named by a variable
 (``SLING_VENV``, ``DLT_VENV``, ``QUIX_VENV``, ``BYTEWAX_VENV``) or defaults to a folder in the repository root
-(``.venv-sling``...); the peer scripts shipped beside the baselines are in ``$FAUCET_PEER_SCRIPTS``
-(default ``/work/shared/bench``).
+(``.venv-sling``...).
 """
 
 import json
@@ -21,12 +20,6 @@ def peer_venv(variable: str, default: str) -> Path | None:
     """The virtual environment ``$variable`` names (else ``ROOT/default``), or None if it has no Python."""
     folder = Path(os.environ.get(variable) or ROOT / default)
     return folder if (folder / "bin" / "python").exists() else None
-
-
-def peer_script(name: str) -> Path | None:
-    """The shared peer script ``name`` in ``$FAUCET_PEER_SCRIPTS``, or None if it is not there."""
-    path = Path(os.environ.get("FAUCET_PEER_SCRIPTS", "/work/shared/bench")) / name
-    return path if path.is_file() else None
 
 
 def run_peer(what: str, command: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:

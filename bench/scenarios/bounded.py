@@ -10,8 +10,8 @@ in memory) for the CSV file, ``raw.sqlite_to_pg_copy`` (sqlite3 read, COPY) for 
 scenario that does the same job, so their ratio is peer rows/s over faucet rows/s. They are
 registered only when the peer is installed in its own virtual environment: Sling
 (``pip install sling-linux-amd64``) in ``$SLING_VENV`` (default ``.venv-sling``), dlt
-(``pip install "dlt[postgres]"``) in ``$DLT_VENV`` (default ``.venv-dlt``), with the shared peer
-scripts in ``$FAUCET_PEER_SCRIPTS`` (default ``/work/shared/bench``).
+(``pip install "dlt[postgres]" sqlalchemy``) in ``$DLT_VENV`` (default ``.venv-dlt``), run by
+:mod:`bench.dlt_child` on the SQLite table ``bounded.sql_to_pg_append`` syncs.
 
 ``bounded.rss_csv_to_pg`` measures memory: the same sync of a 1M-row and a 10M-row CSV file, each in a
 fresh subprocess (:mod:`bench.rss_child`) reporting its peak RSS. It prints both and their ratio; the
@@ -34,7 +34,7 @@ import pyarrow.csv as pa_csv
 from psycopg import sql
 
 from bench.context import BenchContext
-from bench.peers import ROOT, peer_script, peer_venv, run_peer
+from bench.peers import ROOT, peer_venv, run_peer
 from bench.registry import Measurement, scenario
 from bench.scenarios.connectors import _check, _pg_sink, _target, csv_file, sqlite_file
 from faucet_dagster.protocol import Sink, Source, get_connector
@@ -130,22 +130,29 @@ def sling_csv_to_pg(ctx: BenchContext) -> Measurement:
     return Measurement(ctx.rows, seconds)
 
 
+DLT_CHILD = ROOT / "bench" / "dlt_child.py"
+
+
 def dlt_append(ctx: BenchContext) -> Measurement:
-    """dlt (the shared dlt_peer.py) appending N generated rows into PostgreSQL; its own reported rate."""
-    venv, script = peer_venv("DLT_VENV", ".venv-dlt"), peer_script("dlt_peer.py")
-    assert venv is not None and script is not None
+    """dlt (``bench/dlt_child.py``: its ``sql_table`` source, pyarrow backend) appending the same SQLite
+    table into PostgreSQL, ``payload`` as jsonb; timed around its ``pipeline.run``."""
+    venv = peer_venv("DLT_VENV", ".venv-dlt")
+    assert venv is not None
     env = {
         **os.environ,
+        # dlt's credentials insist on a password field; the test server ignores it.
         "PG_DSN": ctx.postgres_url.replace("postgresql://postgres@", "postgresql://postgres:x@"),
     }
-    rates = run_peer("dlt", [str(venv / "bin" / "python"), str(script), str(ctx.rows)], env)
-    rate = float(rates["dlt_append"])
-    return Measurement(ctx.rows, ctx.rows / rate)
+    command = [str(venv / "bin" / "python"), str(DLT_CHILD), sqlite_file(ctx), ctx.unique("dlt")]
+    report = run_peer("dlt", command, env)
+    if int(report["rows"]) != ctx.rows:
+        raise RuntimeError(f"dlt loaded {report['rows']} rows, not {ctx.rows}")
+    return Measurement(ctx.rows, float(report["seconds"]))
 
 
 if _sling_binary() is not None:
     scenario("peer.sling_csv_to_pg", baseline="bounded.csv_to_pg_append")(sling_csv_to_pg)
-if peer_venv("DLT_VENV", ".venv-dlt") is not None and peer_script("dlt_peer.py") is not None:
+if peer_venv("DLT_VENV", ".venv-dlt") is not None:
     scenario("peer.dlt_append", baseline="bounded.sql_to_pg_append")(dlt_append)
 
 
