@@ -7,6 +7,7 @@ from typing import Any
 
 import dagster as dg
 import nats
+from dagster._core.definitions.sensor_definition import SensorExecutionData
 
 from faucet_dagster.protocol import ConnectionFailed, EpochCertificate
 from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
@@ -64,6 +65,27 @@ def evaluate_ticks(
     finally:
         close_cached_streams()
         store.close()
+
+
+def ticks_reporting(
+    sensor: dg.SensorDefinition, epochs: int, instance: dg.DagsterInstance | None = None
+) -> list[SensorExecutionData]:
+    """Evaluate ``sensor``'s ticks (each from the last one's cursor) until they have reported ``epochs``
+    certificates in all, for at most :data:`DRAIN_SECONDS`; every tick's result, in order. A tick waits
+    for its own seal only: the full epochs of a backlog are sealed by the reader between ticks, and the
+    next tick reports them, so how many ticks that takes depends on the machine's speed."""
+    results: list[SensorExecutionData] = []
+    cursor: str | None = None
+    reported = 0
+    ends = time.monotonic() + DRAIN_SECONDS
+    while reported < epochs:
+        assert time.monotonic() < ends, f"{epochs} certificates not reported in {DRAIN_SECONDS:.0f}s"
+        context = dg.build_sensor_context(instance=instance, cursor=cursor)
+        result = sensor.evaluate_tick(context)
+        results.append(result)
+        cursor = result.cursor
+        reported += sum(isinstance(e, dg.AssetMaterialization) for e in result.asset_events or ())
+    return results
 
 
 def certified_rows(certificates: Sequence[EpochCertificate]) -> int:

@@ -18,6 +18,7 @@ import pytest
 from faucet_nats.source import NatsStreamSession
 from faucet_postgres.codecs import PostgresLsnCodec
 from kafka_topics import create_topic, produce_json
+from stream_ticks import ticks_reporting
 
 from faucet_dagster.cli import main
 from faucet_dagster.protocol import (
@@ -153,9 +154,10 @@ def test_each_certificate_carries_its_lag_behind_the_nats_head_and_the_epochs_nu
     env.publish(2_500)
     sensor = faucet_stream_sensor(env.stream(records=1_000), budget_seconds=20)
     with dg.instance_for_test() as instance:
-        result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
-    metadata = [m.metadata for m in materializations(result)]
-    # Every message was stored before the tick: each epoch's lag is what the later epochs read.
+        results = ticks_reporting(sensor, 3, instance)
+    metadata = [m.metadata for result in results for m in materializations(result)]
+    result = results[-1]
+    # Every message was stored before the first tick: each epoch's lag is what the later epochs read.
     assert [value(m, "faucet/lag_positions") for m in metadata] == [1_500, 500, 0]
     assert {value(m, "faucet/lag_unit") for m in metadata} == {"messages"}
     assert all(value(m, "faucet/lag_seconds") >= 0 for m in metadata)

@@ -26,6 +26,7 @@ from faucet_nats.config import NatsSourceConfig
 from faucet_nats.source import NatsStreamSource
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
+from stream_ticks import ticks_reporting
 
 from faucet_dagster.cli import main
 from faucet_dagster.components import FaucetComponent
@@ -544,12 +545,14 @@ def test_stream_definitions_load_and_the_certificate_check_verifies_the_chain(en
     dg.Definitions.validate_loadable(defs)
     sensor = defs.resolve_sensor_def(f"{env.stream}_stream")
     env.publish(2_500)
-    data = sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
-    assert json.loads(str(data.cursor))["reported_through"] == 3
-    materializations = [e for e in data.asset_events if isinstance(e, dg.AssetMaterialization)]
-    evaluations = [e for e in data.asset_events if isinstance(e, dg.AssetCheckEvaluation)]
+    results = ticks_reporting(sensor, 3)
+    assert json.loads(str(results[-1].cursor))["reported_through"] == 3
+    events = [e for data in results for e in data.asset_events]
+    materializations = [e for e in events if isinstance(e, dg.AssetMaterialization)]
+    evaluations = [e for e in events if isinstance(e, dg.AssetCheckEvaluation)]
     assert [m.metadata["faucet/rows_written"].value for m in materializations] == [1_000, 1_000, 500]
-    assert all(e.passed for e in evaluations) and len(evaluations) == 4  # 3 certificates, 1 health
+    # One certificate check per certificate, one health check per tick.
+    assert all(e.passed for e in evaluations) and len(evaluations) == 3 + len(results)
     [check] = [c for c in defs.asset_checks or [] if CERTIFICATE_CHECK in {k.name for k in c.check_keys}]
     result = check()
     assert result.passed and result.metadata["faucet/certificates_checked"].value == 3
@@ -583,7 +586,9 @@ streams:
     sensor = defs.resolve_sensor_def(f"{env.stream}_stream")
     assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
     env.publish(1_000)
-    data = sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
-    materializations = [e for e in data.asset_events if isinstance(e, dg.AssetMaterialization)]
+    results = ticks_reporting(sensor, 3)
+    materializations = [
+        e for data in results for e in data.asset_events if isinstance(e, dg.AssetMaterialization)
+    ]
     assert [m.asset_key for m in materializations] == [dg.AssetKey(["raw", "events"])] * 3
     assert env.ids() == list(range(1_000))
