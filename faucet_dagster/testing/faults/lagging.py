@@ -30,11 +30,11 @@ from faucet_dagster.testing.faults.catalog import Fault
 from faucet_dagster.testing.faults.pairs import NatsSource, Pair
 from faucet_dagster.testing.faults.scenarios import (
     Case,
-    _all,
-    _describe,
-    _halted,
-    _Outcome,
-    _recovered,
+    CaseOutcome,
+    all_keys,
+    describe_event,
+    halted_outcome,
+    recovered_outcome,
 )
 from faucet_dagster.testing.faults.spec import Endpoint
 from faucet_dagster.testing.faults.worker_process import HarnessError
@@ -54,7 +54,7 @@ def applies(pair: Pair, kind: str) -> bool:
     return pair.mode is Mode.BOUNDED
 
 
-def retention(case: Case, fault: Fault) -> _Outcome:
+def retention(case: Case, fault: Fault) -> CaseOutcome:
     notes: list[str] = []
     source = Endpoint(case.source.connector, {**case.source.config(), "max_ack_pending": LAG_WINDOW})
     # A lease long enough to outlast the stop: the worker resumes as the owner and meets the gap.
@@ -71,7 +71,7 @@ def retention(case: Case, fault: Fault) -> _Outcome:
     worker.send(signal.SIGCONT)
     code = case.finish(worker)
     gone = {item.key for item in case.produced if item.position < keep_from}
-    outcome = _halted(
+    outcome = halted_outcome(
         case,
         worker,
         code,
@@ -94,23 +94,25 @@ def retention(case: Case, fault: Fault) -> _Outcome:
     return outcome
 
 
-def page_crash(case: Case, fault: Fault) -> _Outcome:
+def page_crash(case: Case, fault: Fault) -> CaseOutcome:
     notes: list[str] = []
     worker = case.start(case.spec("w1"), case.arming(Point.AFTER_PAGE, Action.KILL, hit=2))
     code = case.finish(worker)
     fired = case.fired() and code == -signal.SIGKILL
     if not fired:
-        notes.append(f"the sync did not die after its second page (exit {code}): {_describe(worker.error())}")
+        notes.append(
+            f"the sync did not die after its second page (exit {code}): {describe_event(worker.error())}"
+        )
     if isinstance(case.source, NatsSource):
         case.source.purge(case.produced[RETAINED_AFTER_CRASH].position)
     case.produce("p2", max(50, case.params.records // 10))
-    outcome = _recovered(case, fired, fired, notes)
+    outcome = recovered_outcome(case, fired, fired, notes)
     # Everything the source ever held: what retention removed had reached the sink before.
-    outcome.must = outcome.may = _all(case.produced)
+    outcome.must = outcome.may = all_keys(case.produced)
     return outcome
 
 
-RUNNERS: dict[str, Callable[[Case, Fault], _Outcome]] = {RETENTION: retention, PAGE_CRASH: page_crash}
+RUNNERS: dict[str, Callable[[Case, Fault], CaseOutcome]] = {RETENTION: retention, PAGE_CRASH: page_crash}
 """The fault runners of this module, by fault kind (registered in ``scenarios``)."""
 
 __all__ = ["PAGE_CRASH", "RETENTION", "RUNNERS", "applies", "page_crash", "retention"]

@@ -105,7 +105,7 @@ class CaseResult:
 
 
 @dataclass
-class _Outcome:
+class CaseOutcome:
     """What a fault's run established, for the verdict."""
 
     fired: bool
@@ -221,17 +221,17 @@ class Case:
                 notes.append(f"operator released an uncertain stream: {error.data.get('message')}")
                 self.release()
                 continue
-            notes.append(f"recovery ended with {code}: {_describe(error) or worker.tail()}")
+            notes.append(f"recovery ended with {code}: {describe_event(error) or worker.tail()}")
             return False
         return False
 
-    def judge(self, outcome: "_Outcome") -> Verdict:
+    def judge(self, outcome: "CaseOutcome") -> Verdict:
         """The oracle's verdict on the destination: record by record against ``outcome``, or (a
         change source) row by row against the source table, which needs a recovered stream."""
         expected = self.source.state()
         if expected is None:
             return judge(outcome.must, outcome.may, self.sink.read())
-        if outcome.must != _all(self.produced):
+        if outcome.must != all_keys(self.produced):
             raise HarnessError(f"a {self.pair.name} case is judged by state and must end recovered")
         return judge_state(expected, self.sink.rows(), self.certificates())
 
@@ -242,23 +242,26 @@ class Case:
         self.source.drop()
 
 
-def _describe(error: Event | None) -> str:
+def describe_event(error: Event | None) -> str:
+    """A worker's error event in one line, for a verdict's notes ("" when there is none)."""
     if error is None:
         return ""
     return f"{error.data.get('type')}: {error.data.get('message')}"
 
 
-def _all(produced: Iterable[Produced]) -> set[Key]:
+def all_keys(produced: Iterable[Produced]) -> set[Key]:
+    """The keys of every record produced: what a recovered run must and may deliver."""
     return {item.key for item in produced}
 
 
-def _recovered(case: Case, fired: bool, halted: bool, notes: list[str]) -> _Outcome:
+def recovered_outcome(case: Case, fired: bool, halted: bool, notes: list[str]) -> CaseOutcome:
+    """The outcome of a fault after which a fresh run recovers and must deliver every record."""
     recovered = case.recover(notes)
-    everything = _all(case.produced)
-    return _Outcome(fired, halted and recovered, everything, everything, notes)
+    everything = all_keys(case.produced)
+    return CaseOutcome(fired, halted and recovered, everything, everything, notes)
 
 
-def _point(case: Case, fault: Fault) -> _Outcome:
+def _point(case: Case, fault: Fault) -> CaseOutcome:
     assert fault.moment is not None and fault.action is not None
     point = point_for(case.pair, fault.moment)
     assert point is not None
@@ -277,12 +280,12 @@ def _point(case: Case, fault: Fault) -> _Outcome:
     expected = -signal.SIGKILL if action in (Action.KILL, Action.KILL_SOON) else EXIT_DONE
     if code != expected:
         notes.append(
-            f"the faulted worker exited with {code}, expected {expected}: {_describe(worker.error())}"
+            f"the faulted worker exited with {code}, expected {expected}: {describe_event(worker.error())}"
         )
-    return _recovered(case, fired, fired and code == expected, notes)
+    return recovered_outcome(case, fired, fired and code == expected, notes)
 
 
-def _random(case: Case, fault: Fault) -> _Outcome:
+def _random(case: Case, fault: Fault) -> CaseOutcome:
     worker = case.start(case.spec("w1"))
     notes: list[str] = []
     after = case.params.random_after
@@ -291,7 +294,9 @@ def _random(case: Case, fault: Fault) -> _Outcome:
         return event.event == "started" if after == 0 else worker.count("certified", "page") >= after
 
     if worker.wait_for(progressed, case.params.worker_deadline) is None:
-        notes.append(f"the worker did not make {after} steps: {_describe(worker.error()) or worker.tail()}")
+        notes.append(
+            f"the worker did not make {after} steps: {describe_event(worker.error()) or worker.tail()}"
+        )
     time.sleep(case.params.random_delay)
     sig = signal.SIGKILL if fault.action is Action.KILL else signal.SIGTERM
     fired = worker.send(sig)
@@ -302,11 +307,11 @@ def _random(case: Case, fault: Fault) -> _Outcome:
     if not fired:
         notes.append(f"the worker finished before the {sig.name}")
     if code != expected:
-        notes.append(f"the worker exited with {code}, expected {expected}: {_describe(worker.error())}")
-    return _recovered(case, fired, code == expected, notes)
+        notes.append(f"the worker exited with {code}, expected {expected}: {describe_event(worker.error())}")
+    return recovered_outcome(case, fired, code == expected, notes)
 
 
-def _zombie(case: Case, fault: Fault) -> _Outcome:
+def _zombie(case: Case, fault: Fault) -> CaseOutcome:
     assert fault.moment is not None
     point = point_for(case.pair, fault.moment)
     assert point is not None
@@ -316,7 +321,7 @@ def _zombie(case: Case, fault: Fault) -> _Outcome:
     while not (case.fired() and owner.is_stopped()):
         if owner.proc.poll() is not None or time.monotonic() > deadline:
             notes.append(f"the owner never stopped at {point} (exit {owner.proc.poll()}): {owner.tail()}")
-            return _recovered(case, False, False, notes)
+            return recovered_outcome(case, False, False, notes)
         time.sleep(0.02)
     time.sleep(case.params.lease_seconds + 0.3)  # past the owner's lease
     certified_before = owner.count("certified")  # every event it wrote before stopping is read by now
@@ -324,20 +329,20 @@ def _zombie(case: Case, fault: Fault) -> _Outcome:
     successor_code = case.finish(successor)
     took_over = successor_code == EXIT_DONE and successor.count("certified") > 0
     if not took_over:
-        notes.append(f"the successor exited with {successor_code}: {_describe(successor.error())}")
+        notes.append(f"the successor exited with {successor_code}: {describe_event(successor.error())}")
     owner.send(signal.SIGCONT)
     owner_code = case.finish(owner)
     error = owner.error()
     refused = owner_code == EXIT_HALTED and error is not None and error.data.get("kind") == "ownership_lost"
     if not refused:
-        notes.append(f"the resumed owner exited with {owner_code}: {_describe(error) or owner.tail()}")
+        notes.append(f"the resumed owner exited with {owner_code}: {describe_event(error) or owner.tail()}")
     if owner.count("certified") > certified_before:
         notes.append("the resumed owner certified an epoch after its lease expired")
         refused = False
-    return _recovered(case, True, took_over and refused, notes)
+    return recovered_outcome(case, True, took_over and refused, notes)
 
 
-def _restart(case: Case, fault: Fault) -> _Outcome:
+def _restart(case: Case, fault: Fault) -> CaseOutcome:
     assert fault.server is not None
     notes: list[str] = []
     # Small epochs (pages), so the restart lands while many are still to come.
@@ -359,21 +364,23 @@ def _restart(case: Case, fault: Fault) -> _Outcome:
     if fault.server != "kafka":
         if code != EXIT_DONE:
             error = worker.error()
-            notes.append(f"the worker ended with {code} after the restart: {_describe(error)}")
-        return _recovered(case, fired, True, notes)
+            notes.append(f"the worker ended with {code} after the restart: {describe_event(error)}")
+        return recovered_outcome(case, fired, True, notes)
     if code == EXIT_DONE:
         # Everything was read before the broker went away (the client fetches ahead): nothing was
         # left to skip, and every record must have arrived.
         notes.append("the worker finished from what it had fetched before the broker restarted")
-        return _Outcome(fired, True, _all(case.produced), _all(case.produced), notes)
+        return CaseOutcome(fired, True, all_keys(case.produced), all_keys(case.produced), notes)
     # The in-memory broker lost the topic: the stream must halt explicitly. A bounded sync that did
     # not finish promised nothing; a continuous stream promised what its certificates cover.
     must: set[Key] | None = set() if case.pair.mode is Mode.BOUNDED else None
     kinds = {"position_unavailable", "incarnation_changed", "config"}
-    return _halted(case, worker, code, fired, kinds, notes, must=must, universe=_all(case.produced))
+    return halted_outcome(
+        case, worker, code, fired, kinds, notes, must=must, universe=all_keys(case.produced)
+    )
 
 
-def _halted(
+def halted_outcome(
     case: Case,
     worker: WorkerProcess,
     code: int,
@@ -384,7 +391,7 @@ def _halted(
     must: set[Key] | None,
     universe: set[Key],
     before: list[EpochCertificate] | None = None,
-) -> _Outcome:
+) -> CaseOutcome:
     """The outcome of a fault that must halt the stream with an error of one of ``kinds``, adding no
     certificate (when ``before`` is given).
 
@@ -395,7 +402,7 @@ def _halted(
     error = worker.error()
     halted = code == EXIT_HALTED and error is not None and error.data.get("kind") in kinds
     if not halted:
-        notes.append(f"expected a halt with {sorted(kinds)}, got exit {code}: {_describe(error)}")
+        notes.append(f"expected a halt with {sorted(kinds)}, got exit {code}: {describe_event(error)}")
     certificates = case.certificates()
     if before is not None and len(certificates) != len(before):
         notes.append(f"{len(certificates) - len(before)} certificate(s) were added after the fault")
@@ -407,18 +414,18 @@ def _halted(
     if must is None:
         must = covered(certificates, case.produced)
     exact = Mechanism.ATOMIC_WATERMARK in case.plan().mechanisms
-    return _Outcome(fired, halted, must, must if exact else must | universe, notes)
+    return CaseOutcome(fired, halted, must, must if exact else must | universe, notes)
 
 
 def _first_run(case: Case, notes: list[str]) -> tuple[list[EpochCertificate], set[Key]]:
     """Run the stream over everything produced so far; return its certificates and the keys."""
     first = case.start(case.spec("w1"))
     if case.finish(first) != EXIT_DONE:
-        notes.append(f"the first run did not finish: {_describe(first.error())}")
-    return case.certificates(), _all(case.produced)
+        notes.append(f"the first run did not finish: {describe_event(first.error())}")
+    return case.certificates(), all_keys(case.produced)
 
 
-def _recreate(case: Case, fault: Fault) -> _Outcome:
+def _recreate(case: Case, fault: Fault) -> CaseOutcome:
     notes: list[str] = []
     before, stored = _first_run(case, notes)
     case.source.recreate()
@@ -426,36 +433,38 @@ def _recreate(case: Case, fault: Fault) -> _Outcome:
     worker = case.start(case.spec("w2"))
     code = case.finish(worker)
     # The first run certified (or synced) everything of the old incarnation; nothing new may land.
-    return _halted(
+    return halted_outcome(
         case, worker, code, True, {"incarnation_changed"}, notes, must=stored, universe=stored, before=before
     )
 
 
-def _purge(case: Case, fault: Fault) -> _Outcome:
+def _purge(case: Case, fault: Fault) -> CaseOutcome:
     notes: list[str] = []
     before, stored = _first_run(case, notes)
     later = case.produce("p2", max(100, case.params.records // 4))
     case.source.purge(later[0].position + 1)  # the first position after the certified one is gone
     worker = case.start(case.spec("w2"))
     code = case.finish(worker)
-    return _halted(
+    return halted_outcome(
         case, worker, code, True, {"position_unavailable"}, notes, must=stored, universe=stored, before=before
     )
 
 
-def _ddl(case: Case, fault: Fault) -> _Outcome:
+def _ddl(case: Case, fault: Fault) -> CaseOutcome:
     result = run_source_ddl(case)
-    return _Outcome(True, result.halted_correctly, _all(case.produced), _all(case.produced), result.notes)
-
-
-def _snapshot_crash(case: Case, fault: Fault) -> _Outcome:
-    crashed = snapshot_crash(case)
-    return _Outcome(
-        crashed.fired, crashed.recovered, _all(case.produced), _all(case.produced), [*crashed.notes]
+    return CaseOutcome(
+        True, result.halted_correctly, all_keys(case.produced), all_keys(case.produced), result.notes
     )
 
 
-_RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
+def _snapshot_crash(case: Case, fault: Fault) -> CaseOutcome:
+    crashed = snapshot_crash(case)
+    return CaseOutcome(
+        crashed.fired, crashed.recovered, all_keys(case.produced), all_keys(case.produced), [*crashed.notes]
+    )
+
+
+_RUNNERS: dict[FaultKind, Callable[[Case, Fault], CaseOutcome]] = {
     FaultKind.POINT: _point,
     FaultKind.RANDOM: _random,
     FaultKind.ZOMBIE: _zombie,
@@ -467,7 +476,7 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], _Outcome]] = {
 }
 
 
-def _runner(kind: FaultKind) -> Callable[[Case, Fault], _Outcome]:
+def _runner(kind: FaultKind) -> Callable[[Case, Fault], CaseOutcome]:
     from faucet_dagster.testing.faults import lagging  # builds on this module
 
     return _RUNNERS.get(kind) or lagging.RUNNERS[kind]
@@ -484,7 +493,7 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         try:
             outcome = _runner(fault.kind)(case, fault)
         except HarnessError as exc:
-            outcome = _Outcome(False, False, _all(case.produced), _all(case.produced), [str(exc)])
+            outcome = CaseOutcome(False, False, all_keys(case.produced), all_keys(case.produced), [str(exc)])
         verdict = case.judge(outcome)
     finally:
         case.close()
