@@ -5,8 +5,10 @@
 1. plan the pair (:func:`faucet_dagster.planner.plan`, bounded mode, with the write mode and key
    the sink's config applies, ``Sink.write_mode``): a refused pair raises :class:`PlanError` before
    anything is read or written;
-2. preflight ``check()`` the source, the sink and the dead-letter sink; restrict the source to its
-   shard and resume it after the start bookmark (REPLACE reads the whole snapshot and ignores it);
+2. preflight ``check()`` the source; restrict it to its shard and resume it after the start bookmark
+   (REPLACE reads the whole snapshot and ignores it); start reading its first page (unless the sink's
+   watermark says where it resumes); ``check()`` the sink and the dead-letter sink, and read the
+   sink's watermark. A check that fails drops the page read meanwhile: nothing is written;
 3. for every page of ``source.stream_pages(ctx, batch_size)`` (the next page is read while this one
    is written: the runner holds at most two pages): convert it to Arrow (rows that cannot convert
    go to the dead-letter route), evolve the destination for new columns or refuse them, write it,
@@ -45,8 +47,8 @@ sequence. Otherwise the plan for that run is made without the watermark and says
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -205,9 +207,7 @@ async def run_bounded_sync(
         )
     if dead_letter is not None and WritePolicy.APPEND not in dead_letter.supported_write_modes():
         raise ConfigError("the dead-letter sink cannot append", where=dead_letter.dataset_uri())
-    for connector in (source, sink, dead_letter):
-        if connector is not None:
-            await connector.check()
+    await source.check()
     if shard is not None:
         source.apply_shard(shard)
     replacing = policy is WritePolicy.REPLACE
@@ -216,11 +216,28 @@ async def run_bounded_sync(
 
     run = _Run(source, sink, settings, replacing, dead_letter, shard, dict(context or {}))
     watermark = Mechanism.ATOMIC_WATERMARK in accepted.mechanisms and not replacing
-    if watermark:
-        await run.use_watermark(last_token, start_bookmark)
+    # The first page is read while the sinks are checked and the watermark is read, unless the sink's
+    # watermark says where the source resumes (by position).
+    resumes_at_sink = watermark and source.watermark_by_position
     bookmark = start_bookmark
     pages = 0
-    async with aclosing(_read_ahead(source.stream_pages(run.context, settings.batch_size))) as stream:
+    async with AsyncExitStack() as reading:
+
+        def read_ahead() -> Awaitable[AsyncIterator[Page]]:
+            return reading.enter_async_context(
+                _reading_ahead(source.stream_pages(run.context, settings.batch_size))
+            )
+
+        stream = None if resumes_at_sink else await read_ahead()
+        for connector in (sink, dead_letter):
+            if connector is not None:
+                await connector.check()
+        if watermark:
+            await run.use_watermark(last_token, start_bookmark)
+        if not replacing:
+            await run.read_destination()
+        if stream is None:
+            stream = await read_ahead()
         async for page in stream:
             pages += 1
             report = await run.deliver(page, pages)
@@ -417,6 +434,12 @@ class _Run:
 
     # -- schema ------------------------------------------------------------------------------------
 
+    async def read_destination(self) -> None:
+        """Read the destination's columns now (while the first page is read), if it exists."""
+        current = await self.sink.current_schema()
+        if current is not None:
+            self._destination = _columns(current)
+
     async def _fit_destination(self, batch: pa.RecordBatch) -> None:
         """Make sure the destination has every column of ``batch``: evolve, or raise SchemaError.
 
@@ -556,17 +579,20 @@ def _columns(schema: pa.Schema) -> dict[str, pa.DataType]:
     return {f.name: f.type for f in schema}
 
 
-async def _read_ahead(pages: AsyncIterator[Page]) -> AsyncGenerator[Page, None]:
-    """Yield ``pages`` while reading the next one concurrently (one page of read-ahead).
+@asynccontextmanager
+async def _reading_ahead(pages: AsyncIterator[Page]) -> AsyncGenerator[AsyncIterator[Page], None]:
+    """``pages``, read one page ahead from the moment this is entered (one page of read-ahead).
 
-    The source reads page ``n + 1`` while the caller writes page ``n``. When the caller stops early
-    (an error, ``aclose``), the read in flight is let finish (it is one page; cancelling it could
-    leave a source's client mid-request) and dropped, with any error it raised, in favour of the
-    caller's; then the source's generator is closed.
+    The source reads page ``n + 1`` while the caller writes page ``n`` (page 1 while the caller gets
+    ready). When the caller leaves early (an error, or it stops iterating), the read in flight is let
+    finish (it is one page; cancelling it could leave a source's client mid-request) and dropped, with
+    any error it raised, in favour of the caller's; then the source's generator is closed.
     """
     iterator = aiter(pages)
     pending: asyncio.Future[Page] = asyncio.ensure_future(anext(iterator))
-    try:
+
+    async def ahead() -> AsyncGenerator[Page, None]:
+        nonlocal pending
         while True:
             try:
                 page = await pending
@@ -574,7 +600,12 @@ async def _read_ahead(pages: AsyncIterator[Page]) -> AsyncGenerator[Page, None]:
                 return
             pending = asyncio.ensure_future(anext(iterator))
             yield page
+
+    stream = ahead()
+    try:
+        yield stream
     finally:
+        await stream.aclose()
         await asyncio.wait([pending])
         if not pending.cancelled():
             pending.exception()  # retrieved: the caller's own error (or normal end) takes precedence
