@@ -55,7 +55,6 @@ from faucet_dagster.protocol import (
     IncarnationChanged,
     IntegrityError,
     OwnershipLost,
-    PositionUnavailable,
     WorkerIdentity,
 )
 from faucet_nats.chunks import (
@@ -69,12 +68,12 @@ from faucet_nats.chunks import (
 )
 from faucet_nats.config import NatsSourceConfig
 from faucet_nats.direct import deliver_directly
-from faucet_nats.jetstream import JetStreamApi, Removed, StreamFacts, stream_missing
+from faucet_nats.jetstream import JetStreamApi, StreamFacts, stream_missing
+from faucet_nats.proofs import GapProofs
 
 ACK_PREFIX = "$JS.ACK."
 _ACK = b"+ACK"
 _PROGRESS = b"+WPI"
-_PROOF_CONCURRENCY = 256
 _NANOS = 1_000_000_000
 INLINE_PARSE_MESSAGES = 512
 """Arrivals up to this many are parsed on the event loop (a worker thread's hand-off costs more)."""
@@ -124,10 +123,7 @@ class PushConsumer:
         # Delivery bookkeeping: the last consumer sequence seen, the highest stream sequence seen.
         self._last_delivery = 0
         self.max_seen = start_after
-        # Filtered: every sequence up to here is proven to never have held a message of the filter
-        # (proven ahead while idle, before retention can remove the other subjects' messages).
-        self.proven = start_after
-        self._proven_at = 0.0
+        self._proofs = GapProofs(api, config, facts.name, proven=start_after, where=where)
         self.acked = start_after
         self.suppressed = 0
         self._stale_reply: tuple[int, str] | None = None
@@ -432,84 +428,16 @@ class PushConsumer:
     # -- proofs ----------------------------------------------------------------------------------
 
     async def prove(self, chunk: Chunk) -> None:
-        """Prove every gap of ``chunk`` never held a message the consumer should have delivered.
-
-        Raises :class:`IntegrityError` when a stored matching message is inside a gap (it was not
-        delivered) and :class:`PositionUnavailable` when a gap holds removed sequences.
-        """
-        if not chunk.gaps:
-            return
-        limiter = asyncio.Semaphore(_PROOF_CONCURRENCY)
-
-        async def check(after: int, before: int) -> None:
-            async with limiter:
-                found = await self._api.next_sequence(self.facts.name, after, self._config.subject)
-            if found is not None and found < before:
-                raise IntegrityError(
-                    f"stream sequence {found} matches this consumer but was not delivered between "
-                    f"{after} and {before}",
-                    where=self.where,
-                )
-
-        # What the idle proof covered already needs no proof (and may have been removed since).
-        gaps = [(max(after, self.proven), before) for after, before in chunk.gaps]
-        gaps = [(after, before) for after, before in gaps if before - after > 1]
-        if gaps:
-            await asyncio.gather(*(check(after, before) for after, before in gaps))
-            removed = await self._api.removed(self.facts.name)
-            for after, before in gaps:
-                self._check_kept(removed, after + 1, before - 1)
-        chunk.gaps = []
+        """Prove the gaps of ``chunk`` (:meth:`GapProofs.prove`)."""
+        await self._proofs.prove(chunk)
 
     async def prove_ahead(self) -> None:
-        """While caught up, prove the stored sequences after the highest seen hold no message of the
-        filter, so later removal of those (other subjects') messages is not mistaken for loss.
-
-        At most once per ``idle_heartbeat``, and only with a subject filter (without one every
-        message is delivered: there is nothing to prove ahead). The stream's last sequence is read
-        before the ``next_by_subj`` answer and the removals after it, as :meth:`prove` does.
-        """
-        now = time.monotonic()
-        if not self._config.subject or now - self._proven_at < self._config.idle_heartbeat:
-            return
-        self._proven_at = now
-        start = max(self.max_seen, self.proven)
-        last = (await self._api.stream(self.facts.name)).last_seq
-        if last <= start:
-            return
-        found = await self._api.next_sequence(self.facts.name, start, self._config.subject)
-        upto = last if found is None else min(last, found - 1)
-        if upto > start and not (await self._api.removed(self.facts.name)).count_within(start + 1, upto):
-            self.proven = upto
+        """While caught up, prove ahead of the highest sequence seen (:meth:`GapProofs.prove_ahead`)."""
+        await self._proofs.prove_ahead(self.max_seen)
 
     async def nothing_until(self, end: int) -> bool:
-        """True when the sequences after the highest seen, up to ``end``, are proven to hold no message
-        of the filter (as :meth:`prove` proves a gap); False while a matching one is stored there.
-
-        Raises :class:`PositionUnavailable` when one of them was removed before it was delivered.
-        """
-        if self.max_seen >= end:
-            return True
-        found = await self._api.next_sequence(self.facts.name, self.max_seen, self._config.subject)
-        if found is not None and found <= end:
-            return False
-        self._check_kept(await self._api.removed(self.facts.name), self.max_seen + 1, end)
-        return True
-
-    def _check_kept(self, removed: Removed, low: int, high: int) -> None:
-        count = removed.count_within(low, high)
-        if count:
-            raise self._lost(low, high, count)
-
-    def _lost(self, low: int, high: int, count: int) -> PositionUnavailable:
-        span = f"sequence {low}" if low == high else f"sequences {low} to {high}"
-        return PositionUnavailable(
-            f"stream {self.facts.name}: {count} of the undelivered {span} "
-            f"{'was' if count == 1 else 'were'} removed (purged, expired by max_age, limited away by "
-            "max_msgs or max_bytes, or deleted) while this consumer lagged: a removed message cannot "
-            f"be proven absent, so nothing past sequence {low - 1} is read",
-            where=self.where,
-        )
+        """Whether nothing is left to deliver up to ``end`` (:meth:`GapProofs.nothing_until`)."""
+        return await self._proofs.nothing_until(self.max_seen, end)
 
     async def diagnose(self) -> FaucetError | None:
         """Why deliveries and heartbeats stopped: the stream was deleted or recreated, the consumer was

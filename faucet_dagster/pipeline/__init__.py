@@ -1,7 +1,9 @@
 """The pipeline between a source session and a sink session: Arrow batches, integrity, epoch completion.
 
 See :mod:`.epoch` for what the pipeline guarantees, :mod:`.schema` for how rows become Arrow, and
-:mod:`.integrity` for the checks and the digest of every batch handed to a sink.
+:mod:`.integrity` for the checks and the digest of every batch handed to a sink. The epoch's parts:
+:mod:`.domain` (the position checks of one ordering domain), :mod:`.builder` (rows waiting to become
+a batch) and :mod:`.writer` (batches handed to the sink, one ``apply`` in flight).
 """
 
 from faucet_dagster.pipeline.epoch import (

@@ -27,25 +27,25 @@ What holds, and where it is enforced:
   accepted boundary: a position the pipeline has no evidence for is never certified.
 """
 
-import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 
+from faucet_dagster.pipeline.builder import Builder, convert_chunks, row_at
+from faucet_dagster.pipeline.domain import DomainState
 from faucet_dagster.pipeline.integrity import EpochDigest, check_batch
 from faucet_dagster.pipeline.schema import (
     BadRow,
     BadRowPolicy,
-    Converted,
     ResourceSchema,
     RowConverter,
     row_payload,
 )
+from faucet_dagster.pipeline.writer import SinkWriter
 from faucet_dagster.protocol import (
     CodecRegistry,
     ConfigError,
@@ -62,7 +62,6 @@ from faucet_dagster.protocol import (
     OrderingDomain,
     PartialResult,
     Position,
-    PositionCodec,
     ProgressBoundary,
     Records,
     RejectedRecord,
@@ -168,164 +167,6 @@ class Pipeline:
         return EpochPipeline(self, epoch, session, starts)
 
 
-class _Domain:
-    """What the pipeline saw of one ordering domain in this epoch."""
-
-    __slots__ = (
-        "boundary",
-        "builders",
-        "codec",
-        "domain",
-        "floor",
-        "last_row",
-        "open_transaction",
-        "start",
-        "start_text",
-        "unbounded_rows",
-    )
-
-    def __init__(self, domain: OrderingDomain, codec: PositionCodec[Any], start: str | None) -> None:
-        self.domain = domain
-        self.codec = codec
-        self.start_text = start
-        self.start: Any = None if start is None else self.decode(start)
-        self.last_row: Any = None
-        self.floor: Any = None
-        self.boundary: Any = None
-        self.open_transaction: str | None = None
-        self.unbounded_rows = False
-        self.builders: list[_Builder] = []
-
-    def decode(self, raw: object) -> Any:
-        try:
-            return self.codec.validate(raw)
-        except FaucetError as exc:
-            raise IntegrityError(
-                f"position {raw!r} is not valid: {exc.message}", where=str(self.domain)
-            ) from exc
-
-    def accept_rows(self, first: str, last: str) -> None:
-        """Check one write's positions. Writes go forward, except inside a transaction: there rows of
-        several resources may come in any order (a transaction is applied whole), never before what
-        preceded the transaction."""
-        low, high = self.decode(first), self.decode(last)
-        compare = self.codec.compare
-        floor = self.last_row if self.open_transaction is None else self.floor
-        if floor is not None and compare(low, floor) < 0:
-            raise IntegrityError(f"rows went back from {floor} to {first}", where=str(self.domain))
-        if self.start is not None and compare(low, self.start) <= 0:
-            raise IntegrityError(
-                f"row at {first} is at or before the certified position {self.start_text}",
-                where=str(self.domain),
-            )
-        if self.boundary is not None and compare(low, self.boundary) <= 0:
-            # A boundary vouches that everything up to it was read: a row at or behind it is either
-            # a duplicate or one the source skipped before vouching (an ordering bug of the source).
-            boundary = self.codec.canonicalize(self.boundary)
-            raise IntegrityError(
-                f"row at {first} is at or before the accepted boundary {boundary}", where=str(self.domain)
-            )
-        if compare(high, low) < 0:
-            raise IntegrityError(f"rows went back from {first} to {last}", where=str(self.domain))
-        if self.last_row is None or compare(high, self.last_row) > 0:
-            self.last_row = high
-        self.unbounded_rows = True
-
-    def check_boundary(self, position: str) -> Any:
-        """Decode a boundary position and check it is not before anything already seen."""
-        value = self.decode(position)
-        compare = self.codec.compare
-        for label, floor in (
-            ("last row", self.last_row),
-            ("previous boundary", self.boundary),
-            ("certified position", self.start),
-        ):
-            if floor is not None and compare(value, floor) < 0:
-                raise IntegrityError(
-                    f"boundary {position} is before the {label} {self.codec.canonicalize(floor)}",
-                    where=str(self.domain),
-                )
-        return value
-
-
-class _Builder:
-    """Rows of one resource from one domain, waiting to become an Arrow batch."""
-
-    __slots__ = ("chunks", "converter", "domain", "ordinals", "positions", "resource", "rows")
-
-    def __init__(self, resource: str, domain: OrderingDomain, converter: RowConverter) -> None:
-        self.resource = resource
-        self.domain = domain
-        self.converter = converter
-        self.chunks: list[Records] = []
-        self.positions: list[str] = []
-        self.ordinals: list[int] | None = None
-        self.rows = 0
-
-    def add(self, rows: Records, identities: Identities) -> None:
-        self.chunks.append(rows)
-        if identities.ordinals is not None:
-            if self.ordinals is None:
-                self.ordinals = [0] * len(self.positions)
-            self.ordinals.extend(identities.ordinals)
-        elif self.ordinals is not None:
-            self.ordinals.extend([0] * len(identities))
-        self.positions.extend(identities.positions)
-        self.rows += len(identities)
-
-    def take(self) -> tuple[list[Records], list[str], list[int] | None]:
-        taken = (self.chunks, self.positions, self.ordinals)
-        self.chunks, self.positions, self.ordinals, self.rows = [], [], None, 0
-        return taken
-
-
-Refused = Callable[[SinkBatch, PartialResult], Awaitable[None]]
-"""Routes the rows of a batch the sink refused (``apply_partial``) to the dead-letter route."""
-
-
-class _SinkWriter:
-    """Hands batches to ``apply`` in order, with at most one ``apply`` in flight."""
-
-    def __init__(self, session: StreamingSinkSession, epoch: EpochId) -> None:
-        self._session = session
-        self._epoch = epoch
-        self._inflight: asyncio.Task[None] | None = None
-
-    async def submit(self, batch: SinkBatch, refused: Refused | None = None) -> None:
-        """Apply ``batch`` in the background; with ``refused``, through ``apply_partial``, handing it
-        the rows the sink refused (before the batch counts as applied)."""
-        await self.drain()
-        self._inflight = asyncio.create_task(self._apply(batch, refused))
-
-    async def _apply(self, batch: SinkBatch, refused: Refused | None) -> None:
-        if refused is None:
-            await self._session.apply(self._epoch, batch)
-            return
-        result = await self._session.apply_partial(self._epoch, batch)
-        if result.rejected:
-            await refused(batch, result)
-
-    async def drain(self) -> None:
-        """Wait for the batch in flight; its failure is raised here."""
-        task = self._inflight
-        if task is not None:
-            try:
-                await task
-            finally:
-                if task.done():
-                    self._inflight = None
-
-    async def discard(self) -> BaseException | None:
-        """Stop and join the batch in flight (the epoch is being aborted); return its failure, if any."""
-        task, self._inflight = self._inflight, None
-        if task is None:
-            return None
-        if not task.done():
-            task.cancel()
-        await asyncio.wait([task])
-        return None if task.cancelled() else task.exception()
-
-
 class EpochPipeline(StreamRecordSink):
     """The :class:`StreamRecordSink` of one epoch. Not safe for concurrent calls (one read at a time)."""
 
@@ -335,9 +176,9 @@ class EpochPipeline(StreamRecordSink):
         self._pipeline = pipeline
         self._epoch = epoch
         self._starts = {start.domain.lineage: start for start in starts}
-        self._writer = _SinkWriter(session, epoch)
-        self._domains: dict[OrderingDomain, _Domain] = {}
-        self._builders: dict[tuple[str, OrderingDomain], _Builder] = {}
+        self._writer = SinkWriter(session, epoch)
+        self._domains: dict[OrderingDomain, DomainState] = {}
+        self._builders: dict[tuple[str, OrderingDomain], Builder] = {}
         self._digest = EpochDigest()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
@@ -391,7 +232,7 @@ class EpochPipeline(StreamRecordSink):
         name = resource or domain.resource
         builder = self._builders.get((name, domain))
         if builder is None:
-            builder = _Builder(name, domain, self._pipeline.converter(name))
+            builder = Builder(name, domain, self._pipeline.converter(name))
             self._builders[(name, domain)] = builder
             state.builders.append(builder)
         if (
@@ -537,7 +378,7 @@ class EpochPipeline(StreamRecordSink):
         if self._closed:
             raise LifecycleError(f"epoch {self._epoch} is sealed or discarded", where=str(self._epoch))
 
-    def _domain(self, domain: OrderingDomain) -> _Domain:
+    def _domain(self, domain: OrderingDomain) -> DomainState:
         state = self._domains.get(domain)
         if state is not None:
             return state
@@ -555,20 +396,20 @@ class EpochPipeline(StreamRecordSink):
                     f"the domain's codec is {domain.codec!r}, the certified one's {start.domain.codec!r}",
                     where=str(domain),
                 )
-        state = _Domain(domain, codec, None if start is None else start.value)
+        state = DomainState(domain, codec, None if start is None else start.value)
         self._domains[domain] = state
         return state
 
-    async def _flush_domain(self, state: _Domain) -> None:
+    async def _flush_domain(self, state: DomainState) -> None:
         for builder in state.builders:
             await self._flush(builder)
         await self._writer.drain()
 
-    async def _flush(self, builder: _Builder) -> None:
+    async def _flush(self, builder: Builder) -> None:
         chunks, positions, ordinals = builder.take()
         if not chunks:
             return
-        converted = _convert(builder.converter, chunks)
+        converted = convert_chunks(builder.converter, chunks)
         if converted.bad:
             await self._reject(builder, converted.bad, chunks, positions, ordinals)
         if converted.kept is not None:
@@ -606,7 +447,7 @@ class EpochPipeline(StreamRecordSink):
 
     async def _reject(
         self,
-        builder: _Builder,
+        builder: Builder,
         bad: Sequence[BadRow],
         chunks: list[Records],
         positions: list[str],
@@ -629,7 +470,7 @@ class EpochPipeline(StreamRecordSink):
             RejectedRecord(
                 identity(row.index),
                 row.reason,
-                row_payload(_row_at(chunks, row.index)),
+                row_payload(row_at(chunks, row.index)),
                 f"{builder.resource} @ {identity(row.index)}",
                 builder.resource,
             )
@@ -637,51 +478,3 @@ class EpochPipeline(StreamRecordSink):
         ]
         await route.route(self._epoch, records)
         self._dead_lettered[builder.resource] += len(records)
-
-
-def _convert(converter: RowConverter, chunks: list[Records]) -> Converted:
-    """Convert a builder's chunks: runs of JSON rows in one Arrow call, Arrow batches one by one."""
-    runs: list[pa.RecordBatch | list[Mapping[str, Any]]] = []
-    for chunk in chunks:
-        if isinstance(chunk, pa.RecordBatch):
-            runs.append(chunk)
-        elif runs and isinstance(runs[-1], list):
-            runs[-1].extend(chunk)
-        else:
-            runs.append(list(chunk))
-    parts: list[tuple[int, int, Converted]] = []
-    offset = 0
-    for run in runs:
-        converted = (
-            converter.convert_batch(run) if isinstance(run, pa.RecordBatch) else converter.convert_rows(run)
-        )
-        size = record_count(run)
-        parts.append((offset, size, converted))
-        offset += size
-    if len(parts) == 1:
-        return parts[0][2]
-    batch = pa.concat_batches([converted.batch for _, _, converted in parts])
-    if all(converted.kept is None for _, _, converted in parts):
-        return Converted(batch)
-    kept = [
-        start + index
-        for start, size, converted in parts
-        for index in (range(size) if converted.kept is None else converted.kept)
-    ]
-    bad = tuple(
-        BadRow(start + row.index, row.reason) for start, _, converted in parts for row in converted.bad
-    )
-    return Converted(batch, kept, bad)
-
-
-def _row_at(chunks: list[Records], index: int) -> Mapping[str, Any]:
-    """Row ``index`` of the concatenated chunks, as a mapping (for the dead-letter payload)."""
-    for chunk in chunks:
-        size = record_count(chunk)
-        if index < size:
-            if isinstance(chunk, pa.RecordBatch):
-                row: Mapping[str, Any] = chunk.slice(index, 1).to_pylist()[0]
-                return row
-            return chunk[index]
-        index -= size
-    raise IntegrityError(f"row {index} is past the end of the batch")

@@ -17,7 +17,8 @@ from typing import Any
 
 from faucet_dagster.protocol import EpochCertificate
 from faucet_dagster.state.members import MemberRegistry, parse_group_stream
-from faucet_dagster.state.store import StateStore, StreamStatus
+from faucet_dagster.state.status import StreamStatus
+from faucet_dagster.state.store import StateStore
 
 
 def add_streams_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

@@ -26,11 +26,9 @@ What holds:
 * **Dead letters** are keyed by event identity, so a replayed epoch does not store a row twice.
 """
 
-import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,13 +37,8 @@ from sqlalchemy.engine import Connection
 
 from faucet_dagster.protocol import (
     CodecRegistry,
-    ConfigError,
-    DomainCoverage,
     EpochCertificate,
-    FaucetError,
-    IncarnationChanged,
     IntegrityError,
-    OrderingDomain,
     OwnershipLost,
     Position,
     RejectedRecord,
@@ -53,12 +46,13 @@ from faucet_dagster.protocol import (
     default_codec_registry,
 )
 from faucet_dagster.state import tables as q
+from faucet_dagster.state.certificates import advance_positions, canonical_certificate, fingerprint_and_body
 from faucet_dagster.state.database import StoreDatabase
+from faucet_dagster.state.status import StreamStatus, stored_positions, stream_status
 from faucet_dagster.state.tables import (
     certificates_table,
     db_now,
     dead_letters_table,
-    positions_table,
     streams_table,
 )
 
@@ -86,35 +80,6 @@ class LeaseBusy:
     def describe(self) -> str:
         asked = "; it was asked to hand the stream over" if self.handover_requested else ""
         return f"stream {self.stream!r} is leased to {self.owner} for {self.seconds_left:.1f}s{asked}"
-
-
-@dataclass(frozen=True)
-class StreamStatus:
-    """What the store knows about one stream (for ``faucet streams status``)."""
-
-    stream: str
-    owner: str | None
-    fencing_token: int
-    lease_expires: float | None
-    lease_seconds_left: float | None
-    handover_to: str | None
-    uncertain: bool
-    uncertain_reason: str | None
-    last_sequence: int
-    reported_through: int
-    positions: tuple[Position, ...]
-    dead_letters: int
-
-    @property
-    def lease_live(self) -> bool:
-        """True while an owner holds an unexpired lease."""
-        return self.owner is not None and self.lease_seconds_left is not None and self.lease_seconds_left > 0
-
-    def to_dict(self) -> dict[str, Any]:
-        plain = asdict(self)
-        plain["lease_live"] = self.lease_live
-        plain["positions"] = [{"domain": str(item.domain), "position": item.value} for item in self.positions]
-        return plain
 
 
 class StateStore:
@@ -282,7 +247,7 @@ class StateStore:
         The fencing token is kept, so the next owner's token is still larger than every earlier one.
         """
         with self._db.transaction("release a stream") as conn:
-            before = self._status(conn, stream)
+            before = stream_status(conn, stream, self._where)
             conn.execute(
                 streams_table.update()
                 .where(streams_table.c.stream == stream)
@@ -302,8 +267,8 @@ class StateStore:
         coverage of another incarnation of a certified domain.
         """
         stream = certificate.stream
-        canonical = self._canonical(certificate)
-        fingerprint, body = _fingerprint_and_body(canonical)
+        canonical = canonical_certificate(certificate, self._codecs)
+        fingerprint, body = fingerprint_and_body(canonical)
         with self._db.transaction("append a certificate") as conn:
             # The stream row, locked (a lease was taken on it, so it exists unless nothing was leased).
             row = conn.execute(q.LOCKED_STREAM_ROW, {"stream": stream}).first()
@@ -339,7 +304,7 @@ class StateStore:
                     f"certificate {certificate.sequence} does not follow the last certified epoch {last}",
                     where=stream,
                 )
-            self._advance(conn, stream, certificate.sequence, canonical.coverage)
+            advance_positions(conn, self._codecs, stream, certificate.sequence, canonical.coverage)
             conn.execute(
                 q.INSERT_CERTIFICATE,
                 {
@@ -381,7 +346,7 @@ class StateStore:
     def certified_positions(self, stream: str) -> tuple[Position, ...]:
         """The certified position of every domain ``stream`` has covered: where a session resumes."""
         with self._db.transaction("read certified positions") as conn:
-            return self._positions(conn, stream)
+            return stored_positions(conn, stream)
 
     # -- reports to Dagster -----------------------------------------------------------------------
 
@@ -491,9 +456,9 @@ class StateStore:
         """The status of ``stream`` (a ConfigError if unknown), or of every known stream."""
         with self._db.transaction("read stream status") as conn:
             if stream is not None:
-                return [self._status(conn, stream)]
+                return [stream_status(conn, stream, self._where)]
             names = conn.execute(sa.select(streams_table.c.stream).order_by(streams_table.c.stream)).scalars()
-            return [self._status(conn, name) for name in list(names)]
+            return [stream_status(conn, name, self._where) for name in list(names)]
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -531,141 +496,6 @@ class StateStore:
             where=lease.stream,
         )
 
-    def _last_sequence(self, conn: Connection, stream: str) -> int:
-        value = conn.execute(
-            sa.select(sa.func.max(certificates_table.c.sequence)).where(certificates_table.c.stream == stream)
-        ).scalar_one_or_none()
-        return int(value or 0)
-
-    def _canonical(self, certificate: EpochCertificate) -> EpochCertificate:
-        """The certificate with every position in its codec's canonical form."""
-
-        def canonical(domain: OrderingDomain, raw: str | None) -> str | None:
-            if raw is None:
-                return None
-            codec = self._codecs.get(domain.codec)
-            try:
-                return codec.canonicalize(codec.validate(raw))
-            except FaucetError as exc:
-                raise IntegrityError(
-                    f"certificate {certificate.certificate_id} holds an invalid position: {exc.message}",
-                    where=str(domain),
-                ) from exc
-
-        coverage = []
-        for item in certificate.coverage:
-            end = canonical(item.domain, item.end)
-            assert end is not None
-            coverage.append(DomainCoverage(item.domain, canonical(item.domain, item.start), end))
-        return replace(certificate, coverage=tuple(coverage))
-
-    def _advance(
-        self, conn: Connection, stream: str, sequence: int, coverage: Sequence[DomainCoverage]
-    ) -> None:
-        """Move each covered domain's certified position from ``item.start`` to ``item.end`` (checked):
-        one read of the stream's positions, then one insert or update per domain."""
-        stored_rows = {
-            (row.source, row.resource, row.partition): row
-            for row in conn.execute(q.POSITIONS_OF, {"stream": stream})
-        }
-        inserts: list[dict[str, Any]] = []
-        moves: list[dict[str, Any]] = []
-        for item in coverage:
-            domain = item.domain
-            where = str(domain)
-            codec = self._codecs.get(domain.codec)
-            stored = stored_rows.get(domain.lineage)
-            start = None if item.start is None else codec.validate(item.start)
-            end = codec.validate(item.end)
-            if start is not None and codec.compare(end, start) < 0:
-                raise IntegrityError(f"coverage goes back from {item.start} to {item.end}", where=where)
-            if stored is None:
-                inserts.append(
-                    {
-                        "stream": stream,
-                        "source": domain.source,
-                        "resource": domain.resource,
-                        "partition": domain.partition,
-                        "incarnation": domain.incarnation,
-                        "codec": domain.codec,
-                        "position": item.end,
-                        "sequence": sequence,
-                    }
-                )
-                continue
-            if stored.incarnation != domain.incarnation:
-                raise IncarnationChanged(
-                    f"coverage of incarnation {domain.incarnation!r} follows certified positions of "
-                    f"{stored.incarnation!r}",
-                    where=where,
-                )
-            if stored.codec != domain.codec:
-                raise IntegrityError(
-                    f"coverage uses codec {domain.codec!r}, the certified {stored.codec!r}", where=where
-                )
-            certified = codec.validate(stored.position)
-            if start is None or codec.compare(start, certified) != 0:
-                order = codec.compare(end, certified)
-                problem = "goes back before" if order < 0 else "does not start at"
-                raise IntegrityError(
-                    f"coverage {item.start}..{item.end} {problem} the certified position {stored.position}",
-                    where=where,
-                )
-            moves.append(
-                {
-                    "at_stream": stream,
-                    "at_source": domain.source,
-                    "at_resource": domain.resource,
-                    "at_partition": domain.partition,
-                    "to_position": item.end,
-                    "to_sequence": sequence,
-                }
-            )
-        if inserts:
-            conn.execute(q.INSERT_POSITION, inserts)
-        if moves:
-            conn.execute(q.MOVE_POSITION, moves)
-
-    def _positions(self, conn: Connection, stream: str) -> tuple[Position, ...]:
-        rows = conn.execute(
-            sa.select(positions_table)
-            .where(positions_table.c.stream == stream)
-            .order_by(positions_table.c.source, positions_table.c.resource, positions_table.c.partition)
-        )
-        return tuple(
-            Position(
-                OrderingDomain(row.source, row.resource, row.partition, row.incarnation, row.codec),
-                row.position,
-            )
-            for row in rows
-        )
-
-    def _status(self, conn: Connection, stream: str) -> StreamStatus:
-        row = conn.execute(
-            sa.select(streams_table, db_now().label("now")).where(streams_table.c.stream == stream)
-        ).first()
-        if row is None:
-            raise ConfigError(f"the state store knows no stream {stream!r}", where=self._where)
-        dead = conn.execute(
-            sa.select(sa.func.count())
-            .select_from(dead_letters_table)
-            .where(dead_letters_table.c.stream == stream)
-        ).scalar_one()
-        return StreamStatus(
-            stream=stream,
-            owner=row.lease_owner,
-            fencing_token=row.fencing_token,
-            lease_expires=row.lease_expires,
-            lease_seconds_left=None if row.lease_expires is None else row.lease_expires - row.now,
-            handover_to=row.handover_to,
-            uncertain=bool(row.uncertain),
-            uncertain_reason=row.uncertain_reason,
-            last_sequence=self._last_sequence(conn, stream),
-            reported_through=row.reported_through,
-            positions=self._positions(conn, stream),
-            dead_letters=int(dead),
-        )
-
 
 def _held(lease: Lease) -> dict[str, Any]:
     """The bind parameters of :data:`tables.HOLDS` for ``lease``."""
@@ -681,16 +511,6 @@ def _live(row: Any, lease: Lease) -> bool:
         and row.lease_expires is not None
         and row.lease_expires > row.now
     )
-
-
-def _fingerprint_and_body(certificate: EpochCertificate) -> tuple[str, str]:
-    """What makes two certificates the same epoch (a digest of everything but timings and the
-    creation time), and the stored body (``certificate.to_json()``), from one ``asdict``."""
-    plain = asdict(certificate)
-    body = json.dumps(plain, sort_keys=True, separators=(",", ":"))
-    same = {**plain, "timings": {}, "created_at": ""}
-    fingerprint = hashlib.blake2b(json.dumps(same, sort_keys=True, default=str).encode(), digest_size=32)
-    return fingerprint.hexdigest(), body
 
 
 def _utc_now() -> str:
