@@ -29,17 +29,24 @@ class FileReader:
         self._types = config.arrow_types()
 
     def file_pages(
-        self, entry: FileEntry, start_row: int, batch_size: int
+        self, entry: FileEntry, start_row: int, batch_size: int, *, first_block_alone: bool = False
     ) -> Generator[tuple[pa.RecordBatch, bool], None, None]:
         """Pages of one file after ``start_row``, each with whether it is the file's last page.
 
         A full page is held until a row after it is read (then it is not the last) or the file ends
         (then it is): the first page goes out one block after its last row, not a page later.
-        ``batch_size == 0``: one page.
+        ``batch_size == 0``: one page. With ``first_block_alone`` (a sync's first page) the first page
+        is the first block's rows when they are fewer than a page: the destination starts writing it
+        while the rest is parsed, instead of waiting for a whole page.
         """
         previous: pa.RecordBatch | None = None
         builder = PageBuilder(batch_size)
         for batch in self.file_batches(entry, start_row):
+            if first_block_alone and 0 < batch.num_rows < batch_size:
+                first_block_alone = False
+                previous = batch
+                continue
+            first_block_alone = False
             for page in builder.add(batch):
                 if previous is not None:
                     yield previous, False

@@ -155,9 +155,9 @@ class FilesSource(Source):
         files = await asyncio.to_thread(self._files_to_read)
         completed = dict(self._start.completed)
         whole: list[pa.RecordBatch] = []
-        for entry, start_row in files:
+        for number, (entry, start_row) in enumerate(files):
             row = start_row
-            reader = self._reader.file_pages(entry, start_row, batch_size)
+            reader = self._reader.file_pages(entry, start_row, batch_size, first_block_alone=number == 0)
             try:
                 while (item := await asyncio.to_thread(next, reader, None)) is not None:
                     page, last = item

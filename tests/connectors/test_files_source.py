@@ -95,6 +95,24 @@ def test_resume_from_every_page_bookmark_reads_exactly_the_rest(tmp_path: Path) 
         assert ids(read(resumed, 4)) == everything[delivered:]
 
 
+def test_a_syncs_first_page_is_its_first_block_and_resumes_like_any_other(tmp_path: Path) -> None:
+    write_csv(tmp_path / "a.csv", 0, 3_000)
+    write_csv(tmp_path / "b.csv", 3_000, 3_000)
+    config = {"paths": [str(tmp_path / "*.csv")], "block_size": 4096}
+    pages = read(build(**config), 1_000)
+    sizes = [page.num_rows for page in pages]
+    # The first page is out after one block (about 200 rows of 4 KiB), not a whole page: the
+    # destination starts writing while the rest is parsed. Every later page is a whole one; the
+    # second file starts with a whole page too.
+    assert 0 < sizes[0] < 1_000 and sizes[1:4] == [1_000, 1_000, 1_000 - sizes[0]], sizes
+    assert sizes[4:] == [1_000, 1_000, 1_000]
+    assert ids(pages) == list(range(6_000))
+    first = build(**config)
+    assert pages[0].bookmark is not None
+    first.apply_start_bookmark(json.loads(json.dumps(pages[0].bookmark)))
+    assert ids(read(first, 1_000)) == list(range(sizes[0], 6_000))
+
+
 def test_resume_moves_only_new_files_and_rereads_a_changed_one(tmp_path: Path) -> None:
     write_csv(tmp_path / "2024-01.csv", 0, 5)
     config = {"paths": [str(tmp_path / "*.csv")]}
