@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from stream_doubles import MemoryDestination, MemoryLog, MemorySink, MemorySource, SinkFaults, SourceFaults
@@ -24,6 +24,7 @@ from faucet_dagster.protocol import (
     OwnershipLost,
     PlanError,
     ReadLimits,
+    StreamingSinkSession,
     UncertainOutcome,
 )
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
@@ -136,6 +137,45 @@ def test_a_failed_commit_aborts_and_the_next_epoch_resumes_from_the_certified_po
     assert ids_of(sink.destination) == list(range(1, 151))
     assert [str(p[0].value) for p in source.opened_at[1:]] == ["100"]
     assert log.acknowledgements == [100, 150]
+
+
+class SinkThatFailsToOpen(MemorySink):
+    """A sink whose next ``open`` fails (the destination is unreachable), after the source was opened."""
+
+    def __init__(self, source: MemorySource) -> None:
+        super().__init__()
+        self.source = source
+        self.fail = True
+
+    async def open(self, *args: Any, **kwargs: Any) -> StreamingSinkSession:
+        if self.fail:
+            self.fail = False
+            # The source is opened beside the sink; fail once it has its session.
+            while not self.source.sessions:
+                await asyncio.sleep(0.01)
+            raise ConnectionFailed("connection refused", where="memory")
+        return await super().open(*args, **kwargs)
+
+
+def test_a_source_opened_beside_a_sink_that_fails_to_open_is_closed_and_opened_again(
+    store: StateStore,
+) -> None:
+    log = MemoryLog()
+    log.append(50)
+    source = MemorySource(log)
+    sink = SinkThatFailsToOpen(source)
+    stream = runner(store, source, sink)
+
+    async def scenario() -> None:
+        with pytest.raises(ConnectionFailed):
+            await stream.run_epoch()
+        assert await stream.run_epoch() is not None
+
+    run(scenario)
+    # The session opened beside the failed sink was closed, not leaked; the next epoch opened another.
+    assert len(source.sessions) == 2 and source.sessions[0].closed and not source.sessions[1].closed
+    assert ids_of(sink.destination) == list(range(1, 51))
+    assert log.acknowledgements == [50]
 
 
 def test_cancellation_during_a_read_certifies_nothing_and_the_next_epoch_loses_nothing(

@@ -52,42 +52,73 @@ class StreamSessions:
     async def open(self, lease: Lease) -> tuple[StreamSession, StreamingSinkSession]:
         """The open sessions for ``lease``'s token; (re)opened at the certified positions if needed.
 
-        Opening reconciles the sink's last commit with the last certificate.
+        Opening reconciles the sink's last commit with the last certificate. A deterministic source
+        resumes at the certified positions whatever the sink holds, so it is opened while the sink is
+        (a source whose epoch may be adopted from the sink's watermark is opened after it). Blocks
+        until both are open; when the sink fails to open, a source opened beside it is closed again.
         """
         if self.token is not None and self.token != lease.fencing_token:
             await self.drop(None)
         worker = WorkerIdentity(self.worker_id, lease.fencing_token)
+        opening: asyncio.Future[StreamSession] | None = None
         if self.sink is None:
             last = await asyncio.to_thread(self.store.last_certificate, self.spec.name)
             self.certified = await asyncio.to_thread(self.store.certified_positions, self.spec.name)
             self.next_sequence = (last.sequence if last else 0) + 1
-            session = await self.spec.sink.open(self.spec.name, self.spec.policy, self.spec.key, worker)
-            self.sink = session
-            self.token = lease.fencing_token
+            if self.source is None and not self._adopts:
+                opening = asyncio.ensure_future(self._open_source(worker, self.certified))
             try:
-                committed = await session.last_committed()
-                self.recover_to = reconcile(self.spec.name, committed, self.certified, self.next_sequence - 1)
-                # What an older owner dead-lettered for an epoch the destination does not hold never
-                # committed: its replay routes again what it still rejects. A sink whose watermark is
-                # not committed with the data may hold the epoch after it, whose dead letters stay.
-                held = self.next_sequence - 1 if committed is None else committed.epoch.sequence
-                through = held if self._atomic else held + 1
-                await asyncio.to_thread(
-                    self.store.discard_uncommitted_dead_letters, self.spec.name, through, lease.fencing_token
-                )
+                await self._open_sink(worker, lease)
             except BaseException as exc:
-                await self.drop(exc)
+                if opening is not None:
+                    await self._discard_opening(opening, exc)
                 raise
-            if self.recover_to and self._adopts:
-                self.adopted = adopted_coverage(self.certified, self.recover_to)
-                self.recover_to = ()
         if self.source is None:
-            resume = self.certified if self.adopted is None else advance(self.certified, self.adopted)
-            self.source = await self.spec.source.open(
-                self.spec.resources, resume, self.spec.membership, worker
-            )
+            if opening is None:
+                resume = self.certified if self.adopted is None else advance(self.certified, self.adopted)
+                opening = asyncio.ensure_future(self._open_source(worker, resume))
+            self.source = await opening
             self.token = lease.fencing_token
+        assert self.sink is not None
         return self.source, self.sink
+
+    async def _open_sink(self, worker: WorkerIdentity, lease: Lease) -> None:
+        """Open the sink session and reconcile what it last committed with the last certificate."""
+        session = await self.spec.sink.open(self.spec.name, self.spec.policy, self.spec.key, worker)
+        self.sink = session
+        self.token = lease.fencing_token
+        try:
+            committed = await session.last_committed()
+            self.recover_to = reconcile(self.spec.name, committed, self.certified, self.next_sequence - 1)
+            # What an older owner dead-lettered for an epoch the destination does not hold never
+            # committed: its replay routes again what it still rejects. A sink whose watermark is
+            # not committed with the data may hold the epoch after it, whose dead letters stay.
+            held = self.next_sequence - 1 if committed is None else committed.epoch.sequence
+            through = held if self._atomic else held + 1
+            await asyncio.to_thread(
+                self.store.discard_uncommitted_dead_letters, self.spec.name, through, lease.fencing_token
+            )
+        except BaseException as exc:
+            await self.drop(exc)
+            raise
+        if self.recover_to and self._adopts:
+            self.adopted = adopted_coverage(self.certified, self.recover_to)
+            self.recover_to = ()
+
+    async def _open_source(self, worker: WorkerIdentity, resume: tuple[Position, ...]) -> StreamSession:
+        return await self.spec.source.open(self.spec.resources, resume, self.spec.membership, worker)
+
+    async def _discard_opening(self, opening: "asyncio.Future[StreamSession]", cause: BaseException) -> None:
+        """Close the source session opened beside a sink that failed to open; failures go on ``cause``."""
+        await asyncio.wait([opening])
+        if opening.cancelled():
+            return
+        failure = opening.exception()
+        if failure is not None:
+            cause.add_note(f"opening the source session beside it failed too: {failure!r}")
+            return
+        self.source = opening.result()
+        await self.close_source(cause)
 
     def certify(self, epoch: EpochId, coverage: Coverage) -> None:
         """``epoch`` with ``coverage`` is certified: the positions and the sequence move on."""
