@@ -1,9 +1,10 @@
 """The dlt peer, run inside dlt's own virtual environment: the bench's SQLite table into PostgreSQL.
 
-Usage: ``python dlt_child.py SQLITE_PATH DATASET`` with ``PG_DSN`` in the environment. dlt's own
-``sql_table`` source reads table ``dataset`` with its fastest backend (``pyarrow``: pages of Arrow
-tables, no per-row Python objects), its ``payload`` column hinted as JSON so that PostgreSQL gets the
-``jsonb`` column faucet's sync writes too, and the pipeline appends it to a new dataset. The clock runs
+Usage: ``python dlt_child.py SQLITE_PATH DATASET BACKEND`` with ``PG_DSN`` in the environment. dlt's
+own ``sql_table`` source reads table ``dataset`` with ``BACKEND``: ``sqlalchemy`` (dlt's default: rows
+as Python dicts, normalized row by row) or ``pyarrow`` (its fastest: pages of Arrow tables), its
+``payload`` column hinted as JSON so that PostgreSQL gets the ``jsonb`` column faucet's sync writes
+too, and the pipeline appends it to a new dataset. The clock runs
 from just before ``pipeline.run`` to its return (extract, normalize and load: dlt's whole job). Prints
 one JSON object: ``rows`` loaded (read back from PostgreSQL) and ``seconds``.
 """
@@ -23,11 +24,11 @@ from dlt.destinations import postgres
 from dlt.sources.sql_database import sql_table
 
 
-def main(sqlite_path: str, dataset: str) -> None:
+def main(sqlite_path: str, dataset: str, backend: str) -> None:
     table = sql_table(
         credentials=f"sqlite:///{sqlite_path}",
         table="dataset",
-        backend="pyarrow",
+        backend=backend,
         chunk_size=50_000,
     )
     table.apply_hints(columns={"payload": {"data_type": "json"}})
@@ -53,4 +54,4 @@ def main(sqlite_path: str, dataset: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
