@@ -19,6 +19,8 @@ import psycopg
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import sqlalchemy as sa
+from faucet_postgres.common import table_columns
+from faucet_postgres.copy_arrow import encode_copy
 from psycopg import sql
 
 from bench.context import BenchContext
@@ -154,6 +156,33 @@ def csv_file_copy(ctx: BenchContext) -> Measurement:
             while chunk := file.read(1 << 20):
                 copy.write(chunk)
         conn.commit()
+        seconds = time.perf_counter() - start
+    _check(ctx, table)
+    return Measurement(ctx.rows, seconds)
+
+
+@scenario("connectors.pg_binary_pages", baseline="raw.pg_copy")
+def pg_binary_pages(ctx: BenchContext) -> Measurement:
+    """The dataset's pages encoded by the PostgreSQL sink's encoder before the clock, then COPYed in
+    binary one transaction per page: the ceiling for a sync that commits each page."""
+    table = _target(ctx, "binary_pages")
+
+    async def destination() -> Any:
+        async with await psycopg.AsyncConnection.connect(ctx.postgres_url) as conn:
+            return await table_columns(conn, "public", table)
+
+    columns = asyncio.run(destination())
+    payloads = [encode_copy(page, columns) for page in _dataset_table(ctx).to_batches(PAGE_ROWS)]
+    if {payload.format for payload in payloads} != {"binary"}:
+        raise RuntimeError(f"the sink's encoder chose {payloads[0].format}, not binary")
+    statement = sql.SQL("COPY {} FROM STDIN (FORMAT binary)").format(sql.Identifier(table))
+    with psycopg.connect(ctx.postgres_url) as conn:
+        start = time.perf_counter()
+        for payload in payloads:
+            with conn.cursor().copy(statement) as copy:
+                for chunk in payload.chunks:
+                    copy.write(chunk)
+            conn.commit()
         seconds = time.perf_counter() - start
     _check(ctx, table)
     return Measurement(ctx.rows, seconds)
