@@ -221,7 +221,9 @@ class Deployment:
         return "\n".join(f"{log.name}: {log.read_text(errors='replace')[-3000:]}" for log in self.logs[-2:])
 
     def stop(self) -> None:
-        """SIGTERM to the daemon, then to the separate code servers (each given a minute)."""
+        """SIGTERM to the daemon, then to the separate code servers (each given a minute). The daemon's
+        own code servers stop after it, on their own: a wait after this one does not ask the daemon
+        to be alive."""
         for process in [self.daemon, *self.servers]:
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -230,6 +232,7 @@ class Deployment:
                 except subprocess.TimeoutExpired:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
+        self.daemon = None
 
     def finish(self, publisher: "Publisher", postgres_url: str, figures: str) -> None:
         """Stop publishing, wait until everything is certified, stop the deployment (SIGTERM), and
