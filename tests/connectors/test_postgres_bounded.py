@@ -2,6 +2,7 @@
 
 import asyncio
 import datetime as dt
+import itertools
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 from faucet_postgres.common import table_columns
-from faucet_postgres.copy_arrow import COPY_SLICE_ROWS, encode_copy
+from faucet_postgres.copy_arrow import COPY_SLICE_ROWS, FIRST_SLICE_ROWS, copy_slices, encode_copy
 from faucet_postgres.sink import PostgresSink
 from psycopg import sql
 
@@ -187,7 +188,20 @@ def test_binary_copy_is_used_where_every_column_has_an_encoder(
         asyncio.run(write_all(sink(postgres_url, table="mixed"), too_big))
 
 
-@pytest.mark.parametrize("bad_row", [None, 5, 2 * COPY_SLICE_ROWS + 3])
+def test_a_sliced_copy_starts_with_a_small_slice_and_doubles_up_to_the_slice_size() -> None:
+    """The server gets rows after the first small slice is encoded, not after a full slice."""
+    count = 3 * COPY_SLICE_ROWS + 5
+    slices = list(copy_slices(count))
+    lengths = [length for _, length in slices]
+    assert lengths[0] == FIRST_SLICE_ROWS < COPY_SLICE_ROWS
+    assert lengths[1:-1] == [
+        min(FIRST_SLICE_ROWS * 2**i, COPY_SLICE_ROWS) for i in range(1, len(lengths) - 1)
+    ]
+    assert [start for start, _ in slices] == list(itertools.accumulate(lengths[:-1], initial=0))
+    assert sum(lengths) == count and max(lengths) == COPY_SLICE_ROWS
+
+
+@pytest.mark.parametrize("bad_row", [None, 5, FIRST_SLICE_ROWS + 3, 2 * COPY_SLICE_ROWS + 3])
 def test_a_batch_copied_in_slices_lands_whole_or_names_the_value_that_does_not_fit(
     postgres_url: str, conn: psycopg.Connection[Any], bad_row: int | None
 ) -> None:
