@@ -14,7 +14,38 @@ from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_st
 from faucet_dagster.state import StateStore
 
 DRAIN_SECONDS = 600.0
-"""How long :func:`evaluate_ticks` goes on ticking for the rows it expects: generous, for a loaded machine."""
+"""How long the tick loops here go on ticking for what they expect: generous, for a loaded machine."""
+
+
+class SensorTicks:
+    """Ticks of one sensor, each evaluated from the last one's cursor, on one instance (or none)."""
+
+    def __init__(self, sensor: dg.SensorDefinition, instance: dg.DagsterInstance | None) -> None:
+        self.sensor = sensor
+        self.instance = instance
+        self.cursor: str | None = None
+        self.results: list[SensorExecutionData] = []
+        self.reported: list[int] = []
+        """The sequence of every certificate the ticks reported, in order."""
+
+    def tick(self) -> SensorExecutionData:
+        result = self.sensor.evaluate_tick(
+            dg.build_sensor_context(instance=self.instance, cursor=self.cursor)
+        )
+        self.cursor = result.cursor
+        self.results.append(result)
+        for event in result.asset_events or ():
+            if isinstance(event, dg.AssetMaterialization):
+                self.reported.append(int(str(event.metadata["faucet/sequence"].value)))
+        return result
+
+    def until(self, done: Callable[[], bool], what: str) -> None:
+        """Tick until ``done()``, for at most :data:`DRAIN_SECONDS`: how much one tick drains within
+        its budget depends on the machine's speed, what is certified in the end does not."""
+        ends = time.monotonic() + DRAIN_SECONDS
+        while not done():
+            assert time.monotonic() < ends, f"{what} not within {DRAIN_SECONDS:.0f}s"
+            self.tick()
 
 
 def evaluate_ticks(
@@ -25,8 +56,7 @@ def evaluate_ticks(
     rows: int,
 ) -> tuple[list[int], list[EpochCertificate]]:
     """Run ``before()`` then one sensor tick, for each of ``before_ticks``, on one instance; then tick on
-    until the certificates hold ``rows`` rows (for at most :data:`DRAIN_SECONDS`): how much one tick
-    drains within its budget depends on the machine's speed, what is certified in the end does not.
+    until the certificates hold ``rows`` rows, and until the ticks have reported the last of them.
 
     Returns the certificate sequences the ticks reported (in order, each materialization checked to
     carry the plan's delivery) and the certificates in the state store. The sensor caches its runner
@@ -34,34 +64,22 @@ def evaluate_ticks(
     run.
     """
     assert stream.state_url is not None
-    sensor = faucet_stream_sensor(stream, budget_seconds=budget_seconds)
-    reported: list[int] = []
-    cursor: str | None = None
     store = StateStore(stream.state_url)
     try:
         with dg.instance_for_test() as instance:
-
-            def tick() -> None:
-                nonlocal cursor
-                result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
-                cursor = result.cursor
-                for event in result.asset_events:
-                    if isinstance(event, dg.AssetMaterialization):
-                        reported.append(int(str(event.metadata["faucet/sequence"].value)))
-
+            ticks = SensorTicks(faucet_stream_sensor(stream, budget_seconds=budget_seconds), instance)
             for before in before_ticks:
                 before()
-                tick()
-            ends = time.monotonic() + DRAIN_SECONDS
-            while certified_rows(store.certificates(stream.name)) < rows:
-                assert time.monotonic() < ends, f"{rows} rows not certified in {DRAIN_SECONDS:.0f}s"
-                tick()
+                ticks.tick()
+            ticks.until(
+                lambda: certified_rows(store.certificates(stream.name)) >= rows, f"{rows} rows certified"
+            )
             # What the last tick certified without reporting it, the next one reports.
-            for _ in range(3):
-                if reported[-1:] == [len(store.certificates(stream.name))]:
-                    break
-                tick()
-        return reported, store.certificates(stream.name)
+            ticks.until(
+                lambda: ticks.reported[-1:] == [len(store.certificates(stream.name))],
+                "the last certificate reported",
+            )
+        return ticks.reported, store.certificates(stream.name)
     finally:
         close_cached_streams()
         store.close()
@@ -70,22 +88,13 @@ def evaluate_ticks(
 def ticks_reporting(
     sensor: dg.SensorDefinition, epochs: int, instance: dg.DagsterInstance | None = None
 ) -> list[SensorExecutionData]:
-    """Evaluate ``sensor``'s ticks (each from the last one's cursor) until they have reported ``epochs``
-    certificates in all, for at most :data:`DRAIN_SECONDS`; every tick's result, in order. A tick waits
-    for its own seal only: the full epochs of a backlog are sealed by the reader between ticks, and the
-    next tick reports them, so how many ticks that takes depends on the machine's speed."""
-    results: list[SensorExecutionData] = []
-    cursor: str | None = None
-    reported = 0
-    ends = time.monotonic() + DRAIN_SECONDS
-    while reported < epochs:
-        assert time.monotonic() < ends, f"{epochs} certificates not reported in {DRAIN_SECONDS:.0f}s"
-        context = dg.build_sensor_context(instance=instance, cursor=cursor)
-        result = sensor.evaluate_tick(context)
-        results.append(result)
-        cursor = result.cursor
-        reported += sum(isinstance(e, dg.AssetMaterialization) for e in result.asset_events or ())
-    return results
+    """Evaluate ``sensor``'s ticks until they have reported ``epochs`` certificates in all; every tick's
+    result, in order. A tick waits for its own seal only: the full epochs of a backlog are sealed by the
+    reader between ticks, and the next tick reports them, so how many ticks that takes depends on the
+    machine's speed."""
+    ticks = SensorTicks(sensor, instance)
+    ticks.until(lambda: len(ticks.reported) >= epochs, f"{epochs} certificates reported")
+    return ticks.results
 
 
 def certified_rows(certificates: Sequence[EpochCertificate]) -> int:
