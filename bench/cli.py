@@ -1,8 +1,9 @@
 """``python -m bench``: run scenarios and their baselines in one process, print a table, write JSON.
 
 One pass cannot tell a regression from noise on a shared machine, so every selected scenario runs
-``--repeat`` times, interleaved with its baseline (round 1: A B, round 2: A B, ...): each round's
-ratio compares two runs made seconds apart, and the table reports the median ratio with its range.
+``--repeat`` times, each run just after a run of its baseline (round 1: A B A C, round 2: A B A C, ...):
+each round's ratio compares two runs made seconds apart, and the table reports the median ratio with its
+range.
 """
 
 import argparse
@@ -61,19 +62,35 @@ def _run_once(item: Scenario, ctx: BenchContext, result: Result) -> float | None
 
 
 def run_scenarios(scenarios: Sequence[Scenario], ctx: BenchContext, repeat: int = 1) -> list[Result]:
-    """Run ``scenarios`` ``repeat`` rounds on ``ctx``, each round in order (a baseline before the
-    scenarios that need it); a failing run is recorded and the rounds go on."""
+    """Run ``scenarios`` ``repeat`` rounds on ``ctx``, each round in order; a failing run is recorded
+    and the rounds go on.
+
+    A scenario's ratio in a round is its rate over the rate of its baseline's run just before it: when
+    another scenario ran in between, the baseline runs again first (A B A C ..., not A B C), so the
+    two runs compared are seconds apart whatever the server did during the scenarios before (a
+    checkpoint, autovacuum of earlier tables). Every run of a baseline counts in its median rate.
+    """
     results = {item.name: Result(item.name, item.baseline) for item in scenarios}
+    by_name = {item.name: item for item in scenarios}
+
+    def run(item: Scenario, round_number: int) -> float | None:
+        print(f"# [{round_number}/{repeat}] {item.name}: {item.description}", flush=True)
+        speed = _run_once(item, ctx, results[item.name])
+        results[item.name].runs.append(speed)
+        return speed
+
     for round_number in range(1, repeat + 1):
-        speeds: dict[str, float | None] = {}
+        last: tuple[str, float | None] | None = None
         for item in scenarios:
-            print(f"# [{round_number}/{repeat}] {item.name}: {item.description}", flush=True)
-            speeds[item.name] = _run_once(item, ctx, results[item.name])
-            results[item.name].runs.append(speeds[item.name])
-        for item in scenarios:
-            mine, base = speeds[item.name], speeds.get(item.baseline) if item.baseline else None
+            base = None
+            if item.baseline is not None:
+                if last is None or last[0] != item.baseline:
+                    last = (item.baseline, run(by_name[item.baseline], round_number))
+                base = last[1]
+            mine = run(item, round_number)
             if mine and base:
                 results[item.name].ratios.append(mine / base)
+            last = (item.name, mine)
     for result in results.values():
         speeds_ok = [speed for speed in result.runs if speed]
         if speeds_ok:

@@ -1,0 +1,36 @@
+"""The bench's rounds: each scenario's ratio is taken against a run of its baseline made just before it."""
+
+from collections.abc import Callable
+
+from bench.cli import run_scenarios
+from bench.context import BenchContext
+from bench.registry import Measurement, Scenario
+
+
+def test_a_baseline_runs_again_before_each_scenario_that_did_not_follow_it_directly() -> None:
+    order: list[str] = []
+    seconds = {"raw": [1.0, 2.0] * 2, "a": [2.0] * 4, "b": [2.0, 2.0], "peer": [8.0, 8.0]}
+
+    def timed(name: str) -> Callable[[BenchContext], Measurement]:
+        def fn(ctx: BenchContext) -> Measurement:
+            order.append(name)
+            return Measurement(100, seconds[name].pop(0))
+
+        return fn
+
+    scenarios = [
+        Scenario("raw", timed("raw"), None, ""),
+        Scenario("a", timed("a"), "raw", ""),
+        Scenario("b", timed("b"), "raw", ""),
+        Scenario("peer", timed("peer"), "a", ""),
+    ]
+    results = {r.name: r for r in run_scenarios(scenarios, BenchContext(100), repeat=2)}
+
+    # "b" follows "a", so "raw" runs again first; "peer" follows "b", so "a" runs again first.
+    assert order == ["raw", "a", "raw", "b", "a", "peer"] * 2
+    # Each ratio against the baseline's run just before: a (50/s) over raw's first (100/s), b (50/s)
+    # over raw's second (50/s), peer (12.5/s) over a's second run (50/s).
+    assert results["a"].ratios == [0.5, 0.5]
+    assert results["b"].ratios == [1.0, 1.0]
+    assert results["peer"].ratios == [0.25, 0.25]
+    assert len(results["raw"].runs) == 4 and len(results["a"].runs) == 4
