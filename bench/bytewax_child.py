@@ -71,7 +71,11 @@ def main(bootstrap: str, topic: str, url: str, table: str, want: int) -> int:
             )
         )
     flow = Dataflow(f"bytewax_{table}")
-    source = KafkaSource([bootstrap], [topic], tail=False, batch_size=BATCH)
+    # The fetch setting faucet's consumers and the raw loop have: librdkafka's default 1 s backoff
+    # after a full prefetch queue would stall it (see faucet_kafka.client.FETCH_DEFAULTS).
+    source = KafkaSource(
+        [bootstrap], [topic], tail=False, batch_size=BATCH, add_config={"fetch.queue.backoff.ms": "10"}
+    )
     rows = op.map("parse", op.input("kafka", flow, source), _parse)
     op.output("postgres", rows, CopySink(url, table))
     started = time.perf_counter()

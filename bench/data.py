@@ -8,6 +8,7 @@ import asyncio
 import nats
 from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from faucet_kafka.client import FETCH_DEFAULTS
 
 from bench.context import BenchContext
 
@@ -17,6 +18,8 @@ KAFKA_PRODUCER_CONFIG: dict[str, str | int] = {"linger.ms": 5, "batch.num.messag
 #: Consumer group settings. Tansu completes a new group's first join after about half the session
 #: timeout (23 s with librdkafka's default of 45 s), so keep it at the usual broker minimum.
 KAFKA_CONSUMER_CONFIG: dict[str, str | int | bool] = {
+    # The fetch settings faucet's consumers have (librdkafka's 1 s backoff would stall the raw loop).
+    **FETCH_DEFAULTS,
     "auto.offset.reset": "earliest",
     "enable.auto.commit": False,
     "session.timeout.ms": 6000,

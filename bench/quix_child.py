@@ -12,7 +12,7 @@ things differ, so that it measures the same work as faucet on the same messages:
 (the one the faucet scenario and the raw loop read), and ``S`` runs from the partition assignment to
 the commit of the sink write that holds the ``N``-th row. Tansu completes a new consumer group's first
 join only after about half of ``session.timeout.ms``; the raw baseline leaves the join out the same way,
-and uses the same 6,000 ms session timeout.
+and it has the raw loop's consumer settings (``STEADY_STATE_CONSUMER``).
 
 With ``CLOCK`` = ``from_start`` it measures as ``quix_peer.py`` itself does: quixstreams' default
 consumer settings, and ``S`` from ``Application.run()`` to that commit, the group join included (faucet
@@ -34,6 +34,9 @@ from quixstreams.sinks.community.postgresql import PostgreSQLSink  # type: ignor
 
 TIMEOUT_S = 1800.0
 SESSION_TIMEOUT_MS = 6000
+STEADY_STATE_CONSUMER = {"session.timeout.ms": SESSION_TIMEOUT_MS, "fetch.queue.backoff.ms": 10}
+"""The consumer settings the raw loop has: the short session timeout, and librdkafka's fetch backoff
+after a full prefetch queue at 10 ms instead of 1 s (``faucet_kafka.client.FETCH_DEFAULTS``)."""
 
 
 class TimedApplication(Application):  # type: ignore[misc]
@@ -84,7 +87,7 @@ def main(bootstrap: str, topic: str, url: str, table: str, want: int, clock: str
         auto_offset_reset="earliest",
         use_changelog_topics=False,
         commit_every=10_000,
-        consumer_extra_config={} if clock == "from_start" else {"session.timeout.ms": SESSION_TIMEOUT_MS},
+        consumer_extra_config={} if clock == "from_start" else STEADY_STATE_CONSUMER,
     )
     app.dataframe(app.topic(topic, value_deserializer="json")).sink(sink)
 

@@ -98,6 +98,15 @@ def client_settings(config: KafkaSourceConfig) -> dict[str, Any]:
     return settings
 
 
+FETCH_DEFAULTS: dict[str, Any] = {"fetch.queue.backoff.ms": 10}
+"""librdkafka defaults of every consumer, which ``client_properties`` may override. Once a partition's
+prefetch queue passes its threshold (``queued.min.messages``, 100,000), librdkafka postpones that
+partition's next fetch by ``fetch.queue.backoff.ms``, 1,000 ms by default: a reader faster than that
+drains the queue and then waits out the rest of the second (the bench's 200,000 messages from four
+partitions: consumed in 1.22 s with the default, 0.31 s with 10 ms). The prefetch stays bounded by
+``queued.max.messages.kbytes`` either way."""
+
+
 def consumer_settings(config: KafkaSourceConfig, on_error: Callable[[KafkaError], None]) -> dict[str, Any]:
     """Settings of a consumer that never moves on its own.
 
@@ -106,6 +115,7 @@ def consumer_settings(config: KafkaSourceConfig, on_error: Callable[[KafkaError]
     read_committed so aborted transactions are never delivered.
     """
     return {
+        **FETCH_DEFAULTS,
         **client_settings(config),
         "group.id": config.group_id,
         "enable.auto.commit": False,

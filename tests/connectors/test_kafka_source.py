@@ -139,6 +139,15 @@ def test_registered_with_both_roles() -> None:
     assert [codec.name for codec in stream.codecs()] == ["kafka.offset"]
 
 
+def test_consumers_fetch_again_soon_after_a_full_prefetch_queue_unless_the_user_says_otherwise() -> None:
+    # librdkafka's default (1,000 ms) made a fast reader wait out most of each second (bench/README).
+    cfg = {"bootstrap_servers": "127.0.0.1:1", "topics": ["t"], "group_id": "g"}
+    default = faucet_kafka.client.consumer_settings(KafkaSourceConfig(**cfg), print)
+    assert default["fetch.queue.backoff.ms"] == 10
+    chosen = KafkaSourceConfig(**cfg, client_properties={"fetch.queue.backoff.ms": "500"})
+    assert faucet_kafka.client.consumer_settings(chosen, print)["fetch.queue.backoff.ms"] == "500"
+
+
 def test_read_and_acknowledge_over_four_partitions(
     kafka_bootstrap: str, topic: str, unique_name: Any
 ) -> None:
