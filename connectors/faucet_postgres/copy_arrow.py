@@ -238,6 +238,10 @@ def _binary_field(values: pa.Array, column: PgColumn) -> list[_Piece]:
     Raises _NoBinary when the destination type has no encoder for this Arrow type, and ArrowInvalid
     when a value does not fit the destination exactly (the caller falls back to CSV).
     """
+    if values.null_count == len(values):
+        # A NULL is its length alone, whatever the types: a column with no values (Kafka's headers,
+        # mostly) does not send the whole batch down the CSV path (2.3 us a row against 0.5 for binary).
+        return [pa.repeat(_NULL_FIELD, len(values))]
     source = values.type
     target = column.type_name
     text = pa.types.is_string(source) or pa.types.is_large_string(source)

@@ -188,6 +188,30 @@ def test_binary_copy_is_used_where_every_column_has_an_encoder(
         asyncio.run(write_all(sink(postgres_url, table="mixed"), too_big))
 
 
+def test_a_column_of_nulls_is_copied_in_binary_whatever_its_types(
+    postgres_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A column with no encoder for its types (nested into jsonb) holding only NULLs keeps the batch
+    binary, and its NULLs arrive as NULLs."""
+    tags = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.string())]))
+    with_tags = pa.record_batch(
+        {"id": pa.array([1, 2], pa.int64()), "tags": pa.array([[("k", "v")], None], tags)}
+    )
+    no_tags = pa.record_batch({"id": pa.array([3, 4], pa.int64()), "tags": pa.nulls(2, tags)})
+    asyncio.run(write_all(sink(postgres_url, table="tagged"), with_tags))
+
+    async def columns() -> Any:
+        async with await psycopg.AsyncConnection.connect(postgres_url) as aconn:
+            return await table_columns(aconn, "public", "tagged")
+
+    tagged = asyncio.run(columns())
+    assert tagged["tags"].type_name == "jsonb"
+    assert encode_copy(with_tags, tagged).format == "csv"
+    assert encode_copy(no_tags, tagged).format == "binary"
+    asyncio.run(write_all(sink(postgres_url, table="tagged"), no_tags))
+    assert rows(conn, "tagged") == [(1, [{"key": "k", "value": "v"}]), (2, None), (3, None), (4, None)]
+
+
 def test_a_sliced_copy_starts_with_a_small_slice_and_doubles_up_to_the_slice_size() -> None:
     """The server gets rows after the first small slice is encoded, not after a full slice."""
     count = 3 * COPY_SLICE_ROWS + 5
