@@ -58,8 +58,8 @@ def evaluate_ticks(
     """Run ``before()`` then one sensor tick, for each of ``before_ticks``, on one instance; then tick on
     until the certificates hold ``rows`` rows, and until the ticks have reported the last of them.
 
-    Returns the certificate sequences the ticks reported (in order, each materialization checked to
-    carry the plan's delivery) and the certificates in the state store. The sensor caches its runner
+    Returns the certificate sequences the ticks reported (in order) and the certificates in the state
+    store. The sensor caches its runner
     (open sessions) per process: :func:`close_cached_streams` closes it here, while the servers still
     run.
     """

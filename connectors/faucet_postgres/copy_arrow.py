@@ -329,14 +329,8 @@ def _variable(original: pa.Array, data: pa.Array, version: bytes = b"") -> list[
     if version:
         lengths = pc.add(lengths, pa.scalar(len(version), pa.int32()))
     prefix = _network_order(lengths, "i", 4).cast(pa.large_binary())
-    value = _unless_null(original, data)
-    if not version:
-        return [_length_or_null(original, prefix), value]
-    return [
-        _length_or_null(original, prefix),
-        _unless_null(original, pa.scalar(version, pa.large_binary())),
-        value,
-    ]
+    format_byte = [_unless_null(original, pa.scalar(version, pa.large_binary()))] if version else []
+    return [_length_or_null(original, prefix), *format_byte, _unless_null(original, data)]
 
 
 def _length_or_null(original: pa.Array, length: _Piece) -> _Piece:
