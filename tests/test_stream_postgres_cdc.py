@@ -339,6 +339,36 @@ def test_a_mixed_workload_through_sensor_ticks_leaves_the_replica_identical(
     assert LSN.validate(confirmed) == LSN.validate(ends[-1]) + 1, "acknowledged up to the last certificate"
 
 
+def test_a_buffer_filling_inside_every_few_transactions_still_replicates_each_exactly_once(
+    replication: Replication,
+) -> None:
+    """``batch_rows=4``: small transactions fill the buffer in the middle of one again and again (the
+    group before it is delivered, the open one stays buffered unless it alone fills the buffer, then
+    it goes in pieces under its own controls), and a 30-row transaction comes after them in the same
+    read. The replica ends identical, each epoch ends at a commit, every change row is counted once."""
+    tables = ("orders", "lines")
+    replication.execute(ORDERS, LINES)
+    replication.execute(ORDERS, LINES, url=replication.target_url)
+    FaucetConnection(connector="postgres", config=replication.source_config(tables)).setup_replication()
+    observer = f"{replication.slot}_observer"
+    replication.execute(f"SELECT pg_create_logical_replication_slot('{observer}', 'pgoutput')")
+    random_transactions(replication, seed=3, count=60)
+    replication.execute("INSERT INTO lines SELECT 9000, g, g FROM generate_series(1, 30) g")
+    random_transactions(replication, seed=4, count=20)
+
+    with dg.instance_for_test() as instance:
+        Ticker(replication.stream(tables, batch_rows=4), instance, budget=20).until_caught_up()
+
+    replication.assert_identical(tables)
+    certificates = replication.store.certificates(replication.name)
+    chained(certificates)
+    consistent(certificates)
+    commits, change_rows = commit_positions(replication.source_url, observer, f"{replication.slot}_pub")
+    assert {certificate.coverage[0].end for certificate in certificates} <= set(commits)
+    assert certificates[-1].coverage[0].end == commits[-1]
+    assert sum(sum(certificate.row_counts.values()) for certificate in certificates) == change_rows
+
+
 # -- a worker killed in the middle of a large transaction ---------------------------------------------
 
 

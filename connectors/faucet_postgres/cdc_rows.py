@@ -69,6 +69,22 @@ class Rows:
     unchanged: list[list[str] | None] = field(default_factory=list)
     ordinals: list[int] = field(default_factory=list)
 
+    def split(self, position: str) -> "Rows":
+        """Remove and return the rows at ``position`` (the last ones: positions only grow)."""
+        start = len(self.positions)
+        while start and self.positions[start - 1] == position:
+            start -= 1
+        tail = Rows(
+            self.positions[start:],
+            self.values[start:],
+            self.operations[start:],
+            self.unchanged[start:],
+            self.ordinals[start:],
+        )
+        for column in (self.positions, self.values, self.operations, self.unchanged, self.ordinals):
+            del column[start:]
+        return tail
+
 
 class TransactionWriter:
     """Source transactions, one after another, buffered per table and written in pieces.
@@ -82,6 +98,10 @@ class TransactionWriter:
     its own controls, after the group before it was delivered, so every complete transaction read has
     a boundary even while a large one is still being read. Rows of one table keep their order;
     ordinals number the rows of a transaction in source order.
+
+    Positions only grow from one transaction to the next (the caller checks), so the open
+    transaction's rows are the buffers' tails at its position: committing one into the group moves
+    nothing, and a row costs a few appends.
     """
 
     def __init__(
@@ -96,11 +116,11 @@ class TransactionWriter:
         self._batch_rows = batch_rows
         self._on_boundary = on_boundary
         """Called with the position of every boundary delivered, once the sink accepted it."""
-        self._group: dict[Table, Rows] = {}
-        self._current: dict[Table, Rows] = {}
+        self._buffers: dict[Table, Rows] = {}
+        """Per table: the group's rows, then the open transaction's."""
         self._buffered = 0
-        self._transaction_id = ""
-        self._group_id = ""
+        self._transaction: str | int = ""
+        self._group_first: tuple[str | int, int] = ("", -1)
         self._grouped = 0
         self._group_end = -1
         self._position = -1
@@ -123,19 +143,17 @@ class TransactionWriter:
     def begin(self, transaction_id: str | int, position: int) -> None:
         """Open a transaction committing at ``position``; an integer ``transaction_id`` is the source's
         xid, and the transaction's id is then ``<xid>/<position>`` (an xid alone wraps around)."""
-        canonical = CODEC.canonicalize(position)
-        if isinstance(transaction_id, int):
-            transaction_id = f"{transaction_id}/{canonical}"
         if self.is_open:
             raise IntegrityError(
-                f"transaction {transaction_id} began inside transaction {self._transaction_id}",
+                f"transaction {_transaction_id(transaction_id, position)} began inside transaction "
+                f"{_transaction_id(self._transaction, self._position)}",
                 where=str(self._domain),
             )
         if not self._grouped:
-            self._group_id = transaction_id
-        self._transaction_id = transaction_id
+            self._group_first = (transaction_id, position)
+        self._transaction = transaction_id
         self._position = position
-        self._canonical = canonical
+        self._canonical = CODEC.canonicalize(position)
         self._ordinal = 0
         self._begun = False
         self.is_open = True
@@ -152,9 +170,9 @@ class TransactionWriter:
             raise IntegrityError(
                 f"a row of {len(values)} values came for {table.width} columns", where=table.where
             )
-        rows = self._current.get(table)
+        rows = self._buffers.get(table)
         if rows is None:
-            rows = self._current[table] = Rows()
+            rows = self._buffers[table] = Rows()
         rows.positions.append(self._canonical)
         rows.values.append(values)
         rows.operations.append(operation)
@@ -166,14 +184,22 @@ class TransactionWriter:
         return self._buffered >= self._batch_rows
 
     async def flush(self) -> None:
-        """Write the open transaction's buffered rows (the buffer is full): the group before it is
-        delivered first, then the transaction continues under its own ``TransactionBegin``."""
+        """The buffer is full: deliver the group before the open transaction, and when the open
+        transaction's rows alone fill the buffer, write them (it continues under its own
+        ``TransactionBegin``)."""
         if self._grouped:
+            position = self._canonical
+            current = {table: rows.split(position) for table, rows in self._buffers.items()}
+            self._buffers = {table: rows for table, rows in self._buffers.items() if rows.positions}
             await self.close_group()
+            self._buffers = {table: rows for table, rows in current.items() if rows.positions}
+            if self._buffered < self._batch_rows:
+                return
         if not self._begun:
-            await self._sink.control(TransactionBegin(self._domain, self._transaction_id))
+            transaction_id = _transaction_id(self._transaction, self._position)
+            await self._sink.control(TransactionBegin(self._domain, transaction_id))
             self._begun = True
-        await self._write(self._current)
+        await self._write()
 
     async def commit(self, position: int) -> int | None:
         """Close the open transaction (its commit at ``position``). A transaction written in pieces
@@ -185,22 +211,12 @@ class TransactionWriter:
             )
         self.is_open = False
         if self._begun:
-            await self._write(self._current)
-            await self._sink.control(TransactionEnd(self._domain, self._transaction_id, self._canonical))
+            await self._write()
+            transaction_id = _transaction_id(self._transaction, position)
+            await self._sink.control(TransactionEnd(self._domain, transaction_id, self._canonical))
             self._begun = False
             self._on_boundary(position)
             return position
-        for table, rows in self._current.items():
-            into = self._group.get(table)
-            if into is None:
-                self._group[table] = rows
-            else:
-                into.positions.extend(rows.positions)
-                into.values.extend(rows.values)
-                into.operations.extend(rows.operations)
-                into.unchanged.extend(rows.unchanged)
-                into.ordinals.extend(rows.ordinals)
-        self._current = {}
         self._grouped += 1
         self._group_end = position
         return None
@@ -211,10 +227,11 @@ class TransactionWriter:
         if not self._grouped:
             return None
         end = CODEC.canonicalize(self._group_end)
-        if self._group:
-            await self._sink.control(TransactionBegin(self._domain, self._group_id))
-            await self._write(self._group)
-            await self._sink.control(TransactionEnd(self._domain, self._group_id, end))
+        if self._buffers:
+            group_id = _transaction_id(*self._group_first)
+            await self._sink.control(TransactionBegin(self._domain, group_id))
+            await self._write()
+            await self._sink.control(TransactionEnd(self._domain, group_id, end))
         else:
             await self._sink.control(ProgressBoundary(self._domain, end))
         self._grouped = 0
@@ -228,14 +245,21 @@ class TransactionWriter:
             await self.close_group()
         return position
 
-    async def _write(self, buffers: dict[Table, Rows]) -> None:
+    async def _write(self) -> None:
         # In insertion order: rows under an older Relation of a table before those under the newer.
-        tables = list(buffers.items())
-        buffers.clear()
+        tables = list(self._buffers.items())
+        self._buffers = {}
         for table, rows in tables:
             self._buffered -= len(rows.operations)
             identities = Identities(rows.positions, rows.ordinals)
             await self._sink.write(self._domain, table.batch(rows), identities, resource=table.resource)
+
+
+def _transaction_id(transaction_id: str | int, position: int) -> str:
+    """A source xid as ``<xid>/<commit LSN>`` (an xid alone wraps around); any other id as it is."""
+    if isinstance(transaction_id, int):
+        return f"{transaction_id}/{CODEC.canonicalize(position)}"
+    return transaction_id
 
 
 def change_rows(

@@ -46,7 +46,8 @@ class PostgresLsnCodec(PositionCodec[int]):
         return (a > b) - (a < b)
 
     def canonicalize(self, position: int) -> str:
-        value = self.validate(position)
+        # Called once per source transaction: an LSN the decoder made skips the checks.
+        value = position if type(position) is int and 0 <= position <= _MAX_LSN else self.validate(position)
         text = f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
         if len(_known) >= _KNOWN_LIMIT:
             _known.clear()

@@ -179,17 +179,30 @@ def _integer_positions(domain: OrderingDomain, identities: Identities, where: st
     """The rows' positions as int64 (validated through the domain's codec), to order changes by."""
     codec = default_codec_registry().get(domain.codec)
     encoded = pa.array(identities.positions, pa.string()).dictionary_encode()
-    values = []
-    for text in encoded.dictionary.to_pylist():
-        value = codec.validate(text)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_BIGINT:
-            raise IntegrityError(
-                f"apply_changes orders changes by position, and {codec.name} position {text!r} is not "
-                "an integer",
-                where=where,
-            )
-        values.append(value)
-    return pc.take(pa.array(values, pa.int64()), encoded.indices)
+    texts = encoded.dictionary.to_pylist()
+    values = list(map(codec.validate, texts))  # once per distinct position: per source transaction
+    if all(_is_integer(value) for value in values):
+        try:
+            array = pa.array(values, pa.int64())
+        except (OverflowError, pa.ArrowException):
+            pass  # above the bigint range: named below
+        else:
+            if not values or (pc.min(array).as_py() or 0) >= 0:
+                return pc.take(array, encoded.indices)
+    text = next(
+        text
+        for text, value in zip(texts, values, strict=True)
+        if not _is_integer(value) or not 0 <= value <= _MAX_BIGINT
+    )
+    raise IntegrityError(
+        f"apply_changes orders changes by position, and {codec.name} position {text!r} is not "
+        "a non-negative 64-bit integer",
+        where=where,
+    )
+
+
+def _is_integer(value: object) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _ordinals(identities: Identities) -> pa.Array:

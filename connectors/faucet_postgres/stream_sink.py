@@ -390,21 +390,27 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._pending_commit = commit_id
         refused: psycopg.Error | None = None
         try:
-            async with conn.pipeline():
-                cursor = None if fenced is not None else await conn.execute(*fence)
-                if marks:
-                    # Not closed before the pipeline's sync, which hands it its (empty) results.
-                    many = conn.cursor()
-                    await many.executemany(*self._stream_rows().watermarks(epoch, marks))
-                # The COMMIT syncs the pipeline: one round trip. A statement refused before it leaves
-                # it unexecuted (the transaction in error). Raised after the block, which then ends
-                # quietly.
-                try:
-                    await conn.commit()
-                except psycopg.Error as exc:
-                    if not _answered(exc, conn):
-                        raise
-                    refused = exc
+            try:
+                async with conn.pipeline():
+                    cursor = None if fenced is not None else await conn.execute(*fence)
+                    if marks:
+                        # Not closed before the pipeline's sync, which hands it its (empty) results.
+                        many = conn.cursor()
+                        await many.executemany(*self._stream_rows().watermarks(epoch, marks))
+                    # The COMMIT syncs the pipeline: one round trip. A statement refused before it
+                    # leaves it unexecuted (the transaction in error). Raised after the block.
+                    try:
+                        await conn.commit()
+                    except psycopg.Error as exc:
+                        if not _answered(exc, conn):
+                            raise
+                        refused = exc
+            except psycopg.errors.PipelineAborted:
+                # The answers to the statements the refused one left unexecuted came after its own
+                # (separate reads, on a loaded machine): the block's exit reports them. The refusal
+                # is the answer.
+                if refused is None:
+                    raise
             if refused is not None:
                 raise refused
             if cursor is not None:

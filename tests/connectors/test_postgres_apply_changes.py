@@ -335,6 +335,9 @@ def test_keys_operations_and_orders_that_cannot_be_applied_are_refused(postgres_
             "two domains": await refused(
                 good, SinkBatch(at, "docs", sequences, good.records, Identities(["5"]))
             ),
+            "position past bigint": await refused(
+                SinkBatch(at, "docs", DOMAIN, good.records, Identities(["FFFFFFFF/FFFFFFFF"], [0]))
+            ),
         }
 
     errors = run(scenario())
@@ -345,6 +348,8 @@ def test_keys_operations_and_orders_that_cannot_be_applied_are_refused(postgres_
     assert isinstance(errors["two domains"], IntegrityError) and "no common order" in str(
         errors["two domains"]
     )
+    past = errors["position past bigint"]
+    assert isinstance(past, IntegrityError) and "'FFFFFFFF/FFFFFFFF'" in str(past) and "64-bit" in str(past)
     with psycopg.connect(postgres_url) as conn:
         created = conn.execute("SELECT to_regclass('docs')").fetchone()
     assert created == (None,), "nothing of a refused epoch remains, not even the table it created"

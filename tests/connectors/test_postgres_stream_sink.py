@@ -286,7 +286,40 @@ def test_a_failed_apply_leaves_only_abort_and_writes_nothing(postgres_url: str) 
         assert conn.execute("SELECT count(*) FROM orders").fetchone() == (0,)
 
 
-def test_a_stale_fencing_token_commits_nothing(postgres_url: str) -> None:
+def answers_after_a_refusal_come_later(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Inject, once: after a refused statement's answer in a pipeline, the next fetch finds nothing
+    yet, so the answers behind it (the statements it left unexecuted) come in a later read, as on a
+    loaded machine. Returns a list that holds 1 once the injection took effect."""
+    from psycopg import _pipeline_base, pq
+
+    fetch_many = _pipeline_base.fetch_many
+    injected: list[int] = []
+
+    def the_rest_later(pgconn: Any) -> Any:
+        results = yield from fetch_many(pgconn)
+        if results and results[-1].status == pq.ExecStatus.FATAL_ERROR and not injected:
+            injected.append(1)
+            monkeypatch.setattr(_pipeline_base, "fetch_many", nothing_then_fetch)
+        return results
+
+    def nothing_then_fetch(pgconn: Any) -> Any:
+        monkeypatch.setattr(_pipeline_base, "fetch_many", fetch_many)
+        return []
+        yield  # a generator, as psycopg's
+
+    monkeypatch.setattr(_pipeline_base, "fetch_many", the_rest_later)
+    return injected
+
+
+@pytest.mark.parametrize("answers", ["together", "in pieces"])
+def test_a_stale_fencing_token_commits_nothing(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch, answers: str
+) -> None:
+    """The fence, the watermarks and the COMMIT go in one pipeline; "in pieces": the fence's refusal
+    comes from the COMMIT and the statements it left unexecuted from the pipeline's exit
+    (PipelineAborted), which is still the fence's refusal, never a lost connection."""
+    injected = answers_after_a_refusal_come_later(monkeypatch) if answers == "in pieces" else [1]
+
     async def scenario() -> None:
         old = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
         new: PostgresStreamingSinkSession | None = None
@@ -312,6 +345,7 @@ def test_a_stale_fencing_token_commits_nothing(postgres_url: str) -> None:
                 await new.close_session()
 
     run(scenario())
+    assert injected, "no refused statement was answered: the injection did not take effect"
     assert [row[0] for row in table(postgres_url)] == [1, 2]
 
 
