@@ -13,7 +13,9 @@ rate (events/s) the stream sustains, first *in-process*, then *under the daemon*
   interval): what faucet's runner and sensor sustain on their own;
 - under the daemon: ``dagster-daemon run -m example_project.definitions`` with the daemon's defaults
   (its own code servers, replaced every 60 s; sensors evaluated one at a time) and the example's
-  (interval 30 s, the default tick budget, epochs of at most 50,000 records).
+  (interval 30 s, the default tick budget, epochs of at most 50,000 records); with ``--code-server
+  separate``, the daemon on a ``workspace.yaml`` naming one ``dagster api grpc`` server started
+  beforehand (as production deployments run user code: never replaced).
 
 Both phases share one state store (SQLite, ``FAUCET_STATE_URL``) and one destination database, so the
 daemon's streams go on from what the in-process ticks certified. A step publishes ``rate`` events/s
@@ -416,9 +418,19 @@ def run(tmp: Path, servers: tuple[PostgresServer, NatsServer, KafkaServer], args
             copy, {**os.environ, "T_STATE": state, "T_STREAM": STREAMS["nats"]}
         )
         try:
-            deployment.start_daemon("-m", "example_project.definitions", "-d", str(copy))
+            target = ("-m", "example_project.definitions", "-d", str(copy))
+            if args.code_server == "separate":
+                with daemon_test.socket.socket() as probe:
+                    probe.bind(("localhost", 0))
+                    port = probe.getsockname()[1]
+                server = f"{{host: localhost, port: {port}, location_name: example}}"
+                (copy / "workspace.yaml").write_text(f"load_from:\n  - grpc_server: {server}\n")
+                deployment.start_code_server(port, *target)
+                deployment.start_daemon("-w", "workspace.yaml")
+            else:
+                deployment.start_daemon(*target)
             daemon = phase(
-                "dagster-daemon run",
+                f"dagster-daemon run ({args.code_server} code server)",
                 ledgers,
                 addresses,
                 tmp,
@@ -458,6 +470,13 @@ def main() -> int:
     parser.add_argument("--inprocess-step", type=float, default=20, help="seconds an in-process step")
     parser.add_argument("--start-rate", type=int, default=4000, help="events/s of the first in-process step")
     parser.add_argument("--bisections", type=int, default=2)
+    parser.add_argument(
+        "--code-server",
+        choices=("daemon", "separate"),
+        default="daemon",
+        help="daemon: the daemon's own code servers (replaced every 60 s); separate: one `dagster api "
+        "grpc` server named in workspace.yaml, as production deployments run it",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
     for hidden in ("--publish", "--address", "--timeline"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)

@@ -129,10 +129,11 @@ class Deployment:
         """``dagster-daemon run`` on ``target`` (default: ``-f streams.py``, its own code servers)."""
         self.daemon = self._start("daemon", "dagster-daemon", "run", *(target or ("-f", "streams.py")))
 
-    def start_code_server(self, port: int) -> subprocess.Popen[bytes]:
-        """One separate code server, as ``dagster dev`` and production deployments run it; returns
-        once it accepts connections."""
-        server = self._start("server", "dagster", "api", "grpc", "-f", "streams.py", "-p", str(port))
+    def start_code_server(self, port: int, *target: str) -> subprocess.Popen[bytes]:
+        """One separate code server on ``target`` (default: ``-f streams.py``), as production deployments
+        run it; returns once it accepts connections."""
+        where = target or ("-f", "streams.py")
+        server = self._start("server", "dagster", "api", "grpc", *where, "-p", str(port))
         self.servers.append(server)
 
         def listening() -> bool:
