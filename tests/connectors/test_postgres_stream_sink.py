@@ -286,29 +286,49 @@ def test_a_failed_apply_leaves_only_abort_and_writes_nothing(postgres_url: str) 
         assert conn.execute("SELECT count(*) FROM orders").fetchone() == (0,)
 
 
-def answers_after_a_refusal_come_later(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Inject, once: after a refused statement's answer in a pipeline, the next fetch finds nothing
-    yet, so the answers behind it (the statements it left unexecuted) come in a later read, as on a
-    loaded machine. Returns a list that holds 1 once the injection took effect."""
+def answers_after_a_refusal_come_later(monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[int]]:
+    """Inject, once, after the first list returned holds True: the answers behind a refused
+    statement's in a pipeline (those of the statements it left unexecuted) come in a later read, as on
+    a loaded machine, whichever of psycopg's two reads (``pipeline_communicate`` while sending,
+    ``fetch_many`` after) brought the refusal. The second list holds 1 once the injection took effect."""
     from psycopg import _pipeline_base, pq
 
-    fetch_many = _pipeline_base.fetch_many
+    communicate, fetch_many = _pipeline_base.pipeline_communicate, _pipeline_base.fetch_many
+    armed: list[bool] = []
     injected: list[int] = []
+    later: list[Any] = []  # answers read from the server, handed on by the next read
+    gap: list[bool] = []  # the next fetch finds nothing yet
 
-    def the_rest_later(pgconn: Any) -> Any:
+    def refused(results: Any) -> bool:
+        return bool(armed and results) and results[-1].status == pq.ExecStatus.FATAL_ERROR
+
+    def communicate_in_pieces(pgconn: Any, commands: Any) -> Any:
+        fetched = later + (yield from communicate(pgconn, commands))
+        later.clear()
+        for index, results in enumerate(fetched):
+            if refused(results) and not injected:
+                injected.append(1)
+                later.extend(fetched[index + 1 :])
+                if not later:
+                    gap.append(True)
+                return fetched[: index + 1]
+        return fetched
+
+    def fetch_in_pieces(pgconn: Any) -> Any:
+        if gap:
+            gap.clear()
+            return []
+        if later:
+            return later.pop(0)
         results = yield from fetch_many(pgconn)
-        if results and results[-1].status == pq.ExecStatus.FATAL_ERROR and not injected:
+        if refused(results) and not injected:
             injected.append(1)
-            monkeypatch.setattr(_pipeline_base, "fetch_many", nothing_then_fetch)
+            gap.append(True)
         return results
 
-    def nothing_then_fetch(pgconn: Any) -> Any:
-        monkeypatch.setattr(_pipeline_base, "fetch_many", fetch_many)
-        return []
-        yield  # a generator, as psycopg's
-
-    monkeypatch.setattr(_pipeline_base, "fetch_many", the_rest_later)
-    return injected
+    monkeypatch.setattr(_pipeline_base, "pipeline_communicate", communicate_in_pieces)
+    monkeypatch.setattr(_pipeline_base, "fetch_many", fetch_in_pieces)
+    return armed, injected
 
 
 @pytest.mark.parametrize("answers", ["together", "in pieces"])
@@ -318,7 +338,7 @@ def test_a_stale_fencing_token_commits_nothing(
     """The fence, the watermarks and the COMMIT go in one pipeline; "in pieces": the fence's refusal
     comes from the COMMIT and the statements it left unexecuted from the pipeline's exit
     (PipelineAborted), which is still the fence's refusal, never a lost connection."""
-    injected = answers_after_a_refusal_come_later(monkeypatch) if answers == "in pieces" else [1]
+    armed, injected = answers_after_a_refusal_come_later(monkeypatch) if answers == "in pieces" else ([], [1])
 
     async def scenario() -> None:
         old = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
@@ -329,6 +349,7 @@ def test_a_stale_fencing_token_commits_nothing(
             await old.apply(stale, batch(stale, rows([1, 2]), [1, 2]))
             # A second worker takes the stream over: opening claims the fence with token 2.
             new = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WorkerIdentity("b", 2))
+            armed.append(True)  # the commit's pipeline only
             with pytest.raises(OwnershipLost):
                 await old.commit_epoch(stale, covering(None, 2))
             await old.abort_epoch(stale)
