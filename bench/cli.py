@@ -80,6 +80,7 @@ def run_scenarios(scenarios: Sequence[Scenario], ctx: BenchContext, repeat: int 
         return speed
 
     for round_number in range(1, repeat + 1):
+        ctx.round = round_number
         last: tuple[str, float | None] | None = None
         for item in scenarios:
             base = None

@@ -28,6 +28,8 @@ class BenchContext:
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
+        self.round = 1
+        """The round being run (set by the runner): what :meth:`per_round` keys on."""
         self._cache: dict[str, object] = {}
         self._cleanups: list[Callable[[], None]] = []
         self._postgres: PostgresServer | None = None
@@ -50,6 +52,12 @@ class BenchContext:
             self._cache[key] = factory()
         return cast(T, self._cache[key])
 
+    def per_round(self, key: str, factory: Callable[[], T]) -> T:
+        """``factory()``, computed once per round under ``key``: data a scenario and its baseline must
+        share within a round but that must not carry over into the next one. A CDC slot made in round 1
+        would make round 5's copies decode, and skip, everything the scenarios of rounds 1 to 4 wrote."""
+        return self.shared(f"{key}@round{self.round}", factory)
+
     def unique(self, prefix: str) -> str:
         """A fresh ``[a-z0-9_]`` name for a table, topic, stream or consumer group."""
         return make_unique_name(prefix, "bench")
@@ -64,6 +72,13 @@ class BenchContext:
     def postgres_url(self) -> str:
         """URL of a database created for this run (the server and database start on first use)."""
         return self.shared("postgres_url", self._create_database)
+
+    @property
+    def replica_url(self) -> str:
+        """URL of a second database of the same server, created for this run: where a replicator
+        writes, so that its writes are not in the source database's logical decoding (a slot skips
+        another database's records before decoding them), as a production replica lives elsewhere."""
+        return self.shared("replica_url", self._create_database)
 
     @property
     def kafka_bootstrap(self) -> str:

@@ -420,13 +420,7 @@ def run(tmp: Path, servers: tuple[PostgresServer, NatsServer, KafkaServer], args
         try:
             target = ("-m", "example_project.definitions", "-d", str(copy))
             if args.code_server == "separate":
-                with daemon_test.socket.socket() as probe:
-                    probe.bind(("localhost", 0))
-                    port = probe.getsockname()[1]
-                server = f"{{host: localhost, port: {port}, location_name: example}}"
-                (copy / "workspace.yaml").write_text(f"load_from:\n  - grpc_server: {server}\n")
-                deployment.start_code_server(port, *target)
-                deployment.start_daemon("-w", "workspace.yaml")
+                deployment.start_daemon_on_code_server("example", *target)
             else:
                 deployment.start_daemon(*target)
             daemon = phase(

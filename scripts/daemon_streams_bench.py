@@ -91,14 +91,7 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
         began = time.time()
         port = 0
         if args.separate_server:
-            with daemon_test.socket.socket() as probe:
-                probe.bind(("localhost", 0))
-                port = probe.getsockname()[1]
-            (tmp / "workspace.yaml").write_text(
-                f"load_from:\n  - grpc_server: {{host: localhost, port: {port}, location_name: streams}}\n"
-            )
-            server = deployment.start_code_server(port)
-            deployment.start_daemon("-w", "workspace.yaml")
+            server, port = deployment.start_daemon_on_code_server()
         else:
             deployment.start_daemon()
         deployment.wait_for("a first certificate", lambda: bool(deployment.certificates()), bound=180)

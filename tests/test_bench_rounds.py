@@ -34,3 +34,22 @@ def test_a_baseline_runs_again_before_each_scenario_that_did_not_follow_it_direc
     assert results["b"].ratios == [1.0, 1.0]
     assert results["peer"].ratios == [0.25, 0.25]
     assert len(results["raw"].runs) == 4 and len(results["a"].runs) == 4
+
+
+def test_data_made_per_round_is_shared_by_a_scenario_and_its_baseline_and_made_again_next_round() -> None:
+    """What a CDC pair reads (a slot and the WAL after it) is made once per round: a slot of round 1
+    would have round 5's copies decode everything the rounds before wrote."""
+    made: list[int] = []
+    seen: dict[str, list[int]] = {"raw": [], "a": []}
+
+    def reading(name: str) -> Callable[[BenchContext], Measurement]:
+        def fn(ctx: BenchContext) -> Measurement:
+            seen[name].append(ctx.per_round("slot", lambda: made.append(ctx.round) or len(made)))
+            return Measurement(100, 1.0)
+
+        return fn
+
+    scenarios = [Scenario("raw", reading("raw"), None, ""), Scenario("a", reading("a"), "raw", "")]
+    run_scenarios(scenarios, BenchContext(100), repeat=3)
+    assert made == [1, 2, 3]
+    assert seen == {"raw": [1, 2, 3], "a": [1, 2, 3]}

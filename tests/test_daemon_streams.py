@@ -129,6 +129,22 @@ class Deployment:
         """``dagster-daemon run`` on ``target`` (default: ``-f streams.py``, its own code servers)."""
         self.daemon = self._start("daemon", "dagster-daemon", "run", *(target or ("-f", "streams.py")))
 
+    def start_daemon_on_code_server(
+        self, location: str = "streams", *target: str
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """One separate code server on ``target`` (default: ``-f streams.py``) on a free port, named in a
+        ``workspace.yaml`` as location ``location``, then ``dagster-daemon run -w workspace.yaml``: the
+        daemon ticks on that server and never replaces it. Returns the server and its port."""
+        with socket.socket() as probe:
+            probe.bind(("localhost", 0))
+            port = probe.getsockname()[1]
+        (self.dir / "workspace.yaml").write_text(
+            f"load_from:\n  - grpc_server: {{host: localhost, port: {port}, location_name: {location}}}\n"
+        )
+        server = self.start_code_server(port, *target)
+        self.start_daemon("-w", "workspace.yaml")
+        return server, port
+
     def start_code_server(self, port: int, *target: str) -> subprocess.Popen[bytes]:
         """One separate code server on ``target`` (default: ``-f streams.py``), as production deployments
         run it; returns once it accepts connections."""
@@ -381,16 +397,9 @@ def test_a_stream_under_the_daemon_survives_code_server_replacements_and_kills(
 def test_a_stream_under_the_daemon_with_one_code_server_survives_a_redeploy_and_a_kill(
     deployment: Deployment, nats_url: str, postgres_url: str
 ) -> None:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        port = probe.getsockname()[1]
-    (deployment.dir / "workspace.yaml").write_text(
-        f"load_from:\n  - grpc_server: {{host: localhost, port: {port}, location_name: streams}}\n"
-    )
-    server = deployment.start_code_server(port)
     publisher = Publisher(nats_url, deployment.stream)
     publisher.start()
-    deployment.start_daemon("-w", "workspace.yaml")
+    server, port = deployment.start_daemon_on_code_server()
     deployment.wait_for("a first certificate", lambda: bool(deployment.certificates()))
 
     # A redeploy: the code server is stopped (SIGTERM: it closes the stream and releases the lease)

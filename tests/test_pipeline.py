@@ -1,6 +1,8 @@
 """The epoch pipeline: Arrow conversion, bad rows, integrity, controls and the completion rule."""
 
 import asyncio
+import datetime as dt
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -155,6 +157,35 @@ def test_bad_rows_go_to_the_dead_letter_route_with_their_identity(tmp_path: Path
     # A replayed epoch routes the same rows again and stores nothing twice.
     run(scenario)
     assert len(store.dead_letters("s")) == 3
+
+
+def test_a_dead_letter_holds_its_row_as_json_any_reader_decodes(tmp_path: Path) -> None:
+    """Bytes as \\x hex and a NaN as its name: Python's ``str`` wrote ``b'...'`` and json wrote a
+    ``NaN`` token, which is not JSON."""
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    spec = ResourceSchema.from_columns({"id": "int64", "name": "string"}, on_bad_row="dead_letter")
+    pipeline = Pipeline({"items": spec}, dead_letters=StoreDeadLetterRoute(store, "s"))
+    bad = {"id": 2, "name": "two", "blob": b"\x00\xff", "score": float("nan"), "at": dt.date(2024, 2, 29)}
+
+    async def scenario() -> None:
+        epoch, _ = begin(pipeline)
+        await epoch.write(DOMAIN, [{"id": 1, "name": "one"}, bad], ids(1, 2))
+        await epoch.control(ProgressBoundary(DOMAIN, "2"))
+        assert (await epoch.seal(coverage(2))).dead_lettered == {"items": 1}
+
+    run(scenario)
+    (letter,) = store.dead_letters("s")
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    assert json.loads(letter["payload"], parse_constant=no_constants) == {
+        "id": 2,
+        "name": "two",
+        "blob": "\\x00ff",
+        "score": "NaN",
+        "at": "2024-02-29",
+    }
 
 
 def test_a_dead_letter_policy_without_a_route_is_refused() -> None:

@@ -3,9 +3,10 @@
 The shape of a real application database: ``--rows / 4`` transactions (50,000 at the default) of one to
 five change rows over an ``orders`` table and its ``lines``: a new order with up to four lines (half
 the transactions), an order's status update, a line's quantity update, a line's deletion. Generated
-once per run, server-side and from a fixed seed, after the slot was created; neither scenario consumes
-the slot (each replicates from a copy of it into a replica of its own, compared with the source at the
-end, table by table).
+once per round, server-side and from a fixed seed, after the round's slot was created (a slot made in
+round 1 would have round 5 decode everything the scenarios of rounds 1 to 4 wrote); neither scenario
+consumes the slot (each replicates from a copy of it into replicas of its own in the run's second
+database, out of the source database's decoding, compared with the source at the end, table by table).
 
 ``cdc.raw_oltp_apply`` is the floor of a hand-written replicator: ``pg_logical_slot_peek_binary_changes``
 through a server-side cursor, every message decoded by :func:`faucet_postgres.pgoutput.decode`, and at
@@ -39,6 +40,7 @@ from psycopg import sql
 
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
+from bench.replication import copy_slot, peek
 from bench.streams import run_until
 from faucet_dagster.protocol import ReadLimits, WritePolicy
 from faucet_dagster.runner.continuous import StreamSpec
@@ -94,7 +96,7 @@ class _Workload:
 
 
 def _workload(ctx: BenchContext) -> _Workload:
-    """The slot, publication and tables, and the workload committed after the slot (once per run)."""
+    """The slot, publication and tables, and the workload committed after the slot (once per round)."""
 
     def prepare() -> _Workload:
         slot = ctx.unique("oltp_slot")
@@ -124,25 +126,13 @@ def _workload(ctx: BenchContext) -> _Workload:
         changes = asyncio.run(_count_changes(ctx, config))
         return _Workload(config, tables, changes, transactions)
 
-    return ctx.shared("cdc_oltp", prepare)
-
-
-async def _peek(
-    conn: psycopg.AsyncConnection[Any], config: PostgresCdcConfig, slot: str
-) -> psycopg.AsyncServerCursor[Any]:
-    cursor = conn.cursor("peek", binary=True)
-    await cursor.execute(
-        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
-        "'proto_version', '1', 'publication_names', %s)",
-        (slot, config.publication),
-    )
-    return cursor
+    return ctx.per_round("cdc_oltp", prepare)
 
 
 async def _count_changes(ctx: BenchContext, config: PostgresCdcConfig) -> int:
     changes = 0
     async with await psycopg.AsyncConnection.connect(ctx.postgres_url) as conn:
-        cursor = await _peek(conn, config, config.slot)
+        cursor = await peek(conn, config)
         while batch := await cursor.fetchmany(FETCH_ROWS):
             for (data,) in batch:
                 if isinstance(pgoutput.decode(data), pgoutput.Insert | pgoutput.Update | pgoutput.Delete):
@@ -150,27 +140,10 @@ async def _count_changes(ctx: BenchContext, config: PostgresCdcConfig) -> int:
     return changes
 
 
-def _copy_slot(ctx: BenchContext, config: PostgresCdcConfig) -> PostgresCdcConfig:
-    """A copy of the workload's slot from the same point, dropped when the run ends."""
-    copy = config.model_copy(update={"slot": ctx.unique("oltp_copy")})
-    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
-        conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (config.slot, copy.slot))
-
-    def drop() -> None:
-        with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
-            conn.execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                (copy.slot,),
-            )
-
-    ctx.on_close(drop)
-    return copy
-
-
 def _replicas(ctx: BenchContext) -> dict[str, str]:
-    """New, empty replica tables (short name -> replica name), not timed."""
+    """New, empty replica tables in the replica database (short name -> replica name), not timed."""
     replicas = {name: ctx.unique(f"oltp_{name}_replica") for name in COLUMNS}
-    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
+    with psycopg.connect(ctx.replica_url, autocommit=True) as conn:
         for name, table in replicas.items():
             conn.execute(
                 sql.SQL("CREATE TABLE {} ({})").format(
@@ -185,10 +158,10 @@ def _check_replicas(ctx: BenchContext, workload: _Workload, replicas: dict[str, 
     digest = sql.SQL(
         "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM {} t"
     )
-    with psycopg.connect(ctx.postgres_url) as conn:
+    with psycopg.connect(ctx.postgres_url) as primary, psycopg.connect(ctx.replica_url) as replica:
         for name, source in workload.tables.items():
-            want = conn.execute(digest.format(sql.Identifier(source))).fetchone()
-            got = conn.execute(digest.format(sql.Identifier(replicas[name]))).fetchone()
+            want = primary.execute(digest.format(sql.Identifier(source))).fetchone()
+            got = replica.execute(digest.format(sql.Identifier(replicas[name]))).fetchone()
             if want != got:
                 raise RuntimeError(f"replica of {name} differs from its source: {got} != {want}")
 
@@ -197,7 +170,7 @@ def _check_replicas(ctx: BenchContext, workload: _Workload, replicas: dict[str, 
 def raw_oltp_apply(ctx: BenchContext) -> Measurement:
     """Peek, decode small transactions; per 50,000 changes and table: last change per key, COPY, apply."""
     workload, replicas = _workload(ctx), _replicas(ctx)
-    slot = _copy_slot(ctx, workload.config).slot
+    copy = copy_slot(ctx, workload.config, "oltp_copy")
 
     async def apply(
         writer: psycopg.AsyncConnection[Any],
@@ -254,10 +227,10 @@ def raw_oltp_apply(ctx: BenchContext) -> Measurement:
         count = 0
         async with (
             await psycopg.AsyncConnection.connect(ctx.postgres_url) as reader,
-            await psycopg.AsyncConnection.connect(ctx.postgres_url) as writer,
+            await psycopg.AsyncConnection.connect(ctx.replica_url) as writer,
         ):
             start = time.perf_counter()
-            cursor = await _peek(reader, workload.config, slot)
+            cursor = await peek(reader, copy)
             while batch := await cursor.fetchmany(FETCH_ROWS):
                 for (data,) in batch:
                     message = pgoutput.decode(data)
@@ -290,7 +263,7 @@ def raw_oltp_apply(ctx: BenchContext) -> Measurement:
 def oltp_apply_changes(ctx: BenchContext) -> Measurement:
     """The continuous runner, small CDC transactions to PostgreSQL APPLY_CHANGES, epochs of 50,000 changes."""
     workload, replicas = _workload(ctx), _replicas(ctx)
-    config = _copy_slot(ctx, workload.config)
+    config = copy_slot(ctx, workload.config, "oltp_copy")
     asyncio.run(setup_replication(config))  # records the copy's incarnation
     folder = tempfile.mkdtemp(prefix="faucet-bench-")
     store = StateStore(f"sqlite:///{folder}/state.db")
@@ -299,7 +272,7 @@ def oltp_apply_changes(ctx: BenchContext) -> Measurement:
         source=PostgresCdcSource(config),
         sink=PostgresStreamingSink(
             PostgresStreamingSinkConfig(
-                url=ctx.postgres_url,
+                url=ctx.replica_url,
                 tables={f"public.{workload.tables[name]}": replicas[name] for name in COLUMNS},
             )
         ),

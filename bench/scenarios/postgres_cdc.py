@@ -1,7 +1,8 @@
 """PostgreSQL change data capture: change rows decoded by the CDC source against a raw peek-decode loop.
 
 Both read the same slot, which neither consumes: the dataset inserted into a published table
-``(id bigint, k text, payload jsonb)`` in transactions of 1,000 rows after the slot was created.
+``(id bigint, k text, payload jsonb)`` in transactions of 1,000 rows after the slot was created, once
+per round (a slot made in round 1 would have round 5 decode everything rounds 1 to 4 wrote).
 
 ``cdc.raw_peek_decode`` is the floor any Python pgoutput reader pays: ``pg_logical_slot_peek_binary_changes``
 through a server-side cursor, every message decoded by :func:`faucet_postgres.pgoutput.decode`.
@@ -9,8 +10,9 @@ through a server-side cursor, every message decoded by :func:`faucet_postgres.pg
 types every value into Arrow, and writes rows and transaction controls to a counting sink; timed from
 opening the session to the last transaction end.
 
-Replicated end to end, into a table ``(id bigint PRIMARY KEY, k text, payload jsonb)`` of the same
-database, 50,000 change rows at a time:
+Replicated end to end, into a table ``(id bigint PRIMARY KEY, k text, payload jsonb)`` of the run's
+second database (out of the source database's decoding, as a production replica), 50,000 change rows
+at a time:
 
 ``cdc.raw_peek_decode_apply`` is the floor of a hand-written replicator: the peek-decode loop, and at
 the first transaction end after each 50,000 rows a COPY of the rows' texts into a temporary table, one
@@ -36,6 +38,7 @@ from psycopg import sql
 
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
+from bench.replication import copy_slot, peek
 from bench.streams import run_until
 from faucet_dagster.protocol import (
     CancelToken,
@@ -60,7 +63,7 @@ FETCH_ROWS = 5_000
 
 
 def _slot(ctx: BenchContext) -> PostgresCdcConfig:
-    """A slot and publication over a table the dataset was inserted into afterwards (made once per run)."""
+    """A slot and publication over a table the dataset was inserted into afterwards (made once per round)."""
 
     def prepare() -> PostgresCdcConfig:
         table, slot = ctx.unique("cdc"), ctx.unique("cdc_slot")
@@ -88,20 +91,7 @@ def _slot(ctx: BenchContext) -> PostgresCdcConfig:
                 conn.commit()
         return config
 
-    return ctx.shared("cdc_slot", prepare)
-
-
-async def _peek(
-    conn: psycopg.AsyncConnection[Any], config: PostgresCdcConfig
-) -> psycopg.AsyncServerCursor[Any]:
-    """A server-side cursor over every pgoutput message the slot holds (peeked: never consumed)."""
-    cursor = conn.cursor("peek", binary=True)
-    await cursor.execute(
-        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
-        "'proto_version', '1', 'publication_names', %s)",
-        (config.slot, config.publication),
-    )
-    return cursor
+    return ctx.per_round("cdc_slot", prepare)
 
 
 @scenario("cdc.raw_peek_decode")
@@ -113,7 +103,7 @@ def raw_peek_decode(ctx: BenchContext) -> Measurement:
         inserts = 0
         async with await psycopg.AsyncConnection.connect(ctx.postgres_url) as conn:
             start = time.perf_counter()
-            cursor = await _peek(conn, config)
+            cursor = await peek(conn, config)
             while batch := await cursor.fetchmany(FETCH_ROWS):
                 for (data,) in batch:
                     if isinstance(pgoutput.decode(data), pgoutput.Insert):
@@ -175,9 +165,9 @@ def pg_source(ctx: BenchContext) -> Measurement:
 
 
 def _replica(ctx: BenchContext) -> str:
-    """A new, empty replica table for the dataset's rows (not timed)."""
+    """A new, empty replica table for the dataset's rows, in the replica database (not timed)."""
     table = ctx.unique("cdc_replica")
-    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
+    with psycopg.connect(ctx.replica_url, autocommit=True) as conn:
         conn.execute(
             sql.SQL("CREATE TABLE {} (id bigint PRIMARY KEY, k text, payload jsonb)").format(
                 sql.Identifier(table)
@@ -187,7 +177,7 @@ def _replica(ctx: BenchContext) -> str:
 
 
 def _check_replica(ctx: BenchContext, table: str) -> None:
-    with psycopg.connect(ctx.postgres_url) as conn:
+    with psycopg.connect(ctx.replica_url) as conn:
         count, last = conn.execute(
             sql.SQL("SELECT count(*), max(id) FROM {}").format(sql.Identifier(table))
         ).fetchone() or (0, None)
@@ -227,10 +217,10 @@ def raw_peek_decode_apply(ctx: BenchContext) -> Measurement:
         applied = 0
         async with (
             await psycopg.AsyncConnection.connect(ctx.postgres_url) as reader,
-            await psycopg.AsyncConnection.connect(ctx.postgres_url) as writer,
+            await psycopg.AsyncConnection.connect(ctx.replica_url) as writer,
         ):
             start = time.perf_counter()
-            cursor = await _peek(reader, config)
+            cursor = await peek(reader, config)
             pending: list[tuple[str | None, ...]] = []
             while batch := await cursor.fetchmany(FETCH_ROWS):
                 for (data,) in batch:
@@ -253,17 +243,7 @@ def raw_peek_decode_apply(ctx: BenchContext) -> Measurement:
 @scenario("cdc.apply_changes", baseline="cdc.raw_peek_decode_apply")
 def apply_changes(ctx: BenchContext) -> Measurement:
     """The continuous runner, CDC to PostgreSQL APPLY_CHANGES, epochs of 50,000 change rows, certified."""
-    shared, table = _slot(ctx), _replica(ctx)
-    # A copy of the slot, from the same point: the runner acknowledges (advances) the slot it reads.
-    config = shared.model_copy(update={"slot": ctx.unique("cdc_copy")})
-    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
-        conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (shared.slot, config.slot))
-
-    def drop_copy() -> None:
-        with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (config.slot,))
-
-    ctx.on_close(drop_copy)
+    config, table = copy_slot(ctx, _slot(ctx), "cdc_copy"), _replica(ctx)
     asyncio.run(setup_replication(config))  # records the copy's incarnation
     folder = tempfile.mkdtemp(prefix="faucet-bench-")
     store = StateStore(f"sqlite:///{folder}/state.db")
@@ -272,7 +252,7 @@ def apply_changes(ctx: BenchContext) -> Measurement:
         source=PostgresCdcSource(config),
         sink=PostgresStreamingSink(
             PostgresStreamingSinkConfig(
-                url=ctx.postgres_url, tables={resource: table for resource in config.tables}
+                url=ctx.replica_url, tables={resource: table for resource in config.tables}
             )
         ),
         resources=config.tables,

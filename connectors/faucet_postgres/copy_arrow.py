@@ -12,7 +12,6 @@ import array
 import asyncio
 import concurrent.futures
 import itertools
-import json
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 from psycopg import sql
 
+from faucet_dagster.protocol.json_values import json_text
 from faucet_postgres.common import PgColumn
 
 T = TypeVar("T")
@@ -359,24 +359,29 @@ def _binary_rows(fields: Sequence[Sequence[_Piece]], num_rows: int) -> Any:
 def _csv(batch: pa.RecordBatch) -> pa.Buffer:
     """``batch`` as CSV for ``COPY ... (FORMAT csv)``: NULL unquoted-empty, text always quoted (so an
     empty string stays one), bytea as ``\\x`` hex, nested values as JSON, durations as intervals."""
-    columns = [_csv_ready(column) for column in batch.columns]
+    columns = [
+        _csv_ready(column, name) for column, name in zip(batch.columns, batch.schema.names, strict=True)
+    ]
     ready = pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
     sink = pa.BufferOutputStream()
     pa_csv.write_csv(ready, sink, pa_csv.WriteOptions(include_header=False))
     return sink.getvalue()
 
 
-def _csv_ready(values: pa.Array) -> pa.Array:
+def _csv_ready(values: pa.Array, name: str) -> pa.Array:
     kind = values.type
     if pa.types.is_dictionary(kind):
-        return _csv_ready(values.dictionary_decode())
+        return _csv_ready(values.dictionary_decode(), name)
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind):
         return pa.array(
             [None if value is None else "\\x" + value.hex() for value in values.to_pylist()], pa.string()
         )
     if pa.types.is_nested(kind):
         return pa.array(
-            [None if value is None else json.dumps(value, default=str) for value in values.to_pylist()],
+            [
+                None if value is None else json_text(value, f"column {name!r}, row {row} of the batch")
+                for row, value in enumerate(values.to_pylist())
+            ],
             pa.string(),
         )
     if pa.types.is_duration(kind):
@@ -390,7 +395,7 @@ def _csv_ready(values: pa.Array) -> pa.Array:
         later, earlier = (pc.equal(raw, pa.scalar(value, storage)) for value in reversed(extremes))
         if pc.any(later).as_py() or pc.any(earlier).as_py():
             finite = pc.if_else(pc.or_(later, earlier), pa.scalar(None, kind), values)
-            text = _csv_ready(finite).cast(pa.string())
+            text = _csv_ready(finite, name).cast(pa.string())
             return pc.if_else(later, "infinity", pc.if_else(earlier, "-infinity", text))
         if pa.types.is_timestamp(kind) and kind.unit == "ns":
             return values.cast(pa.timestamp("us", tz=kind.tz), safe=False)

@@ -8,7 +8,6 @@ so DDL is transactional there too (REPLACE swaps tables inside one transaction) 
 
 import datetime as dt
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from faucet_dagster.protocol import (
     SchemaError,
     UserPasswordAuth,
 )
+from faucet_dagster.protocol.json_values import json_text
 from faucet_sql.config import SqlConnection, SqlTable
 
 ROW_VALUE_DIALECTS = frozenset({"postgresql", "sqlite", "mysql", "mariadb", "duckdb"})
@@ -99,7 +99,7 @@ class Database:
                         f"cannot create the folder of the SQLite database: {exc.strerror}", where=folder
                     ) from exc
         try:
-            engine = sa.create_engine(self.url, json_serializer=_json_dumps)
+            engine = sa.create_engine(self.url, json_serializer=_json_serializer)
         except (sa.exc.ArgumentError, ImportError) as exc:
             raise ConfigError(f"cannot use the database URL: {exc}", where=self.safe_url) from exc
         if self.dialect == "sqlite":
@@ -127,8 +127,9 @@ def _engine_url(config: SqlConnection) -> URL:
     return url
 
 
-def _json_dumps(value: Any) -> str:
-    return json.dumps(value, default=str)
+def _json_serializer(value: Any) -> str:
+    # One module-level function: psycopg caches its JSON dumpers by function (a closure would leak).
+    return json_text(value, "a nested value written")
 
 
 def staging_name(qualified_table: str, purpose: str) -> str:
@@ -187,9 +188,10 @@ def is_row_error(exc: BaseException) -> bool:
     sqlstate = str(getattr(original, "sqlstate", "") or "")
     if sqlstate[:2] in ("22", "23"):
         return True
-    # A value the driver or a type's bind processor cannot convert fails before reaching the database.
+    # A value the driver or a type's bind processor cannot convert fails before reaching the database
+    # (a JSON value JSON cannot hold: the serializer's DataError).
     return isinstance(exc, sa.exc.StatementError) and isinstance(
-        original, TypeError | ValueError | OverflowError
+        original, TypeError | ValueError | OverflowError | DataError
     )
 
 
@@ -257,7 +259,7 @@ def _to_text(values: list[Any]) -> list[Any]:
         if value is None
         else value
         if isinstance(value, str)
-        else json.dumps(value, default=str)
+        else json_text(value, "a nested value read")
         if isinstance(value, dict | list)
         else str(value)
         for value in values

@@ -220,9 +220,10 @@ class SqlSink(Sink):
         savepoint = conn.begin_nested()
         try:
             self._apply(conn, table, rows)
-        except sa.exc.SQLAlchemyError as exc:
+        except (sa.exc.SQLAlchemyError, DataError) as exc:
+            # psycopg calls the JSON serializer itself, so its DataError comes unwrapped there.
             savepoint.rollback()
-            if is_row_error(exc):
+            if isinstance(exc, DataError) or is_row_error(exc):
                 return error_text(exc)
             raise
         savepoint.commit()

@@ -10,7 +10,6 @@ The fast path converts a whole chunk with one Arrow call; only a chunk that fail
 row by row to find the rows that do not fit.
 """
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from faucet_dagster.protocol import ConfigError, DataError, schema_from_columns
+from faucet_dagster.protocol.json_values import json_record
 
 _ARROW_ERRORS = (
     pa.ArrowInvalid,
@@ -247,5 +247,6 @@ def _empty(schema: pa.Schema) -> pa.RecordBatch:
 
 
 def row_payload(row: Mapping[str, Any]) -> bytes:
-    """A row as JSON for the dead-letter route (values JSON cannot hold become strings)."""
-    return json.dumps(dict(row), default=str, sort_keys=True).encode()
+    """A row as JSON for the dead-letter route (:func:`json_record`: values JSON cannot hold become
+    strings a reader can decode)."""
+    return json_record(dict(row)).encode()

@@ -45,7 +45,6 @@ sequence. Otherwise the plan for that run is made without the watermark and says
 """
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -75,6 +74,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     as_record_batch,
 )
+from faucet_dagster.protocol.json_values import json_record
 
 DEFAULT_BATCH_SIZE = 50_000
 """Rows per page when the caller does not say: large enough to amortise a COPY, small enough to
@@ -560,7 +560,7 @@ class _Run:
                 "row": [r.row for r in rejected],
                 "stage": [r.stage for r in rejected],
                 "reason": [r.reason for r in rejected],
-                "record": [json.dumps(dict(r.record), default=str, sort_keys=True) for r in rejected],
+                "record": [json_record(dict(r.record)) for r in rejected],
             },
             schema=DEAD_LETTER_SCHEMA,
         )

@@ -212,6 +212,57 @@ def test_a_column_of_nulls_is_copied_in_binary_whatever_its_types(
     assert rows(conn, "tagged") == [(1, [{"key": "k", "value": "v"}]), (2, None), (3, None), (4, None)]
 
 
+NESTED = pa.struct(
+    [
+        pa.field("raw", pa.binary()),
+        pa.field("at", pa.timestamp("us", tz="UTC")),
+        pa.field("amount", pa.decimal128(12, 3)),
+        pa.field("took", pa.duration("us")),
+        pa.field("scores", pa.list_(pa.float64())),
+    ]
+)
+
+
+def nested_batch(score: float) -> pa.RecordBatch:
+    value = {
+        "raw": b"\x00\xff",
+        "at": dt.datetime(2024, 6, 1, 12, 30, tzinfo=dt.UTC),
+        "amount": Decimal("12.345"),
+        "took": dt.timedelta(seconds=1, microseconds=5),
+        "scores": [0.5, score],
+    }
+    return pa.record_batch({"id": pa.array([1], pa.int64()), "doc": pa.array([value], NESTED)})
+
+
+def test_nested_values_land_in_jsonb_as_postgresql_reads_them_or_are_refused_by_name(
+    postgres_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Bytes as \\x hex (not Python's b'...'), a timestamp in ISO 8601, a decimal's exact digits, a
+    duration as an interval's text; a NaN, which JSON cannot hold, is a DataError naming the column
+    and the row, and nothing of the batch lands."""
+    asyncio.run(write_all(sink(postgres_url, table="documents"), nested_batch(1.5)))
+    ((doc,),) = conn.execute("SELECT doc FROM documents").fetchall()
+    assert doc == {
+        "raw": "\\x00ff",
+        "at": "2024-06-01T12:30:00+00:00",
+        "amount": "12.345",
+        "took": "1000005 microseconds",
+        "scores": [0.5, 1.5],
+    }
+    assert conn.execute(
+        "SELECT decode(substr(doc->>'raw', 3), 'hex'), (doc->>'at')::timestamptz, (doc->>'took')::interval "
+        "FROM documents"
+    ).fetchone() == (
+        b"\x00\xff",
+        dt.datetime(2024, 6, 1, 12, 30, tzinfo=dt.UTC),
+        dt.timedelta(seconds=1, microseconds=5),
+    )
+
+    with pytest.raises(DataError, match=r"no JSON form: a NaN .*column 'doc', row 0 of the batch"):
+        asyncio.run(write_all(sink(postgres_url, table="documents"), nested_batch(float("nan"))))
+    assert conn.execute("SELECT count(*) FROM documents").fetchone() == (1,)
+
+
 def test_a_sliced_copy_starts_with_a_small_slice_and_doubles_up_to_the_slice_size() -> None:
     """The server gets rows after the first small slice is encoded, not after a full slice."""
     count = 3 * COPY_SLICE_ROWS + 5

@@ -2,9 +2,11 @@
 
 import asyncio
 import datetime as dt
+import json
 import socket
 import threading
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +349,39 @@ def test_a_percent_in_table_and_column_names_is_kept_as_written(
     assert columns == ["id%", "rate%"]
     expected = [(2, 0.5)] if mode == "replace" else [(1, None), (2, 0.5)]
     assert rows_of(engine, "50%_off", order_by="id%") == expected
+
+
+def test_nested_values_are_written_as_json_a_reader_decodes_and_a_nan_is_a_bad_row(
+    db_url: str, engine: sa.Engine
+) -> None:
+    """Bytes as \\x hex (Python's ``str`` wrote ``b'...'``), a timestamp in ISO 8601, a decimal's
+    exact digits; a NaN, which JSON cannot hold, rejects its row by index and the others land."""
+    doc = pa.struct(
+        [
+            pa.field("raw", pa.binary()),
+            pa.field("at", pa.timestamp("us", tz="UTC")),
+            pa.field("amount", pa.decimal128(12, 3)),
+            pa.field("scores", pa.list_(pa.float64())),
+        ]
+    )
+    good = {"raw": b"\x00\xff", "at": dt.datetime(2024, 6, 1, tzinfo=dt.UTC), "amount": Decimal("1.250")}
+    batch = pa.record_batch(
+        {
+            "id": pa.array([1, 2, 3], pa.int64()),
+            "doc": pa.array(
+                [{**good, "scores": [0.5]}, {**good, "scores": [float("nan")]}, {**good, "scores": []}], doc
+            ),
+        }
+    )
+    result = asyncio.run(sink(db_url, table="documents").write_batch_partial(batch))
+    assert [row.index for row in result.rejected] == [1]
+    assert "no JSON form: a NaN" in result.rejected[0].reason
+    stored = {
+        key: json.loads(value) if isinstance(value, str) else value
+        for key, value in rows_of(engine, "documents")
+    }
+    expected = {"raw": "\\x00ff", "at": "2024-06-01T00:00:00+00:00", "amount": "1.250"}
+    assert stored == {1: {**expected, "scores": [0.5]}, 3: {**expected, "scores": []}}
 
 
 async def sync_batches(dst: Sink, *batches: pa.RecordBatch) -> None:
