@@ -52,11 +52,20 @@ class BenchContext:
             self._cache[key] = factory()
         return cast(T, self._cache[key])
 
-    def per_round(self, key: str, factory: Callable[[], T]) -> T:
+    def per_round(
+        self, key: str, factory: Callable[[], T], release: Callable[[T], None] = lambda value: None
+    ) -> T:
         """``factory()``, computed once per round under ``key``: data a scenario and its baseline must
         share within a round but that must not carry over into the next one. A CDC slot made in round 1
-        would make round 5's copies decode, and skip, everything the scenarios of rounds 1 to 4 wrote."""
-        return self.shared(f"{key}@round{self.round}", factory)
+        would make round 5's copies decode, and skip, everything the scenarios of rounds 1 to 4 wrote.
+        The value of an earlier round is passed to ``release`` (dropping its slot) before the new one
+        is made."""
+        current = f"{key}@round{self.round}"
+        if current not in self._cache:
+            for earlier in [name for name in self._cache if name.startswith(f"{key}@round")]:
+                release(cast(T, self._cache.pop(earlier)))
+            self._cache[current] = factory()
+        return cast(T, self._cache[current])
 
     def unique(self, prefix: str) -> str:
         """A fresh ``[a-z0-9_]`` name for a table, topic, stream or consumer group."""

@@ -38,13 +38,17 @@ def test_a_baseline_runs_again_before_each_scenario_that_did_not_follow_it_direc
 
 def test_data_made_per_round_is_shared_by_a_scenario_and_its_baseline_and_made_again_next_round() -> None:
     """What a CDC pair reads (a slot and the WAL after it) is made once per round: a slot of round 1
-    would have round 5's copies decode everything the rounds before wrote."""
+    would have round 5's copies decode everything the rounds before wrote; the slot of the round before
+    is released (dropped: the server has slots for a few rounds only)."""
     made: list[int] = []
+    released: list[int] = []
     seen: dict[str, list[int]] = {"raw": [], "a": []}
 
     def reading(name: str) -> Callable[[BenchContext], Measurement]:
         def fn(ctx: BenchContext) -> Measurement:
-            seen[name].append(ctx.per_round("slot", lambda: made.append(ctx.round) or len(made)))
+            seen[name].append(
+                ctx.per_round("slot", lambda: made.append(ctx.round) or len(made), released.append)
+            )
             return Measurement(100, 1.0)
 
         return fn
@@ -52,4 +56,5 @@ def test_data_made_per_round_is_shared_by_a_scenario_and_its_baseline_and_made_a
     scenarios = [Scenario("raw", reading("raw"), None, ""), Scenario("a", reading("a"), "raw", "")]
     run_scenarios(scenarios, BenchContext(100), repeat=3)
     assert made == [1, 2, 3]
+    assert released == [1, 2]  # each round's value released when the next round's was made
     assert seen == {"raw": [1, 2, 3], "a": [1, 2, 3]}

@@ -165,7 +165,14 @@ def test_a_dead_letter_holds_its_row_as_json_any_reader_decodes(tmp_path: Path) 
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     spec = ResourceSchema.from_columns({"id": "int64", "name": "string"}, on_bad_row="dead_letter")
     pipeline = Pipeline({"items": spec}, dead_letters=StoreDeadLetterRoute(store, "s"))
-    bad = {"id": 2, "name": "two", "blob": b"\x00\xff", "score": float("nan"), "at": dt.date(2024, 2, 29)}
+    bad = {
+        "id": 2,
+        "name": "two",
+        "blob": b"\x00\xff",
+        "score": float("nan"),
+        "at": dt.date(2024, 2, 29),
+        "tags": {b"\xfe": 1, 2: "two"},
+    }
 
     async def scenario() -> None:
         epoch, _ = begin(pipeline)
@@ -185,6 +192,7 @@ def test_a_dead_letter_holds_its_row_as_json_any_reader_decodes(tmp_path: Path) 
         "blob": "\\x00ff",
         "score": "NaN",
         "at": "2024-02-29",
+        "tags": {"\\xfe": 1, "2": "two"},
     }
 
 

@@ -15,38 +15,25 @@ change per key, COPYed into temporary tables, applied by ``INSERT ... ON CONFLIC
 ``DELETE ... USING``, and committed.
 ``cdc.oltp_apply_changes`` is the product: the continuous runner (lease, begin, read through the
 pipeline, seal, the sink's APPLY_CHANGES commit, certificate, slot acknowledgement) with epochs of
-50,000 change rows, timed from the first lease to the last acknowledgement. Its reads have
-``idle=0``: a read that finds nothing new returns at once, so the last epoch is sealed as soon as the
-server reports the slot caught up, as the baseline ends when its peek is exhausted (that check, one
-more decoding call on the slot, is timed). With the default ``idle=1.0`` the last, partial epoch
-would first wait a second for more changes, by configuration: latency a live stream chooses to batch
-a trickle, not work, and no part of catching up a backlog.
+50,000 change rows, timed from the first lease to the last acknowledgement
+(:func:`bench.replication.replicate`: reads with ``idle=0``, and why).
 """
 
 import asyncio
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from faucet_postgres import pgoutput
-from faucet_postgres.cdc import PostgresCdcSource, setup_replication
+from faucet_postgres.cdc import setup_replication
 from faucet_postgres.cdc_config import PostgresCdcConfig
-from faucet_postgres.config import PostgresStreamingSinkConfig
-from faucet_postgres.stream_sink import PostgresStreamingSink
 from psycopg import sql
 
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
-from bench.replication import copy_slot, peek
-from bench.streams import run_until
-from faucet_dagster.protocol import ReadLimits, WritePolicy
-from faucet_dagster.runner.continuous import StreamSpec
-from faucet_dagster.state import StateStore
+from bench.replication import EPOCH_ROWS, copied_slot, drop_slot, peek, replicate
 
-READ_ROWS = 50_000
 FETCH_ROWS = 5_000
 
 # The two tables and their columns; the first column is the key.
@@ -126,7 +113,7 @@ def _workload(ctx: BenchContext) -> _Workload:
         changes = asyncio.run(_count_changes(ctx, config))
         return _Workload(config, tables, changes, transactions)
 
-    return ctx.per_round("cdc_oltp", prepare)
+    return ctx.per_round("cdc_oltp", prepare, lambda earlier: drop_slot(ctx, earlier.config.slot))
 
 
 async def _count_changes(ctx: BenchContext, config: PostgresCdcConfig) -> int:
@@ -170,7 +157,6 @@ def _check_replicas(ctx: BenchContext, workload: _Workload, replicas: dict[str, 
 def raw_oltp_apply(ctx: BenchContext) -> Measurement:
     """Peek, decode small transactions; per 50,000 changes and table: last change per key, COPY, apply."""
     workload, replicas = _workload(ctx), _replicas(ctx)
-    copy = copy_slot(ctx, workload.config, "oltp_copy")
 
     async def apply(
         writer: psycopg.AsyncConnection[Any],
@@ -244,7 +230,7 @@ def raw_oltp_apply(ctx: BenchContext) -> Measurement:
                         old = message.old.values
                         pending.setdefault(message.relation_oid, {})[old[0] or ""] = ("delete", old)
                         count += 1
-                    elif isinstance(message, pgoutput.Commit) and count >= READ_ROWS:
+                    elif isinstance(message, pgoutput.Commit) and count >= EPOCH_ROWS:
                         await apply(writer, relations, pending)
                         applied, count, pending = applied + count, 0, {}
             if pending:
@@ -252,7 +238,8 @@ def raw_oltp_apply(ctx: BenchContext) -> Measurement:
                 applied += count
             return applied, time.perf_counter() - start
 
-    applied, seconds = asyncio.run(run())
+    with copied_slot(ctx, workload.config, "oltp_copy") as copy:
+        applied, seconds = asyncio.run(run())
     if applied != workload.changes:
         raise RuntimeError(f"applied {applied} changes, the workload made {workload.changes}")
     _check_replicas(ctx, workload, replicas)
@@ -263,27 +250,7 @@ def raw_oltp_apply(ctx: BenchContext) -> Measurement:
 def oltp_apply_changes(ctx: BenchContext) -> Measurement:
     """The continuous runner, small CDC transactions to PostgreSQL APPLY_CHANGES, epochs of 50,000 changes."""
     workload, replicas = _workload(ctx), _replicas(ctx)
-    config = copy_slot(ctx, workload.config, "oltp_copy")
-    asyncio.run(setup_replication(config))  # records the copy's incarnation
-    folder = tempfile.mkdtemp(prefix="faucet-bench-")
-    store = StateStore(f"sqlite:///{folder}/state.db")
-    spec = StreamSpec(
-        name=ctx.unique("oltp_stream"),
-        source=PostgresCdcSource(config),
-        sink=PostgresStreamingSink(
-            PostgresStreamingSinkConfig(
-                url=ctx.replica_url,
-                tables={f"public.{workload.tables[name]}": replicas[name] for name in COLUMNS},
-            )
-        ),
-        resources=config.tables,
-        policy=WritePolicy.APPLY_CHANGES,
-        limits=ReadLimits(records=READ_ROWS, bytes=None, idle=0.0, age=None),
-    )
-    try:
-        seconds, epochs = asyncio.run(run_until(spec, store, workload.changes))
-    finally:
-        store.close()
-        shutil.rmtree(folder, ignore_errors=True)
+    tables = {f"public.{workload.tables[name]}": replicas[name] for name in COLUMNS}
+    seconds, epochs = replicate(ctx, workload.config, tables, workload.changes)
     _check_replicas(ctx, workload, replicas)
     return Measurement(workload.changes, seconds, {"epochs": epochs, "transactions": workload.transactions})

@@ -23,8 +23,6 @@ a copy of the slot, timed from the first lease to the last acknowledgement.
 """
 
 import asyncio
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -32,14 +30,11 @@ import psycopg
 from faucet_postgres import pgoutput
 from faucet_postgres.cdc import PostgresCdcSource, setup_replication
 from faucet_postgres.cdc_config import PostgresCdcConfig
-from faucet_postgres.config import PostgresStreamingSinkConfig
-from faucet_postgres.stream_sink import PostgresStreamingSink
 from psycopg import sql
 
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
-from bench.replication import copy_slot, peek
-from bench.streams import run_until
+from bench.replication import EPOCH_ROWS, drop_slot, peek, replicate
 from faucet_dagster.protocol import (
     CancelToken,
     Control,
@@ -51,14 +46,10 @@ from faucet_dagster.protocol import (
     StreamRecordSink,
     TransactionEnd,
     WorkerIdentity,
-    WritePolicy,
     record_count,
 )
-from faucet_dagster.runner.continuous import StreamSpec
-from faucet_dagster.state import StateStore
 
 TRANSACTION_ROWS = 1_000
-READ_ROWS = 50_000
 FETCH_ROWS = 5_000
 
 
@@ -91,7 +82,7 @@ def _slot(ctx: BenchContext) -> PostgresCdcConfig:
                 conn.commit()
         return config
 
-    return ctx.per_round("cdc_slot", prepare)
+    return ctx.per_round("cdc_slot", prepare, lambda earlier: drop_slot(ctx, earlier.slot))
 
 
 @scenario("cdc.raw_peek_decode")
@@ -144,7 +135,7 @@ def pg_source(ctx: BenchContext) -> Measurement:
         counted = _Count()
         start = time.perf_counter()
         session = await PostgresCdcSource(config).open((), (), Membership(), WorkerIdentity("bench", 1))
-        limits = ReadLimits(records=READ_ROWS, idle=0.2)
+        limits = ReadLimits(records=EPOCH_ROWS, idle=0.2)
         try:
             while not (await session.read(counted, limits, CancelToken())).empty:
                 pass
@@ -227,7 +218,7 @@ def raw_peek_decode_apply(ctx: BenchContext) -> Measurement:
                     message = pgoutput.decode(data)
                     if isinstance(message, pgoutput.Insert):
                         pending.append(message.new.values)
-                    elif isinstance(message, pgoutput.Commit) and len(pending) >= READ_ROWS:
+                    elif isinstance(message, pgoutput.Commit) and len(pending) >= EPOCH_ROWS:
                         await apply(writer, pending)
                         applied, pending = applied + len(pending), []
             if pending:
@@ -243,26 +234,7 @@ def raw_peek_decode_apply(ctx: BenchContext) -> Measurement:
 @scenario("cdc.apply_changes", baseline="cdc.raw_peek_decode_apply")
 def apply_changes(ctx: BenchContext) -> Measurement:
     """The continuous runner, CDC to PostgreSQL APPLY_CHANGES, epochs of 50,000 change rows, certified."""
-    config, table = copy_slot(ctx, _slot(ctx), "cdc_copy"), _replica(ctx)
-    asyncio.run(setup_replication(config))  # records the copy's incarnation
-    folder = tempfile.mkdtemp(prefix="faucet-bench-")
-    store = StateStore(f"sqlite:///{folder}/state.db")
-    spec = StreamSpec(
-        name=table,
-        source=PostgresCdcSource(config),
-        sink=PostgresStreamingSink(
-            PostgresStreamingSinkConfig(
-                url=ctx.replica_url, tables={resource: table for resource in config.tables}
-            )
-        ),
-        resources=config.tables,
-        policy=WritePolicy.APPLY_CHANGES,
-        limits=ReadLimits(records=READ_ROWS, bytes=None, idle=1.0, age=None),
-    )
-    try:
-        seconds, epochs = asyncio.run(run_until(spec, store, ctx.rows))
-    finally:
-        store.close()
-        shutil.rmtree(folder, ignore_errors=True)
+    config, table = _slot(ctx), _replica(ctx)
+    seconds, epochs = replicate(ctx, config, {resource: table for resource in config.tables}, ctx.rows)
     _check_replica(ctx, table)
     return Measurement(ctx.rows, seconds, {"epochs": epochs})

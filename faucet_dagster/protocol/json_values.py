@@ -60,11 +60,20 @@ def _lenient_form(value: Any) -> Any:
 
 def _finite(value: Any) -> Any:
     """``value`` with every non-finite float replaced by its name (json has no lenient mode for them
-    but ``NaN`` tokens, which are not JSON)."""
+    but ``NaN`` tokens, which are not JSON), and every key a string (json refuses bytes keys, and
+    sorting refuses keys of mixed types)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {_key(key): _finite(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_finite(item) for item in value]
     return value
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool | int | float):
+        return json.dumps(key)  # as json itself writes such a key
+    return str(_lenient_form(key))

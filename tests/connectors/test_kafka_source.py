@@ -355,6 +355,43 @@ def test_malformed_payload_goes_to_the_dead_letter_route(
     run(scenario())
 
 
+@pytest.mark.parametrize("on_malformed", ["halt", "dead_letter"])
+def test_text_whose_key_or_value_is_not_utf8_is_malformed_at_its_offset(
+    kafka_bootstrap: str, topic: str, unique_name: Any, on_malformed: str
+) -> None:
+    """Format ``text``: a key or a value that is not UTF-8 halts naming its offset, or becomes a dead
+    letter there; it never lands with replacement characters, and the text around it lands."""
+    cfg = config(kafka_bootstrap, topic, unique_name("group"), format="text", on_malformed=on_malformed)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    sent = [(b"k0", b"v0"), (b"\xffk1", b"v1"), (b"k2", b"v\xfe2"), (b"k3", "v3 \u00fcn\u00efcode".encode())]
+    for key, value in sent:
+        producer.produce(topic, value, key=key, partition=0)
+    assert producer.flush(30) == 0
+
+    async def scenario() -> None:
+        if on_malformed == "halt":
+            session = await open_session(cfg)
+            try:
+                with pytest.raises(DataError, match="not UTF-8") as raised:
+                    await read_once(session)
+                assert raised.value.where == f"topic {topic} partition 0 offset 1"
+            finally:
+                await session.close()
+            return
+        sink, _ = await read_closed(cfg)
+        assert [(row["key"], row["value"]) for row in sink.all_rows()] == [
+            ("k0", "v0"),
+            ("k3", "v3 \u00fcn\u00efcode"),
+        ]
+        assert [(r.where, r.payload) for r in sink.rejected] == [
+            (f"topic {topic} partition 0 offset 1", b"v1"),
+            (f"topic {topic} partition 0 offset 2", b"v\xfe2"),
+        ]
+        assert all("not UTF-8" in r.reason for r in sink.rejected)
+
+    run(scenario())
+
+
 def test_transaction_markers_leave_verified_gaps(kafka_bootstrap: str, unique_name: Any) -> None:
     topic = unique_name("topic")
     create_topic(kafka_bootstrap, topic, 1)
