@@ -120,7 +120,10 @@ def pg_error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
 
 def is_row_error(exc: BaseException) -> bool:
     """True when the server refused the values of rows (SQLSTATE class 22 data exception or 23
-    constraint violation): such rows may go to the dead-letter route. Anything else is not a bad row."""
+    constraint violation), or the encoder did (a :class:`DataError`: a NaN in a nested value, which
+    JSON cannot hold): such rows may go to the dead-letter route. Anything else is not a bad row."""
+    if isinstance(exc, DataError):
+        return True
     state = getattr(exc, "sqlstate", None) or ""
     return state[:2] in ("22", "23")
 

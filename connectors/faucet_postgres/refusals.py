@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from faucet_dagster.protocol import RejectedRow, bisect_rejections
+from faucet_dagster.protocol import DataError, RejectedRow, bisect_rejections
 from faucet_postgres.common import is_row_error, row_error_reason
 
 ApplySlice = Callable[[int, int], Awaitable[int]]
@@ -51,7 +51,7 @@ async def apply_finding_refusals(
         try:
             async with enter():
                 done = await apply(start, stop)
-        except psycopg.Error as exc:
+        except (psycopg.Error, DataError) as exc:
             if is_row_error(exc):
                 return row_error_reason(exc)
             raise

@@ -205,7 +205,7 @@ class PostgresSink(Sink):
                 try:
                     async with conn.transaction():
                         await self._apply(conn, columns, records.slice(start, stop - start))
-                except psycopg.Error as exc:
+                except (psycopg.Error, DataError) as exc:
                     if is_row_error(exc):
                         return row_error_reason(exc)
                     raise

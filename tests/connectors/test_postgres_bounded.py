@@ -262,6 +262,16 @@ def test_nested_values_land_in_jsonb_as_postgresql_reads_them_or_are_refused_by_
         asyncio.run(write_all(sink(postgres_url, table="documents"), nested_batch(float("nan"))))
     assert conn.execute("SELECT count(*) FROM documents").fetchone() == (1,)
 
+    # Written for the dead-letter route, the NaN's row is refused by index and the others land.
+    mixed = pa.concat_batches([nested_batch(2.5), nested_batch(float("nan")), nested_batch(3.5)])
+    mixed = mixed.set_column(0, "id", pa.array([2, 3, 4], pa.int64()))
+    result = asyncio.run(sink(postgres_url, table="documents").write_batch_partial(mixed))
+    assert [row.index for row in result.rejected] == [1] and "no JSON form: a NaN" in result.rejected[
+        0
+    ].reason
+    landed = conn.execute("SELECT id, doc->'scores' FROM documents ORDER BY id").fetchall()
+    assert landed == [(1, [0.5, 1.5]), (2, [0.5, 2.5]), (4, [0.5, 3.5])]
+
 
 def test_a_sliced_copy_starts_with_a_small_slice_and_doubles_up_to_the_slice_size() -> None:
     """The server gets rows after the first small slice is encoded, not after a full slice."""

@@ -466,6 +466,39 @@ def test_refused_rows_in_one_batch_of_many_leave_the_other_batches_applied(postg
     assert [row[0] for row in table(postgres_url)] == [1, 2, 3, 11, 12, 14, 21, 22, 23, 24, 25]
 
 
+def test_a_nested_value_json_cannot_hold_is_a_refused_row_and_the_others_commit(postgres_url: str) -> None:
+    """A NaN in a nested value has no JSON form: the encoder refuses it (no SQLSTATE), and the row is
+    refused by index for the dead-letter route as a row the server refused would be."""
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id bigint, doc jsonb)")
+    doc = pa.struct([pa.field("raw", pa.binary()), pa.field("score", pa.float64())])
+    records = pa.record_batch(
+        {
+            "id": pa.array([1, 2, 3], pa.int64()),
+            "doc": pa.array([{"raw": b"\x01", "score": 0.5}, {"raw": b"", "score": float("nan")}, None], doc),
+        }
+    )
+
+    async def scenario() -> None:
+        session = await sink_for(postgres_url).open(STREAM, WritePolicy.APPEND, (), WORKER)
+        try:
+            at = epoch(1)
+            await session.begin_epoch(at)
+            result = await session.apply_partial(
+                at, SinkBatch(at, "orders", DOMAIN, records, Identities(["1", "2", "3"]))
+            )
+            assert result.written == 2 and [row.index for row in result.rejected] == [1]
+            assert "no JSON form: a NaN" in result.rejected[0].reason
+            await session.commit_epoch(at, covering(None, 3))
+        finally:
+            await session.close_session()
+
+    run(scenario())
+    with psycopg.connect(postgres_url) as conn:
+        landed = conn.execute("SELECT id, doc FROM orders ORDER BY id").fetchall()
+    assert landed == [(1, {"raw": "\\x01", "score": 0.5}), (3, None)]
+
+
 class _LostAnswer:
     """A real connection whose next COMMIT, once armed, reaches the server but its answer is lost
     (``after``), finds its server process terminated just before (``before``), or stalls before or
