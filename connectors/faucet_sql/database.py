@@ -182,6 +182,8 @@ def db_error(exc: Exception, *, where: str, doing: str) -> FaucetError:
 def is_row_error(exc: BaseException) -> bool:
     """True when the database refused the values of a row (a constraint, a conversion): the rows may
     go to the dead-letter route. Anything else (connection, missing table, syntax) is not a bad row."""
+    if isinstance(exc, DataError):
+        return True  # a nested value JSON cannot hold: psycopg calls the serializer itself, unwrapped
     if isinstance(exc, sa.exc.IntegrityError | sa.exc.DataError):
         return True
     original = getattr(exc, "orig", None)

@@ -221,9 +221,8 @@ class SqlSink(Sink):
         try:
             self._apply(conn, table, rows)
         except (sa.exc.SQLAlchemyError, DataError) as exc:
-            # psycopg calls the JSON serializer itself, so its DataError comes unwrapped there.
             savepoint.rollback()
-            if isinstance(exc, DataError) or is_row_error(exc):
+            if is_row_error(exc):
                 return error_text(exc)
             raise
         savepoint.commit()
