@@ -13,7 +13,8 @@ import sys
 import time
 
 from faucet_dagster.protocol import get_connector
-from faucet_dagster.runner.bounded import SyncSettings, run_bounded_sync
+from faucet_dagster.runner.bounded import run_bounded_sync
+from faucet_dagster.runner.bounded_values import SyncSettings
 
 
 async def sync(path: str, url: str, table: str) -> tuple[int, float]:

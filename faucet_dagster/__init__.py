@@ -1,7 +1,16 @@
 """faucet-dagster: move data between systems inside Dagster with delivery guarantees it can prove.
 
-Importing this package does not import Dagster: the protocol (``faucet_dagster.protocol``) is what
-connectors import, and it must stay light. The Dagster-facing names below are loaded on first use.
+The package in layers, each importing only the layers below it (docs/architecture.md):
+
+* ``cli/``: every ``faucet`` command;
+* the Dagster integration, the only code that imports ``dagster``: ``syncs/`` (bounded syncs as
+  assets), ``streams/`` (continuous streams as sensors), ``declarations/`` (what both share) and
+  ``components.py`` (``defs.yaml``);
+* the engine: ``planner``, ``pipeline/``, ``runner/``, ``state/``;
+* ``protocol/``: the Faucet Connector Protocol, the only part a connector imports.
+
+``conformance/`` (the battery) and ``testing/`` (servers and fault injection for tests) stand beside
+them. Importing this package imports none of them: the public names below load on first use.
 """
 
 from importlib import import_module
@@ -10,24 +19,36 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
-    "FaucetConnection": "faucet_dagster.resources",
-    "FaucetEndpoint": "faucet_dagster.resources",
-    "FaucetSync": "faucet_dagster.assets",
-    "FaucetSyncData": "faucet_dagster.assets",
-    "FaucetSyncs": "faucet_dagster.assets",
-    "FaucetTranslator": "faucet_dagster.assets",
-    "faucet_assets": "faucet_dagster.assets",
-    "faucet_sync_assets": "faucet_dagster.assets",
-    "faucet_schedule": "faucet_dagster.schedules",
-    "faucet_partitions_sensor": "faucet_dagster.partitions",
-    "refresh_partitions": "faucet_dagster.partitions",
+    # Dagster integration: bounded syncs
+    "FaucetSync": "faucet_dagster.syncs.declaration",
+    "FaucetSyncData": "faucet_dagster.syncs.declaration",
+    "FaucetSyncs": "faucet_dagster.syncs.assets",
+    "FaucetTranslator": "faucet_dagster.syncs.assets",
+    "faucet_assets": "faucet_dagster.syncs.assets",
+    "faucet_sync_assets": "faucet_dagster.syncs.assets",
+    "faucet_schedule": "faucet_dagster.syncs.schedules",
+    "faucet_partitions_sensor": "faucet_dagster.syncs.partitions",
+    "refresh_partitions": "faucet_dagster.syncs.partitions",
+    # Dagster integration: continuous streams
+    "FaucetStream": "faucet_dagster.streams.declaration",
+    "build_stream_defs": "faucet_dagster.streams.definitions",
+    "faucet_stream_sensor": "faucet_dagster.streams.sensor",
+    # Dagster integration: shared declarations and the component
+    "FaucetConnection": "faucet_dagster.declarations.resources",
+    "FaucetEndpoint": "faucet_dagster.declarations.resources",
     "FaucetAssetAttributes": "faucet_dagster.components",
     "FaucetComponent": "faucet_dagster.components",
-    "FaucetStream": "faucet_dagster.sensors",
-    "faucet_stream_sensor": "faucet_dagster.sensors",
-    "build_stream_defs": "faucet_dagster.sensors",
+    # The values a declaration names (no Dagster import)
+    "BadRowPolicy": "faucet_dagster.pipeline",
+    "ResourceSchema": "faucet_dagster.pipeline",
+    "Delivery": "faucet_dagster.protocol",
+    "FaucetError": "faucet_dagster.protocol",
+    "ConfigError": "faucet_dagster.protocol",
+    "Mode": "faucet_dagster.protocol",
+    "ReadLimits": "faucet_dagster.protocol",
+    "WritePolicy": "faucet_dagster.protocol",
 }
-"""Public Dagster-facing name -> the module defining it (filled as those modules land)."""
+"""Public name -> the module defining it, imported on first use."""
 
 
 def __getattr__(name: str) -> Any:

@@ -52,22 +52,19 @@ from dagster.components.resolved.core_models import resolve_asset_spec_update_kw
 from dagster.components.resolved.errors import ResolutionException
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
-from faucet_dagster.assets import (
-    FaucetSync,
-    FaucetSyncData,
-    FaucetTranslator,
-    faucet_sync_assets,
-    with_code_reference,
-)
-from faucet_dagster.partitions import faucet_partitions_sensor
+from faucet_dagster.declarations.code_location import with_code_reference
+from faucet_dagster.declarations.preflight import PairCheck, check_pairs, stream_check
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.pipeline import ResourceSchema
-from faucet_dagster.preflight import PairCheck, check_pairs, stream_check
 from faucet_dagster.protocol import ConfigError, Delivery, ReadLimits, WritePolicy
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
-from faucet_dagster.runner.bounded import DEFAULT_BATCH_SIZE
+from faucet_dagster.runner.bounded_values import DEFAULT_BATCH_SIZE
 from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, DEFAULT_LEASE_SECONDS
-from faucet_dagster.schedules import faucet_schedule
-from faucet_dagster.sensors import FaucetStream, build_stream_defs
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.definitions import build_stream_defs
+from faucet_dagster.syncs.assets import FaucetTranslator, faucet_sync_assets
+from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData
+from faucet_dagster.syncs.partitions import faucet_partitions_sensor
+from faucet_dagster.syncs.schedules import faucet_schedule
 
 DeliveryName = Literal["effectively_once", "at_least_once"]
 

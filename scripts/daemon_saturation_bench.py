@@ -393,7 +393,7 @@ def run(tmp: Path, servers: tuple[PostgresServer, NatsServer, KafkaServer], args
     from example_project.publish import ensure_kafka_topic
     from example_project.servers import _create_stream
 
-    from faucet_dagster.sensors import close_cached_streams
+    from faucet_dagster.streams.runner_cache import close_cached_streams
 
     asyncio.run(_create_stream(nats_server.url))
     ensure_kafka_topic(kafka.bootstrap)

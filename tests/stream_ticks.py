@@ -10,8 +10,10 @@ import nats
 from dagster._core.definitions.sensor_definition import SensorExecutionData
 
 from faucet_dagster.protocol import ConnectionFailed, EpochCertificate
-from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor
 
 DRAIN_SECONDS = 600.0
 """How long the tick loops here go on ticking for what they expect: generous, for a loaded machine."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from faucet_dagster.cli import EXIT_BAD_INPUT, EXIT_REFUSED, main
+from faucet_dagster.cli.main import EXIT_BAD_INPUT, EXIT_REFUSED, main
 
 BEST_EFFORT_SOURCE = [
     "--set-source", "emits=changes",
@@ -27,7 +27,7 @@ TABLE_SINK = [
 def test_continuous_replace_from_best_effort_source_prints_every_violation() -> None:
     args = ["plan", "--mode", "continuous", "--policy", "replace", "--delivery", "effectively_once"]
     result = subprocess.run(
-        [sys.executable, "-m", "faucet_dagster.cli", *args, *BEST_EFFORT_SOURCE, *TABLE_SINK],
+        [sys.executable, "-m", "faucet_dagster.cli.main", *args, *BEST_EFFORT_SOURCE, *TABLE_SINK],
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import pytest
 from stream_doubles import MemoryDestination, MemoryLog, MemorySink, MemorySource, SinkFaults, SourceFaults
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import (
     ConnectionFailed,

@@ -17,21 +17,15 @@ import pytest
 import sqlalchemy as sa
 
 import faucet_dagster
-import faucet_dagster.assets
-from faucet_dagster.assets import (
-    FaucetSync,
-    FaucetSyncData,
-    FaucetSyncs,
-    FaucetTranslator,
-    faucet_assets,
-    faucet_sync_assets,
-    last_sync_state,
-)
+import faucet_dagster.syncs.assets
 from faucet_dagster.components import FaucetComponent
-from faucet_dagster.partitions import faucet_partitions_sensor, refresh_partitions
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import CommitToken, ConfigError, JsonValue
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
-from faucet_dagster.schedules import faucet_schedule
+from faucet_dagster.syncs.assets import FaucetSyncs, FaucetTranslator, faucet_assets, faucet_sync_assets
+from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData
+from faucet_dagster.syncs.metadata import last_sync_state
+from faucet_dagster.syncs.partitions import faucet_partitions_sensor, refresh_partitions
+from faucet_dagster.syncs.schedules import faucet_schedule
 
 METADATA_KEYS = {
     "dagster/row_count",
@@ -151,7 +145,7 @@ def test_crash_between_the_sink_commit_and_the_dagster_event_leaves_no_duplicate
         raise Crash("the process died before Dagster stored the materialization")
 
     # The exact point: the sync returned (every page committed with its token), no event yet.
-    monkeypatch.setattr(faucet_dagster.assets, "sync_metadata", crash)
+    monkeypatch.setattr(faucet_dagster.syncs.assets, "sync_metadata", crash)
     failed = dg.materialize(assets, instance=instance, raise_on_error=False)
     assert not failed.success
     assert postgres_ids(postgres_url, "orders") == list(range(1, 901))

@@ -18,7 +18,8 @@ import sqlalchemy as sa
 from faucet_dagster import FaucetConnection, FaucetStream
 from faucet_dagster.components import FaucetComponent
 from faucet_dagster.protocol import ConfigError
-from faucet_dagster.sensors import build_stream_defs, faucet_stream_sensor
+from faucet_dagster.streams.definitions import build_stream_defs
+from faucet_dagster.streams.sensor import faucet_stream_sensor
 
 DG = str(Path(sys.executable).with_name("dg"))
 FAUCET = str(Path(sys.executable).with_name("faucet"))
@@ -383,7 +384,8 @@ def test_yaml_connections_are_resources_in_dg_list_defs(tmp_path: Path) -> None:
             broker.accept()  # nothing connected while the definitions loaded
     listing = json.loads(listed.stdout)
     assert sorted((r["name"], r["type"]) for r in listing["resources"]) == [
-        (name, "faucet_dagster.resources.FaucetConnection") for name in ("events", "lake", "warehouse")
+        (name, "faucet_dagster.declarations.resources.FaucetConnection")
+        for name in ("events", "lake", "warehouse")
     ]
     assert {"customers", "events", "orders"} <= {asset["asset_key"] for asset in listing["assets"]}
     assert "s3cr3t" not in listed.stdout + listed.stderr

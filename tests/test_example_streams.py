@@ -24,7 +24,8 @@ from confluent_kafka.admin import AdminClient
 from kafka_topics import delete_topic
 from nats.js.errors import NotFoundError
 
-from faucet_dagster.sensors import CERTIFICATE_CHECK, close_cached_streams
+from faucet_dagster.streams.certificates import CERTIFICATE_CHECK
+from faucet_dagster.streams.runner_cache import close_cached_streams
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "example_project"
 POSTGRES = "FAUCET_EXAMPLE_POSTGRES_URL"

@@ -40,11 +40,12 @@ from faucet_dagster.protocol import (
 from faucet_dagster.runner.faults import Action
 from faucet_dagster.state import Lease, StateStore
 from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
+from faucet_dagster.testing.faults.case import CaseParams
 from faucet_dagster.testing.faults.catalog import Fault, FaultKind, Moment, named_faults
 from faucet_dagster.testing.faults.harness import random_schedule
 from faucet_dagster.testing.faults.oracle import Verdict, judge_state
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers, pair_named
-from faucet_dagster.testing.faults.scenarios import CaseParams, run_case
+from faucet_dagster.testing.faults.scenarios import run_case
 
 CASES = [(pair, fault) for pair in PAIRS for fault in named_faults(pair)]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from faucet_dagster.cli import EXIT_BAD_INPUT, main
+from faucet_dagster.cli.main import EXIT_BAD_INPUT, main
 from faucet_dagster.protocol import ConfigError, ConnectionFailed, get_connector
 from faucet_dagster.state import StateStore
 

@@ -20,7 +20,8 @@ from faucet_postgres.stream_sink import PostgresStreamingSinkSession
 from kafka_topics import create_topic, produce
 from test_stream_postgres_cdc import Replication, commit_positions, replication  # noqa: F401 (a fixture)
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
+from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
 from faucet_dagster.protocol import (
     ConnectionFailed,
@@ -31,11 +32,10 @@ from faucet_dagster.protocol import (
     ReadLimits,
     WritePolicy,
 )
-from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.runner.spec import StoreDeadLetterRoute
-from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.declaration import FaucetStream
 
 ROWS = 40
 NEGATIVE = 7  # score -1: refused by the CHECK constraint

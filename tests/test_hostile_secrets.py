@@ -20,11 +20,14 @@ import dagster as dg
 import pytest
 from test_hostile_nats_auth import NatsServerWithUsers
 
-from faucet_dagster.assets import FaucetSync, faucet_sync_assets
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import ConfigError, FaucetError
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
-from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor
+from faucet_dagster.syncs.assets import faucet_sync_assets
+from faucet_dagster.syncs.declaration import FaucetSync
 from faucet_dagster.testing import NatsServer
 
 SECRETS = {

@@ -12,8 +12,9 @@ import pytest
 import sqlalchemy as sa
 from kafka_topics import create_topic, produce_json
 
-from faucet_dagster.assets import FaucetSync, faucet_sync_assets
-from faucet_dagster.resources import FaucetConnection
+from faucet_dagster.declarations.resources import FaucetConnection
+from faucet_dagster.syncs.assets import faucet_sync_assets
+from faucet_dagster.syncs.declaration import FaucetSync
 
 
 @pytest.fixture

@@ -43,12 +43,8 @@ from faucet_dagster.protocol import (
     get_connector,
 )
 from faucet_dagster.protocol.config import ConnectorConfig
-from faucet_dagster.runner.bounded import (
-    BoundedSyncResult,
-    PageReport,
-    SyncSettings,
-    run_bounded_sync,
-)
+from faucet_dagster.runner.bounded import run_bounded_sync
+from faucet_dagster.runner.bounded_values import BoundedSyncResult, PageReport, SyncSettings
 from faucet_dagster.runner.sync import run_sync
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,

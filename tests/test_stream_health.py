@@ -20,7 +20,8 @@ from faucet_postgres.codecs import PostgresLsnCodec
 from kafka_topics import create_topic, produce_json
 from stream_ticks import ticks_reporting
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import (
     ConnectionFailed,
     EpochCertificate,
@@ -29,19 +30,14 @@ from faucet_dagster.protocol import (
     UncertainOutcome,
     WritePolicy,
 )
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner import continuous
 from faucet_dagster.runner.continuous import StreamRunner
-from faucet_dagster.sensors import (
-    HEALTH_CHECK,
-    FaucetStream,
-    certificate_metadata,
-    close_cached_streams,
-    faucet_stream_sensor,
-    health_check,
-    tick_budget,
-)
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.certificates import certificate_metadata
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.health import HEALTH_CHECK, health_check
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor, tick_budget
 from faucet_dagster.testing import PostgresServer
 
 COLUMNS = {"id": "int64 not null", "name": "string"}

@@ -21,11 +21,11 @@ from faucet_nats.sink_config import NatsSinkConfig
 from kafka_topics import committed, create_topic, produce_json
 from stream_ticks import chained_ends, evaluate_ticks, lose_certificate, stored_ids
 
+from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.protocol import ConnectionFailed, EpochCertificate, ReadLimits
-from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
-from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.declaration import FaucetStream
 
 PARTITIONS = 4
 

@@ -19,11 +19,11 @@ import pytest
 from kafka_topics import committed, create_topic, produce
 from stream_ticks import chained_ends, evaluate_ticks, lose_certificate
 
+from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.protocol import ConnectionFailed, EpochCertificate, ReadLimits
-from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamRunner
-from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.declaration import FaucetStream
 
 PARTITIONS = 4
 

@@ -22,7 +22,8 @@ import psycopg
 import pytest
 from kafka_topics import committed, create_topic, produce
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
+from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
@@ -31,12 +32,11 @@ from faucet_dagster.protocol import (
     OwnershipLost,
     ReadLimits,
 )
-from faucet_dagster.resources import FaucetConnection
 from faucet_dagster.runner.continuous import StreamSpec
 from faucet_dagster.runner.members import MemberWorker, assign, check_groups, group_stream
-from faucet_dagster.sensors import FaucetStream
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
+from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.testing.faults.members import check_ownership
 
 PARTITIONS = 12

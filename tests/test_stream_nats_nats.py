@@ -13,9 +13,9 @@ from pathlib import Path
 import nats
 from stream_ticks import chained_ends, evaluate_ticks, stored_ids
 
+from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.protocol import ReadLimits
-from faucet_dagster.resources import FaucetConnection
-from faucet_dagster.sensors import FaucetStream
+from faucet_dagster.streams.declaration import FaucetStream
 
 
 async def setup(url: str, source: str, target: str) -> None:

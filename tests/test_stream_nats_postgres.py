@@ -28,8 +28,9 @@ from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
 from stream_ticks import ticks_reporting
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
 from faucet_dagster.components import FaucetComponent
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.pipeline import PipelineOptions, ResourceSchema
 from faucet_dagster.protocol import (
     Coverage,
@@ -49,16 +50,13 @@ from faucet_dagster.protocol import (
     WorkerIdentity,
     WritePolicy,
 )
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
-from faucet_dagster.sensors import (
-    CERTIFICATE_CHECK,
-    FaucetStream,
-    build_stream_defs,
-    close_cached_streams,
-    faucet_stream_sensor,
-)
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.certificates import CERTIFICATE_CHECK
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.definitions import build_stream_defs
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor
 
 T = TypeVar("T")
 COLUMNS = {"id": "int64 not null", "name": "string"}

@@ -33,7 +33,8 @@ from faucet_postgres import pgoutput
 from faucet_postgres.codecs import PostgresLsnCodec
 from stream_ticks import chained_ends
 
-from faucet_dagster.cli import main
+from faucet_dagster.cli.main import main
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import (
     Delivery,
     DomainCoverage,
@@ -45,16 +46,13 @@ from faucet_dagster.protocol import (
     Receipt,
     WritePolicy,
 )
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.runner.faults import Action, Arming, Point
-from faucet_dagster.sensors import (
-    FaucetStream,
-    certificate_problems,
-    close_cached_streams,
-    faucet_stream_sensor,
-)
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.certificates import certificate_problems
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor
 from faucet_dagster.testing import PostgresServer
 from faucet_dagster.testing.faults.spec import Endpoint, WorkerSpec
 from faucet_dagster.testing.faults.worker_process import WorkerProcess

@@ -25,10 +25,10 @@ import psycopg
 import pytest
 from test_stream_postgres_cdc import Replication
 
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import EpochCertificate, ReadLimits, SchemaError, WritePolicy
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.runner.continuous import StreamRunner
-from faucet_dagster.sensors import FaucetStream
+from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.testing import PostgresServer
 
 

@@ -24,10 +24,12 @@ import psycopg
 import pytest
 from faucet_postgres.stream_sink import PostgresStreamingSinkSession
 
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import EpochId, PartialResult, SinkBatch, WritePolicy
-from faucet_dagster.resources import FaucetConnection, FaucetEndpoint
-from faucet_dagster.sensors import FaucetStream, close_cached_streams, faucet_stream_sensor
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor
 from faucet_dagster.testing import PostgresServer
 
 TICK_BOUND = 15.0

@@ -27,7 +27,7 @@ from kafka_topics import create_topic, produce
 from faucet_dagster.runner.members import group_stream
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
-from faucet_dagster.stream_workers import STREAM_TAG
+from faucet_dagster.streams.workers import STREAM_TAG
 from faucet_dagster.testing.faults.members import check_ownership
 
 PARTITIONS = 12
@@ -39,8 +39,8 @@ import os
 import dagster as dg
 
 from faucet_dagster.protocol import ReadLimits
-from faucet_dagster.resources import FaucetConnection
-from faucet_dagster.sensors import FaucetStream, build_stream_defs
+from faucet_dagster.declarations.resources import FaucetConnection
+from faucet_dagster.streams.sensor import FaucetStream, build_stream_defs
 
 kafka = FaucetConnection(
     connector="kafka",

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import dagster as dg
 
-from faucet_dagster.resources import FaucetConnection
-from faucet_dagster.sensors import FaucetStream, build_stream_defs
+from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
-from faucet_dagster.stream_health import HEALTH_CHECK
-from faucet_dagster.worker_runs import (
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.definitions import build_stream_defs
+from faucet_dagster.streams.health import HEALTH_CHECK
+from faucet_dagster.streams.worker_runs import (
     MAX_FAILURES,
     SLOT_TAG,
     STREAM_TAG,

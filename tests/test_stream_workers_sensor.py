@@ -11,14 +11,14 @@ import dagster as dg
 from kafka_topics import create_topic, produce_json
 
 from faucet_dagster.components import FaucetComponent
-from faucet_dagster.declared import DECLARED
+from faucet_dagster.declarations.declared import DECLARED
 from faucet_dagster.protocol import EpochCertificate, ReadLimits
 from faucet_dagster.runner.members import MemberWorker, group_stream
-from faucet_dagster.sensors import CERTIFICATE_CHECK
 from faucet_dagster.state import StateStore
-from faucet_dagster.stream_health import HEALTH_CHECK
-from faucet_dagster.stream_workers import STREAM_TAG
-from faucet_dagster.worker_runs import SLOT_TAG
+from faucet_dagster.streams.certificates import CERTIFICATE_CHECK
+from faucet_dagster.streams.health import HEALTH_CHECK
+from faucet_dagster.streams.worker_runs import SLOT_TAG
+from faucet_dagster.streams.workers import STREAM_TAG
 
 
 def test_a_yaml_stream_with_two_workers_requests_two_runs_and_reports_each_group(

@@ -38,7 +38,8 @@ from bench.peers import ROOT, peer_venv, run_peer
 from bench.registry import Measurement, scenario
 from bench.scenarios.connectors import _check, _pg_sink, _target, csv_file, sqlite_file
 from faucet_dagster.protocol import Sink, Source, get_connector
-from faucet_dagster.runner.bounded import BoundedSyncResult, SyncSettings, run_bounded_sync
+from faucet_dagster.runner.bounded import run_bounded_sync
+from faucet_dagster.runner.bounded_values import BoundedSyncResult, SyncSettings
 
 RSS_ROWS = (1_000_000, 10_000_000)
 

@@ -27,7 +27,7 @@ def main() -> int:
     import dagster as dg
 
     from example_project.definitions import defs
-    from faucet_dagster.partitions import refresh_partitions
+    from faucet_dagster.syncs.partitions import refresh_partitions
 
     instance = dg.DagsterInstance.get()
     # What the partitions sensors do under the daemon: a partition for each new sample file.

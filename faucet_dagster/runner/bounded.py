@@ -44,22 +44,20 @@ A run over one shard of a source uses the watermark only when the sink keeps one
 sequence. Otherwise the plan for that run is made without the watermark and says so.
 """
 
-import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 
-from faucet_dagster.planner import Mechanism, Plan, plan
+from faucet_dagster.planner import Mechanism, plan
 from faucet_dagster.protocol import (
     AddColumn,
     CommitToken,
     ConfigError,
     DataError,
-    Delivery,
     FetchContext,
     IntegrityError,
     JsonValue,
@@ -75,10 +73,8 @@ from faucet_dagster.protocol import (
     as_record_batch,
 )
 from faucet_dagster.protocol.json_values import json_record
-
-DEFAULT_BATCH_SIZE = 50_000
-"""Rows per page when the caller does not say: large enough to amortise a COPY, small enough to
-keep a few pages of wide rows well under a hundred megabytes."""
+from faucet_dagster.runner.bounded_values import BoundedSyncResult, PageReport, SyncSettings
+from faucet_dagster.runner.read_ahead import reading_ahead
 
 DEAD_LETTER_SCHEMA = pa.schema(
     [
@@ -98,66 +94,13 @@ that page), the stage that refused it (``convert``: it did not fit an Arrow batc
 sink rejected it), the reason, and the row itself as a JSON object."""
 
 
-@dataclass(frozen=True)
-class SyncSettings:
-    """How one bounded sync runs; the write mode and key are the sink's (``Sink.write_mode``).
-
-    ``delivery`` is the guarantee asked for (``None``: the best the pair reaches). ``durable_state``
-    says whether the caller persists the returned bookmark and token durably (Dagster run storage
-    does). ``evolve_schema`` adds columns the destination lacks instead of refusing them.
-    """
-
-    delivery: Delivery | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    evolve_schema: bool = False
-    durable_state: bool = True
-
-
-@dataclass(frozen=True)
-class PageReport:
-    """What happened to one page, reported to ``on_page`` once its rows are committed or routed."""
-
-    number: int
-    rows_read: int
-    rows_written: int
-    rows_dead_lettered: int
-    rows_skipped: int
-    bookmark: JsonValue | None
-    commit_token: CommitToken | None
-
-
-@dataclass(frozen=True)
-class BoundedSyncResult:
-    """The outcome of a sync that completed: every page was written, flushed and finished.
-
-    ``rows_skipped`` counts rows re-read after a crash that the sink had already committed (atomic
-    watermark). ``bookmark`` is where the next run resumes; ``commit_token`` the token the next run
-    continues from (``None`` when no watermark was ever used). ``schema`` is the destination's schema
-    after the run (or the last batch's when the sink cannot tell).
-    """
-
-    plan: Plan
-    rows_read: int
-    rows_written: int
-    rows_dead_lettered: int
-    rows_skipped: int
-    pages: int
-    bookmark: JsonValue | None
-    commit_token: CommitToken | None
-    schema: pa.Schema | None
-    seconds: float
-    evolved_columns: tuple[str, ...] = ()
-
-    @property
-    def rows_per_second(self) -> float:
-        """Rows read per second of wall time (0 for an instant, empty run)."""
-        return self.rows_read / self.seconds if self.seconds > 0 else 0.0
+DEFAULT_SETTINGS = SyncSettings()
 
 
 async def run_bounded_sync(
     source: Source,
     sink: Sink,
-    settings: SyncSettings = SyncSettings(),
+    settings: SyncSettings = DEFAULT_SETTINGS,
     *,
     start_bookmark: JsonValue | None = None,
     last_token: CommitToken | None = None,
@@ -225,7 +168,7 @@ async def run_bounded_sync(
 
         def read_ahead() -> Awaitable[AsyncIterator[Page]]:
             return reading.enter_async_context(
-                _reading_ahead(source.stream_pages(run.context, settings.batch_size))
+                reading_ahead(source.stream_pages(run.context, settings.batch_size))
             )
 
         stream = None if resumes_at_sink else await read_ahead()
@@ -579,46 +522,4 @@ def _columns(schema: pa.Schema) -> dict[str, pa.DataType]:
     return {f.name: f.type for f in schema}
 
 
-@asynccontextmanager
-async def _reading_ahead(pages: AsyncIterator[Page]) -> AsyncGenerator[AsyncIterator[Page], None]:
-    """``pages``, read one page ahead from the moment this is entered (one page of read-ahead).
-
-    The source reads page ``n + 1`` while the caller writes page ``n`` (page 1 while the caller gets
-    ready). When the caller leaves early (an error, or it stops iterating), the read in flight is let
-    finish (it is one page; cancelling it could leave a source's client mid-request) and dropped, with
-    any error it raised, in favour of the caller's; then the source's generator is closed.
-    """
-    iterator = aiter(pages)
-    pending: asyncio.Future[Page] = asyncio.ensure_future(anext(iterator))
-
-    async def ahead() -> AsyncGenerator[Page, None]:
-        nonlocal pending
-        while True:
-            try:
-                page = await pending
-            except StopAsyncIteration:
-                return
-            pending = asyncio.ensure_future(anext(iterator))
-            yield page
-
-    stream = ahead()
-    try:
-        yield stream
-    finally:
-        await stream.aclose()
-        await asyncio.wait([pending])
-        if not pending.cancelled():
-            pending.exception()  # retrieved: the caller's own error (or normal end) takes precedence
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-__all__ = [
-    "DEAD_LETTER_SCHEMA",
-    "DEFAULT_BATCH_SIZE",
-    "BoundedSyncResult",
-    "PageReport",
-    "SyncSettings",
-    "run_bounded_sync",
-]
+__all__ = ["DEAD_LETTER_SCHEMA", "run_bounded_sync"]

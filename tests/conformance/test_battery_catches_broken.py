@@ -38,7 +38,7 @@ def test_every_rule_is_broken_by_at_least_two_different_connectors() -> None:
 def test_faucet_conformance_self_test_prints_which_check_caught_which_broken_connector(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from faucet_dagster.cli import main
+    from faucet_dagster.cli.main import main
 
     assert main(["conformance", "--self-test", "--check", "config_schema", "--check", "resume"]) == 0
     printed = capsys.readouterr().out

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from faucet_dagster.testing.faults.case import CaseParams, CaseResult
 from faucet_dagster.testing.faults.harness import (
     ScheduledCase,
     battery,
@@ -24,7 +25,6 @@ from faucet_dagster.testing.faults.harness import (
     table,
 )
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, pair_named
-from faucet_dagster.testing.faults.scenarios import CaseParams, CaseResult
 
 
 def _pairs(text: str) -> list[Pair]:

@@ -170,9 +170,10 @@ def named_faults(pair: Pair) -> list[Fault]:
         faults.append(Fault(FaultKind.PURGE))
     if pair.source is PostgresChangesSource:
         faults.append(Fault(FaultKind.DDL))
-    from faucet_dagster.testing.faults import lagging  # builds on this module
-
-    faults += [Fault(FaultKind(kind)) for kind in lagging.RUNNERS if lagging.applies(pair, kind)]
+    if pair.mode is Mode.CONTINUOUS and pair.source is NatsSource:
+        faults.append(Fault(FaultKind.RETENTION))
+    if pair.mode is Mode.BOUNDED:
+        faults.append(Fault(FaultKind.PAGE_CRASH))
     return faults
 
 

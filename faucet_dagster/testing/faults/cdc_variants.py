@@ -3,8 +3,8 @@ changes in between, and a table without a key.
 
 ``cdc-snapshot-postgres``
     The change source with ``snapshot``: a new stream first reads the table's existing rows at one
-    point. Its own fault (:func:`snapshot_crash`): the worker is killed after the sink committed the
-    snapshot's epoch and before its certificate, then rows the snapshot read are deleted and
+    point. Its own fault (:func:`.scenarios.snapshot_crash`): the worker is killed after the sink
+    committed the snapshot's epoch and before its certificate, then rows the snapshot read are deleted and
     updated at the source (:func:`change_existing`), and new ones written; a fresh worker recovers. A
     second snapshot is taken at another point, so the recovery must not trust re-read rows: the
     replica must equal the source.
@@ -16,22 +16,15 @@ changes in between, and a table without a key.
 
 Both pairs run only their own faults in the named battery (:func:`.catalog.named_faults`).
 
-The sides themselves are in :mod:`.pairs` (a few lines each, delegating here); this module imports
-neither it nor :mod:`.scenarios` at run time.
+The sides themselves are in :mod:`.pairs` (a few lines each, delegating here); the snapshot crash's
+runner is :func:`.scenarios.snapshot_crash`.
 """
 
 import json
-import signal
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
-
-from faucet_dagster.runner.faults import Action, Point
-
-if TYPE_CHECKING:
-    from faucet_dagster.testing.faults.scenarios import Case
 
 UNKEYED_TABLE = (
     "CREATE TABLE {table} (producer text, seq bigint, id bigint NOT NULL, version int NOT NULL, "
@@ -105,32 +98,4 @@ def numbered(rows: Iterable[tuple[_Key, _Row]]) -> list[tuple[_Key, _Row]]:
     return keyed
 
 
-@dataclass(frozen=True)
-class CrashOutcome:
-    """What :func:`snapshot_crash` established: whether the kill landed where scheduled, whether the
-    stream recovered, and notes for the verdict."""
-
-    fired: bool
-    recovered: bool
-    notes: tuple[str, ...]
-
-
-def snapshot_crash(case: "Case") -> CrashOutcome:
-    """Kill the first worker after the sink committed its first epoch (the snapshot's), change rows
-    the snapshot read and write new ones, then recover with a fresh worker."""
-    notes: list[str] = []
-    worker = case.start(case.spec("w1"), case.arming(Point.AFTER_SINK_COMMIT, Action.KILL, hit=1))
-    code = case.finish(worker)
-    fired = case.fired() and code == -signal.SIGKILL
-    if not fired:
-        notes.append(f"the worker was not killed after its first commit (exit {code}): {worker.tail()}")
-    if case.certificates():
-        notes.append("the snapshot's epoch was certified before the kill")
-        fired = False
-    case.produced += case.source.change_existing("p1")
-    case.produce("p2", max(50, case.params.records // 10))
-    recovered = case.recover(notes)
-    return CrashOutcome(fired, recovered, tuple(notes))
-
-
-__all__ = ["UNKEYED_TABLE", "CrashOutcome", "change_existing", "duplicate_rows", "numbered", "snapshot_crash"]
+__all__ = ["UNKEYED_TABLE", "change_existing", "duplicate_rows", "numbered"]

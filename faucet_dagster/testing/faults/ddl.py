@@ -17,15 +17,12 @@ which compares the source's columns), as for every change-source case.
 """
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psycopg
 
+from faucet_dagster.testing.faults.case import Case
 from faucet_dagster.testing.faults.pairs import CHANGES_TABLE
 from faucet_dagster.testing.faults.spec import EXIT_DONE, EXIT_HALTED, Endpoint
-
-if TYPE_CHECKING:
-    from faucet_dagster.testing.faults.scenarios import Case
 
 ADD_COLUMN = f"ALTER TABLE {CHANGES_TABLE} ADD COLUMN priority int DEFAULT 7"
 RETYPE_COLUMN = "ALTER TABLE {table} ALTER COLUMN version TYPE bigint"

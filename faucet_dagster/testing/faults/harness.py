@@ -15,9 +15,10 @@ from pathlib import Path
 
 from faucet_dagster.protocol import Mode
 from faucet_dagster.runner.faults import Action
+from faucet_dagster.testing.faults.case import CaseParams, CaseResult
 from faucet_dagster.testing.faults.catalog import Fault, FaultKind, named_faults, not_applicable
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers
-from faucet_dagster.testing.faults.scenarios import CaseParams, CaseResult, run_case
+from faucet_dagster.testing.faults.scenarios import run_case
 from faucet_dagster.testing.servers import KafkaServer, NatsServer, PostgresServer, make_unique_name
 
 

@@ -21,14 +21,10 @@
 
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
-from faucet_dagster.protocol import Mode
 from faucet_dagster.runner.faults import Action, Point
-from faucet_dagster.testing.faults.catalog import Fault
-from faucet_dagster.testing.faults.pairs import NatsSource, Pair
-from faucet_dagster.testing.faults.scenarios import (
+from faucet_dagster.testing.faults.case import (
     Case,
     CaseOutcome,
     all_keys,
@@ -36,22 +32,15 @@ from faucet_dagster.testing.faults.scenarios import (
     halted_outcome,
     recovered_outcome,
 )
+from faucet_dagster.testing.faults.catalog import Fault
+from faucet_dagster.testing.faults.pairs import NatsSource
 from faucet_dagster.testing.faults.spec import Endpoint
 from faucet_dagster.testing.faults.worker_process import HarnessError
 
-RETENTION = "retention"
-PAGE_CRASH = "page_crash"
 LAG_WINDOW = 50
 """``max_ack_pending`` of the lagging consumer: far below what is produced, so most is held back."""
 RETAINED_AFTER_CRASH = 10
 """How many of the oldest records retention removes between a bounded crash and its rerun."""
-
-
-def applies(pair: Pair, kind: str) -> bool:
-    """Whether fault class ``kind`` applies to ``pair``."""
-    if kind == RETENTION:
-        return pair.mode is Mode.CONTINUOUS and pair.source is NatsSource
-    return pair.mode is Mode.BOUNDED
 
 
 def retention(case: Case, fault: Fault) -> CaseOutcome:
@@ -112,7 +101,4 @@ def page_crash(case: Case, fault: Fault) -> CaseOutcome:
     return outcome
 
 
-RUNNERS: dict[str, Callable[[Case, Fault], CaseOutcome]] = {RETENTION: retention, PAGE_CRASH: page_crash}
-"""The fault runners of this module, by fault kind (registered in ``scenarios``)."""
-
-__all__ = ["PAGE_CRASH", "RETENTION", "RUNNERS", "applies", "page_crash", "retention"]
+__all__ = ["page_crash", "retention"]

@@ -26,10 +26,10 @@ from pathlib import Path
 from faucet_dagster.protocol import EpochCertificate, OrderingDomain
 from faucet_dagster.runner.members import group_stream
 from faucet_dagster.state import StateStore
+from faucet_dagster.testing.faults.case import Case, CaseParams
 from faucet_dagster.testing.faults.harness import managed_servers
 from faucet_dagster.testing.faults.oracle import Verdict, judge
 from faucet_dagster.testing.faults.pairs import KafkaSource, Pair, Servers, pair_named
-from faucet_dagster.testing.faults.scenarios import Case, CaseParams
 from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 
 MEMBER_GROUPS = 3

@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from nats.js.api import PubAck
 from psycopg.rows import dict_row
 
-from faucet_dagster.cdc_cli import setup_change_source
+from faucet_dagster.runner.replication import setup_change_source
 from faucet_dagster.testing.faults import cdc_variants
 from faucet_dagster.testing.faults.sides import (
     CHANGES_TABLE,

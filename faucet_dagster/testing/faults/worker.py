@@ -60,7 +60,8 @@ from faucet_dagster.protocol import (
     default_codec_registry,
     get_connector,
 )
-from faucet_dagster.runner.bounded import PageReport, SyncSettings, run_bounded_sync
+from faucet_dagster.runner.bounded import run_bounded_sync
+from faucet_dagster.runner.bounded_values import PageReport, SyncSettings
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.runner.faults import Point, fault_point
 from faucet_dagster.runner.members import MemberWorker

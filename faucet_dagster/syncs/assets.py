@@ -15,11 +15,11 @@ crash between its commit and the Dagster event: the next run re-reads the same r
 bookmark and skips every row the sink had already committed, so nothing is written twice.
 
 Loading the definitions does no I/O: every config is parsed and every pair planned
-(:mod:`faucet_dagster.preflight`), and a mistake fails the load. A source whose capabilities say
+(:mod:`faucet_dagster.declarations.preflight`), and a mistake fails the load. A source whose capabilities say
 ``shardable`` and whose connection is known when the definitions load (not a resource key) becomes a
 partitioned asset with dynamic partitions, ``faucet_<sync>_shards``, one a shard (its path relative
 to the shards' common directory), each with its own bookmark; the shards are listed by
-:func:`faucet_dagster.partitions.faucet_partitions_sensor`, and by a run for its own partition. A run
+:func:`faucet_dagster.syncs.partitions.faucet_partitions_sensor`, and by a run for its own partition. A run
 over a range of partitions (``--partition-range``, a backfill: the backfill policy is ``single_run``)
 moves them one after the other, each from and to its own bookmark.
 
@@ -32,113 +32,30 @@ after the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualifie
 ``dagster/code_references`` names the line that declared its sync.
 """
 
-import json
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import dagster as dg
-import pyarrow as pa
-from dagster._core.definitions.metadata import TableMetadataSet
 
-from faucet_dagster.declared import DECLARED, declaring_line
-from faucet_dagster.launch_hint import install_launch_hint
-from faucet_dagster.preflight import PairCheck, build_offline, check_pairs
+from faucet_dagster.declarations.code_location import declaring_line, with_code_reference
+from faucet_dagster.declarations.declared import DECLARED
+from faucet_dagster.declarations.preflight import check_pairs
 from faucet_dagster.protocol import (
-    CommitToken,
     ConfigError,
-    Delivery,
     FetchContext,
     JsonValue,
-    Mode,
-    Role,
     Sink,
     Source,
-    WritePolicy,
 )
-from faucet_dagster.resources import FaucetEndpoint
-from faucet_dagster.runner.bounded import (
-    DEFAULT_BATCH_SIZE,
-    BoundedSyncResult,
-    PageReport,
-    SyncSettings,
-    run_bounded_sync,
-)
+from faucet_dagster.runner.bounded import run_bounded_sync
+from faucet_dagster.runner.bounded_values import PageReport
 from faucet_dagster.runner.sync import run_sync
-from faucet_dagster.shards import shard_of
-
-BOOKMARK_KEY = "faucet/bookmark"
-COMMIT_TOKEN_KEY = "faucet/commit_token"
-
-
-@dataclass(frozen=True)
-class FaucetSync:
-    """One bounded sync: read ``source`` and write ``sink`` with the mode its config chooses.
-
-    ``delivery`` is the guarantee asked for (``None``: the best reachable; the plan says which).
-    ``dead_letter`` receives the rows that cannot be converted or that the sink rejects (it rules out
-    the atomic watermark). ``evolve_schema`` adds new source columns to the destination instead of
-    failing the run.
-    """
-
-    name: str
-    source: FaucetEndpoint
-    sink: FaucetEndpoint
-    delivery: Delivery | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    evolve_schema: bool = False
-    dead_letter: FaucetEndpoint | None = None
-    description: str | None = None
-
-    def settings(self) -> SyncSettings:
-        """The runner settings of this sync (run storage is durable state)."""
-        return SyncSettings(
-            delivery=self.delivery,
-            batch_size=self.batch_size,
-            evolve_schema=self.evolve_schema,
-            durable_state=True,
-        )
-
-    def pair_check(self) -> PairCheck:
-        """What the definitions' load checks of this sync (see :mod:`faucet_dagster.preflight`)."""
-        return PairCheck(
-            where=f"sync {self.name}",
-            mode=Mode.BOUNDED,
-            source=self.source,
-            sink=self.sink,
-            delivery=self.delivery,
-            dead_letter=self.dead_letter,
-        )
-
-    def shardable(self) -> bool:
-        """Whether the source is known now and declares itself shardable (no I/O: capabilities
-        come from the config, environment references unread; a source that cannot be built without
-        their values is not known now)."""
-        source, _ = build_offline(self.source, Role.SOURCE)
-        if not isinstance(source, Source):
-            return False
-        try:
-            return source.capabilities().shardable
-        finally:
-            run_sync(source.close())
-
-    def endpoints(self) -> tuple[FaucetEndpoint, ...]:
-        return (
-            (self.source, self.sink)
-            if self.dead_letter is None
-            else (self.source, self.sink, self.dead_letter)
-        )
-
-
-@dataclass(frozen=True)
-class FaucetSyncData:
-    """What a translator sees of a sync: the declaration and whether its asset is partitioned (one
-    dynamic partition a shard of its source)."""
-
-    sync: FaucetSync
-    partitioned: bool = False
+from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData, op_name, partitions_def_name
+from faucet_dagster.syncs.launch_hint import install_launch_hint
+from faucet_dagster.syncs.metadata import SyncOutcome, SyncState, last_sync_state, sync_metadata
+from faucet_dagster.syncs.shards import shard_of
 
 
 @dataclass
@@ -173,16 +90,6 @@ class FaucetTranslator:
                 "faucet/sink": sync.sink.label,
             },
         )
-
-
-@dataclass(frozen=True)
-class SyncState:
-    """What the last successful materialization of an asset (partition) recorded for the next run."""
-
-    bookmark: JsonValue | None = None
-    commit_token: CommitToken | None = None
-    partition_rows: int | None = None
-    """The partition's ``dagster/partition_row_count`` (0 for a first run; ``None``: not kept)."""
 
 
 class FaucetSyncs:
@@ -269,17 +176,6 @@ class FaucetSyncs:
         return sync_metadata(outcome, state)
 
 
-@dataclass(frozen=True)
-class SyncOutcome:
-    """A completed run and the URIs of what it read and wrote."""
-
-    result: BoundedSyncResult
-    source_uri: str
-    sink_uri: str
-    table_rows: int | None = None
-    """The destination table's rows after the run, when the sink can count them."""
-
-
 async def _execute(
     sync: FaucetSync,
     resources: Any,
@@ -326,138 +222,6 @@ async def _execute(
         return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri(), rows)
 
 
-def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str | None) -> SyncState:
-    """The bookmark and commit token of the newest materialization of ``key`` (``partition``) that
-    recorded them; an empty state when there is none (a first run).
-
-    Materializations without faucet state (reported by hand in the UI) are passed over.
-    """
-    records_filter = dg.AssetRecordsFilter(
-        asset_key=key, asset_partitions=None if partition is None else [partition]
-    )
-    cursor = None
-    while True:
-        page = instance.fetch_materializations(records_filter, limit=1, cursor=cursor)
-        for record in page.records:
-            materialization = record.asset_materialization
-            if materialization is None or BOOKMARK_KEY not in materialization.metadata:
-                continue
-            metadata = materialization.metadata
-            token = metadata.get(COMMIT_TOKEN_KEY)
-            token_text = token.value if isinstance(token, dg.TextMetadataValue) else None
-            rows = metadata.get("dagster/partition_row_count")
-            return SyncState(
-                bookmark=_bookmark_from(metadata[BOOKMARK_KEY]),
-                commit_token=None if not token_text else CommitToken.parse(token_text),
-                partition_rows=rows.value if isinstance(rows, dg.IntMetadataValue) else None,
-            )
-        if not page.has_more:
-            return SyncState(partition_rows=None if partition is None else 0)
-        cursor = page.cursor
-
-
-def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> dict[str, Any]:
-    """The metadata of one materialization (see the module docstring); no config, no secrets.
-
-    Dagster's table metadata (:class:`dagster.TableMetadataSet`): ``dagster/row_count`` the
-    destination table's rows after the run (when the sink can count them), ``dagster/table_name``
-    fully qualified, ``dagster/storage_kind`` the sink's URI scheme, ``dagster/column_schema``; for
-    a partition of an appending sync, ``dagster/partition_row_count`` the rows this partition has
-    appended over all its runs (``previous`` is the state of its last run).
-    """
-    result = outcome.result
-    token = result.commit_token
-    partition_rows = None
-    if (
-        previous is not None
-        and result.plan.policy is WritePolicy.APPEND
-        and previous.partition_rows is not None
-    ):
-        partition_rows = previous.partition_rows + result.rows_written
-    table = TableMetadataSet(
-        column_schema=_table_schema(result.schema),
-        row_count=outcome.table_rows,
-        partition_row_count=partition_rows,
-        table_name=table_name(outcome.sink_uri),
-        storage_kind=storage_kind(outcome.sink_uri),
-    )
-    return {
-        **{key: table[key] for key in list(table.keys())},  # keys(): the fields that are set
-        BOOKMARK_KEY: _bookmark_value(result.bookmark),
-        COMMIT_TOKEN_KEY: dg.MetadataValue.null() if token is None else dg.MetadataValue.text(str(token)),
-        "faucet/delivery": dg.MetadataValue.text(result.plan.delivery.value),
-        "faucet/plan": dg.MetadataValue.json(result.plan.to_dict()),
-        "faucet/rows_read": dg.MetadataValue.int(result.rows_read),
-        "faucet/rows_written": dg.MetadataValue.int(result.rows_written),
-        "faucet/rows_dead_lettered": dg.MetadataValue.int(result.rows_dead_lettered),
-        "faucet/rows_skipped": dg.MetadataValue.int(result.rows_skipped),
-        "faucet/pages": dg.MetadataValue.int(result.pages),
-        "faucet/rows_per_second": dg.MetadataValue.float(round(result.rows_per_second, 1)),
-        "faucet/seconds": dg.MetadataValue.float(round(result.seconds, 3)),
-        "faucet/source": dg.MetadataValue.text(outcome.source_uri),
-        "faucet/sink": dg.MetadataValue.text(outcome.sink_uri),
-    }
-
-
-def table_name(uri: str) -> str:
-    """The fully qualified table name (``database.schema.table`` as far as the URI names them) for
-    ``dagster/table_name``, from a sink's dataset URI: ``sqlite:///w.db#orders`` -> ``w.orders``,
-    ``postgresql://host/shop#public.orders`` and ``postgresql://host/shop/public.orders`` ->
-    ``shop.public.orders``."""
-    base, _, fragment = uri.partition("#")
-    segments = [segment for segment in base.split("://", 1)[-1].split("/")[1:] if segment]
-    if fragment:
-        table = fragment
-        database = segments[-1] if segments else ""
-    else:
-        table = segments[-1] if segments else uri
-        database = segments[-2] if len(segments) > 1 else ""
-    database = database.split("?", 1)[0]
-    for suffix in (".db", ".sqlite", ".sqlite3"):
-        database = database.removesuffix(suffix)
-    return f"{database}.{table}" if database else table
-
-
-def storage_kind(uri: str) -> str | None:
-    """The storage system of a dataset URI, its scheme without a driver (``postgresql+psycopg`` ->
-    ``postgresql``)."""
-    scheme, separator, _ = uri.partition("://")
-    return scheme.split("+", 1)[0] or None if separator else None
-
-
-def _table_schema(schema: pa.Schema | None) -> dg.TableSchema:
-    if schema is None:
-        return dg.TableSchema(columns=[])
-    return dg.TableSchema(
-        columns=[
-            dg.TableColumn(
-                name=f.name,
-                type=str(f.type),
-                constraints=dg.TableColumnConstraints(nullable=f.nullable),
-            )
-            for f in schema
-        ]
-    )
-
-
-def _bookmark_value(bookmark: JsonValue | None) -> dg.MetadataValue[Any]:
-    """Objects and lists as JSON (readable in the UI); a scalar as its JSON text."""
-    if bookmark is None:
-        return dg.MetadataValue.null()
-    if isinstance(bookmark, dict | list):
-        return dg.MetadataValue.json(bookmark)
-    return dg.MetadataValue.text(json.dumps(bookmark))
-
-
-def _bookmark_from(value: dg.MetadataValue[Any]) -> JsonValue | None:
-    if isinstance(value, dg.JsonMetadataValue):
-        return cast(JsonValue, value.data)
-    if isinstance(value, dg.TextMetadataValue) and value.text is not None:
-        text: JsonValue = json.loads(value.text)
-        return text
-    return None
-
-
 # -- building the assets ---------------------------------------------------------------------------
 
 
@@ -482,10 +246,10 @@ def faucet_assets(
     sync of this asset. Connections given by resource key become required resources of the asset.
 
     Every config is parsed and every pair planned now, without I/O (see
-    :mod:`faucet_dagster.preflight`): a mistake fails the definitions' load. A partitioned asset's
-    partitions are dynamic (``faucet_<sync>_shards``): nothing is listed now; the sensor of
-    :func:`faucet_dagster.partitions.faucet_partitions_sensor` (or
-    :func:`faucet_dagster.partitions.refresh_partitions`) adds a partition per new shard.
+    :mod:`faucet_dagster.declarations.preflight`): a mistake fails the definitions' load. A partitioned
+    asset's partitions are dynamic (``faucet_<sync>_shards``): nothing is listed now; the sensor of
+    :func:`faucet_dagster.syncs.partitions.faucet_partitions_sensor` (or
+    :func:`faucet_dagster.syncs.partitions.refresh_partitions`) adds a partition per new shard.
     """
     translator = translator or FaucetTranslator()
     declared_at = declaring_line()
@@ -542,7 +306,7 @@ def faucet_sync_assets(
     assets = []
     for sync in syncs:
 
-        @faucet_assets(syncs=[sync], translator=translator, name=_op_name(sync.name))
+        @faucet_assets(syncs=[sync], translator=translator, name=op_name(sync.name))
         def _sync(
             context: dg.AssetExecutionContext, faucet: FaucetSyncs
         ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
@@ -552,28 +316,10 @@ def faucet_sync_assets(
     return assets
 
 
-def with_code_reference(spec: dg.AssetSpec, line: tuple[str, int] | None) -> dg.AssetSpec:
-    """``spec`` referencing the line that declared it (``dagster/code_references``), unless it holds
-    references already (a component's ``defs.yaml`` line, a translator's own)."""
-    if line is None or "dagster/code_references" in spec.metadata:
-        return spec
-    with warnings.catch_warnings():
-        # Dagster marks code references beta; its own components attach them the same way.
-        warnings.simplefilter("ignore", dg.BetaWarning)
-        reference = dg.LocalFileCodeReference(file_path=line[0], line_number=line[1])
-        value = dg.CodeReferencesMetadataValue(code_references=[reference])
-    return spec.merge_attributes(metadata={"dagster/code_references": value})
-
-
 def replace_partitions(
     spec: dg.AssetSpec, partitions_def: dg.PartitionsDefinition[str] | None
 ) -> dg.AssetSpec:
     return spec.replace_attributes(partitions_def=partitions_def, skippable=True)
-
-
-def _op_name(name: str) -> str:
-    cleaned = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
-    return f"faucet_{cleaned}"
 
 
 def _shardable(syncs: Sequence[FaucetSync]) -> FaucetSync | None:
@@ -588,11 +334,6 @@ def _shardable(syncs: Sequence[FaucetSync]) -> FaucetSync | None:
             where="faucet_assets",
         )
     return shardable[0]
-
-
-def partitions_def_name(sync: FaucetSync) -> str:
-    """The name of the dynamic partitions of ``sync``'s asset: ``faucet_<sync>_shards``."""
-    return f"{_op_name(sync.name)}_shards"
 
 
 __all__ = [

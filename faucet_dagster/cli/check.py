@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from faucet_dagster.declared import DECLARED, import_code_location
-from faucet_dagster.preflight import pair_problems
+from faucet_dagster.declarations.code_location import import_code_location
+from faucet_dagster.declarations.declared import DECLARED
+from faucet_dagster.declarations.preflight import pair_problems
+from faucet_dagster.declarations.resources import FaucetEndpoint
 from faucet_dagster.protocol import ConnectionFailed, FaucetError, Mode, Role, StreamingSink, StreamSource
-from faucet_dagster.resources import FaucetEndpoint
 from faucet_dagster.runner.sync import run_sync
 
 

@@ -31,7 +31,7 @@ from dagster._core.remote_origin import RemoteInstigatorOrigin
 from dagster._core.scheduler.instigation import InstigatorStatus
 
 from faucet_dagster.state.members import LiveMember
-from faucet_dagster.stream_health import Stall
+from faucet_dagster.streams.health import Stall
 
 STREAM_TAG = "faucet/stream"
 SLOT_TAG = "faucet/worker"

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from faucet_dagster.declared import declaring_line
+from faucet_dagster.declarations.code_location import declaring_line
+from faucet_dagster.declarations.resources import FaucetEndpoint, env_name, merge_config
 from faucet_dagster.pipeline import BadRowPolicy, ResourceSchema
 from faucet_dagster.planner import plan
 from faucet_dagster.protocol import (
@@ -33,7 +34,6 @@ from faucet_dagster.protocol import (
     Source,
     WritePolicy,
 )
-from faucet_dagster.resources import FaucetEndpoint, env_name, merge_config
 from faucet_dagster.runner.sync import run_sync
 
 ENV_PLACEHOLDER = "<faucet: set from an environment variable at run time>"
@@ -60,7 +60,7 @@ class PairCheck:
 
 
 class StreamDeclaration(Protocol):
-    """What the check reads of a stream (a :class:`faucet_dagster.sensors.FaucetStream`)."""
+    """What the check reads of a stream (a :class:`faucet_dagster.streams.sensor.FaucetStream`)."""
 
     @property
     def name(self) -> str: ...

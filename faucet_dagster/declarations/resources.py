@@ -19,8 +19,8 @@ from typing import Any
 
 import dagster as dg
 
-from faucet_dagster.cdc_cli import setup_change_source
 from faucet_dagster.protocol import ConfigError, ConnectorSpec, Sink, Source, get_connector
+from faucet_dagster.runner.replication import setup_change_source
 
 
 class FaucetConnection(dg.ConfigurableResource["FaucetConnection"]):

@@ -6,16 +6,16 @@
   (member id: the run id) round after round: it holds its member lease and the leases of its
   partition groups, runs their epochs continuously and logs every certified epoch to the run's logs.
   It ends when its sensor is stopped (checked every :data:`SENSOR_CHECK_SECONDS` between rounds, from
-  Dagster's state of the sensor: :class:`~faucet_dagster.worker_runs.SensorWatch`): the round in
+  Dagster's state of the sensor: :class:`~faucet_dagster.streams.worker_runs.SensorWatch`): the round in
   progress certifies its epochs, the groups close at those certified positions, every lease is
   released and the run succeeds, its last log line saying why. A terminated run closes and releases
   the same way;
 * a sensor ``<stream>_stream`` that, each tick, reports every group's new certificates as
   materializations of the sink asset (each once: the cursor holds a report mark per group, as the
   single-worker sensor's does for its stream) and keeps a run in each of the N worker slots
-  (:mod:`faucet_dagster.worker_runs`): a started run whose member lease lapsed long enough (its
+  (:mod:`faucet_dagster.streams.worker_runs`): a started run whose member lease lapsed long enough (its
   process died) is marked failed and replaced, and a slot whose runs failed
-  :data:`~faucet_dagster.worker_runs.MAX_FAILURES` times in a row is backed off and reported, its
+  :data:`~faucet_dagster.streams.worker_runs.MAX_FAILURES` times in a row is backed off and reported, its
   last error and the remedy in the tick and in the ``faucet_stream_health`` evaluation. The runs go
   through the instance's run coordinator and run launcher, so the Kubernetes, Docker or ECS launcher
   places them.
@@ -33,19 +33,18 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from faucet_dagster.protocol import ConfigError, EpochCertificate
 from faucet_dagster.runner.members import MemberWorker, group_stream
-from faucet_dagster.sensors import (
+from faucet_dagster.state import StateStore
+from faucet_dagster.state.members import MemberRegistry
+from faucet_dagster.streams.certificates import (
     CERTIFICATE_CHECK,
     MAX_REPORTS_PER_TICK,
-    AssetKeyLike,
-    FaucetStream,
     certificate_events,
     certificate_problems,
     chain_problems,
 )
-from faucet_dagster.state import StateStore
-from faucet_dagster.state.members import MemberRegistry
-from faucet_dagster.stream_health import HEALTH_CHECK, check_result, health_evaluation, stored_health
-from faucet_dagster.worker_runs import (
+from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
+from faucet_dagster.streams.health import HEALTH_CHECK, check_result, health_evaluation, stored_health
+from faucet_dagster.streams.worker_runs import (
     SLOT_TAG,
     STREAM_TAG,
     SensorWatch,

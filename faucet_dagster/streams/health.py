@@ -23,6 +23,7 @@ from dagster._core.definitions.metadata import TableMetadataSet
 
 from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, OwnershipLost, SourceLag
 from faucet_dagster.state import StateStore
+from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
 
 HEALTH_CHECK = "faucet_stream_health"
 logger = logging.getLogger(__name__)
@@ -294,3 +295,24 @@ def describe_lag(lag: Sequence[SourceLag]) -> str:
     if not lag:
         return "unknown (the source does not say where its head is)"
     return "; ".join(item.describe() for item in lag)
+
+
+def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) -> dg.AssetChecksDefinition:
+    """The ``faucet_stream_health`` check: the stream certifies epochs and is not stalled.
+
+    Evaluated by the sensor on every tick that certifies (passing, with the lag) or stalls (failing
+    with the reason and the remedy). Executed on demand, it reads the state store: failing while the
+    stream is marked uncertain, else passing with the lag of the last certificate.
+    """
+    key = stream.asset_spec(asset_key).key
+
+    @dg.asset_check(
+        asset=key,
+        name=HEALTH_CHECK,
+        description="The stream certifies epochs: not halted, uncertain or waiting on a lease.",
+    )
+    def _check() -> dg.AssetCheckResult:
+        with StateStore(stream.state_url) as store:
+            return check_result(stored_health(store, key, [stream.name]))
+
+    return _check

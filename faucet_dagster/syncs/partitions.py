@@ -9,16 +9,16 @@ example_project``, ``faucet partitions refresh -m MODULE``), :func:`refresh_part
 the same sensors once and applies what they request.
 """
 
-import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 import dagster as dg
 
-from faucet_dagster.assets import FaucetSync, partitions_def_name
-from faucet_dagster.declared import import_code_location
+from faucet_dagster.declarations.code_location import import_code_location
 from faucet_dagster.protocol import ConfigError
 from faucet_dagster.runner.sync import run_sync
-from faucet_dagster.shards import list_shards, shard_partitions
+from faucet_dagster.syncs.declaration import FaucetSync, partitions_def_name
+from faucet_dagster.syncs.shards import list_shards, shard_partitions
 
 PARTITIONS_SENSOR_TAG = "faucet/partitions"
 """Tag of a partitions sensor; its value is the dynamic partitions definition it maintains."""
@@ -87,23 +87,21 @@ def refresh_partitions(instance: dg.DagsterInstance, defs: dg.Definitions) -> di
     return added
 
 
-def refresh_command(args: argparse.Namespace) -> int:
-    defs = getattr(import_code_location(args.module, args.working_directory), args.attribute, None)
+def refresh_code_location(module: str, attribute: str, directory: Path) -> dict[str, list[str]]:
+    """Import the code location ``module`` from ``directory``, evaluate every faucet partitions sensor
+    of its ``attribute`` (a ``Definitions``) once against the instance of ``$DAGSTER_HOME``, and add
+    the partitions they request; returns the keys added, by partitions definition."""
+    defs = getattr(import_code_location(module, directory), attribute, None)
     if not isinstance(defs, dg.Definitions):
-        raise ConfigError(f"{args.module}.{args.attribute} is not a dagster Definitions", where=args.module)
+        raise ConfigError(f"{module}.{attribute} is not a dagster Definitions", where=module)
     with dg.DagsterInstance.get() as instance:
-        added = refresh_partitions(instance, defs)
-    for name, keys in added.items():
-        print(f"{name}: added {len(keys)} partition(s): {', '.join(keys)}")
-    if not added:
-        print("no new shard")
-    return 0
+        return refresh_partitions(instance, defs)
 
 
 __all__ = [
     "PARTITIONS_SENSOR_TAG",
     "faucet_partitions_sensor",
-    "refresh_command",
+    "refresh_code_location",
     "refresh_partitions",
     "shard_partition_keys",
 ]

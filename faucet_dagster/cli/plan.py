@@ -1,4 +1,4 @@
-"""The ``faucet`` command line: ``faucet plan`` checks a source/sink pair before anything runs.
+"""``faucet plan``: check a source/sink pair before anything runs.
 
 Sources and sinks are named as installed connectors (built from a config file, without connecting)
 or described by their capabilities directly, from flags or a YAML file. Exit codes: 0 accepted,
@@ -6,22 +6,16 @@ or described by their capabilities directly, from flags or a YAML file. Exit cod
 """
 
 import argparse
-import importlib
 import json
-import re
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from faucet_dagster.cdc_cli import add_cdc_parser
+from faucet_dagster.cli.files import parse_flag_value, read_yaml
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import (
     ConfigError,
     Delivery,
-    FaucetError,
     Mode,
     PlanError,
     SinkCapabilities,
@@ -31,26 +25,12 @@ from faucet_dagster.protocol import (
     sink_capabilities_from,
     source_capabilities_from,
 )
-from faucet_dagster.state.cli import add_streams_parser
 
 EXIT_REFUSED = 1
-EXIT_BAD_INPUT = 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        code: int = args.handler(args)
-    except FaucetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return code
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="faucet", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_plan_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``plan`` to the ``faucet`` command line."""
     plan_parser = commands.add_parser(
         "plan",
         help="check a source/sink pair and print the delivery guarantee, or every violation",
@@ -76,54 +56,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan_parser.add_argument("--json", action="store_true", help="print JSON")
     plan_parser.set_defaults(handler=_plan_command)
-    add_streams_parser(commands)
-    add_cdc_parser(commands)
-    _add_check_parser(commands)
-    _add_partitions_parser(commands)
-    # Imported here: the battery imports this module's `faucet plan` to check refusals.
-    from faucet_dagster.conformance.cli import add_conformance_parser
-
-    add_conformance_parser(commands)
-    return parser
-
-
-def _add_check_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "check",
-        help="connect to every connection of a code location and plan every pair",
-        description="Import a code location, connect to every connection of its faucet syncs and "
-        "streams (secrets from the environment), check what each names exists, plan each pair, and "
-        "print a table. Exit codes: 0 every check passed, 1 one failed, 2 bad input.",
-    )
-    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
-    parser.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
-    parser.add_argument("--timeout", type=float, default=20.0, help="seconds each connector's check may take")
-    parser.set_defaults(handler=_dagster_command("faucet_dagster.check_cli", "check_command"))
-
-
-def _add_partitions_parser(commands: Any) -> None:
-    parser = commands.add_parser("partitions", help="the dynamic partitions of sharded syncs")
-    actions = parser.add_subparsers(dest="action", required=True)
-    refresh = actions.add_parser(
-        "refresh",
-        help="add a partition for each new shard of every sharded sync of a code location",
-        description="Evaluate every faucet partitions sensor of the code location once, against the "
-        "instance of $DAGSTER_HOME, and add the partitions they request.",
-    )
-    refresh.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
-    refresh.add_argument("-a", "--attribute", default="defs", help="its Definitions (default: defs)")
-    refresh.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
-    refresh.set_defaults(handler=_dagster_command("faucet_dagster.partitions", "refresh_command"))
-
-
-def _dagster_command(module: str, name: str) -> Any:
-    """A handler imported when it runs: these commands load Dagster, which `faucet plan` does not."""
-
-    def handler(args: argparse.Namespace) -> int:
-        code: int = getattr(importlib.import_module(module), name)(args)
-        return code
-
-    return handler
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -173,39 +105,13 @@ def _print_result(result: Mapping[str, Any]) -> None:
 
 
 def _load_pairs(path: Path) -> list[dict[str, Any]]:
-    data = _read_yaml(path)
+    data = read_yaml(path)
     if "pairs" in data:
         pairs = data["pairs"]
         if not isinstance(pairs, list) or not all(isinstance(pair, dict) for pair in pairs):
             raise ConfigError("`pairs` must be a list of mappings", where=str(path))
         return [dict(pair) for pair in pairs]
     return [data]
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}", where=str(path)) from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}", where=str(path)) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping", where=str(path))
-    return data
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong with a YAML text and where (line and column), never the text itself: PyYAML's
-    own message quotes the offending line, which may hold a secret."""
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = exc.problem_mark or exc.context_mark
-        # A problem may quote content (an undefined alias, an unknown tag): keep only quoted tokens of
-        # one character or PyYAML's <token names>.
-        problem = re.sub(r"'(?!<)[^']{2,}'", "'...'", exc.problem or exc.context or "malformed")
-        if mark is not None:
-            return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-        return problem
-    return type(exc).__name__
 
 
 def _merge_flags(pair: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -217,12 +123,12 @@ def _merge_flags(pair: Mapping[str, Any], args: argparse.Namespace) -> dict[str,
         if connector:
             spec["connector"] = connector
         if config_path:
-            spec["config"] = _read_yaml(config_path)
+            spec["config"] = read_yaml(config_path)
         for assignment in getattr(args, f"set_{side}"):
             field, sep, value = assignment.partition("=")
             if not sep:
                 raise ConfigError(f"--set-{side} takes FIELD=VALUE, got no '=' in it")
-            spec.setdefault("capabilities", {})[field.strip()] = _parse_flag_value(value)
+            spec.setdefault("capabilities", {})[field.strip()] = parse_flag_value(value)
         merged[side] = spec
     for option in ("mode", "policy", "delivery"):
         if getattr(args, option):
@@ -232,16 +138,6 @@ def _merge_flags(pair: Mapping[str, Any], args: argparse.Namespace) -> dict[str,
     if args.dead_letter:
         merged["dead_letter"] = True
     return merged
-
-
-def _parse_flag_value(value: str) -> Any:
-    try:
-        parsed = yaml.safe_load(value) if value else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"a --set value is not valid YAML: {yaml_problem(exc)}") from None
-    if isinstance(parsed, str) and "," in parsed:
-        return [part.strip() for part in parsed.split(",") if part.strip()]
-    return parsed
 
 
 def _plan_pair(pair: Mapping[str, Any]) -> Plan:
@@ -328,7 +224,3 @@ def _as_plain(capabilities: SourceCapabilities | SinkCapabilities) -> dict[str, 
         else:
             plain[name] = str(value)
     return plain
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The ``faucet`` command line: one entry point, a module per command.
+
+``faucet plan`` (:mod:`.plan`) checks a source/sink pair before anything runs; ``faucet check``
+(:mod:`.check`) connects to every connection of a code location; ``faucet streams`` (:mod:`.streams`)
+shows and releases streams; ``faucet cdc`` (:mod:`.cdc`) prepares a database for change data capture;
+``faucet partitions`` (:mod:`.partitions`) adds the partitions of new shards; ``faucet conformance``
+(:mod:`.conformance`) runs the battery against an installed connector. Exit codes: 0 success,
+1 refused or failed, 2 bad input.
+"""
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from faucet_dagster.cli.cdc import add_cdc_parser
+from faucet_dagster.cli.conformance import add_conformance_parser
+from faucet_dagster.cli.plan import EXIT_REFUSED, add_plan_parser
+from faucet_dagster.cli.streams import add_streams_parser
+from faucet_dagster.protocol import FaucetError
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except FaucetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="faucet", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(commands)
+    add_streams_parser(commands)
+    add_cdc_parser(commands)
+    _add_check_parser(commands)
+    _add_partitions_parser(commands)
+    add_conformance_parser(commands)
+    return parser
+
+
+def _add_check_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "check",
+        help="connect to every connection of a code location and plan every pair",
+        description="Import a code location, connect to every connection of its faucet syncs and "
+        "streams (secrets from the environment), check what each names exists, plan each pair, and "
+        "print a table. Exit codes: 0 every check passed, 1 one failed, 2 bad input.",
+    )
+    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    parser.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds each connector's check may take")
+    parser.set_defaults(handler=_dagster_command("faucet_dagster.cli.check", "check_command"))
+
+
+def _add_partitions_parser(commands: Any) -> None:
+    parser = commands.add_parser("partitions", help="the dynamic partitions of sharded syncs")
+    actions = parser.add_subparsers(dest="action", required=True)
+    refresh = actions.add_parser(
+        "refresh",
+        help="add a partition for each new shard of every sharded sync of a code location",
+        description="Evaluate every faucet partitions sensor of the code location once, against the "
+        "instance of $DAGSTER_HOME, and add the partitions they request.",
+    )
+    refresh.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    refresh.add_argument("-a", "--attribute", default="defs", help="its Definitions (default: defs)")
+    refresh.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
+    refresh.set_defaults(handler=_dagster_command("faucet_dagster.cli.partitions", "refresh_command"))
+
+
+def _dagster_command(module: str, name: str) -> Any:
+    """A handler imported when it runs: these commands load Dagster, which `faucet plan` does not."""
+
+    def handler(args: argparse.Namespace) -> int:
+        code: int = getattr(importlib.import_module(module), name)(args)
+        return code
+
+    return handler
+
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_REFUSED", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
