@@ -8,9 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
+from faucet_dagster import FaucetConnection, FaucetStream
 from faucet_dagster.cli.main import main
 from faucet_dagster.protocol import ConfigError
 from faucet_dagster.state import StateStore, StateStoreUnavailable
+from faucet_dagster.streams.health import health_check
 from faucet_dagster.testing import PostgresServer
 
 TIMEOUT = 2.0
@@ -20,6 +22,19 @@ FREEZE = 40.0
 taking at least this long, far past what these tests accept."""
 ACCEPTED = 15.0
 """What these tests accept for a call that must give up after TIMEOUT (generous for a loaded machine)."""
+
+
+def stream_on(state_url: str) -> FaucetStream:
+    """A stream whose state lives at ``state_url`` (building it connects to nothing)."""
+    return FaucetStream(
+        name="orders",
+        source=FaucetConnection(connector="nats", config={"stream": "ORDERS"}).using(),
+        sink=FaucetConnection(connector="postgres", config={"url": "postgresql://x@127.0.0.1:1/x"}).using(
+            table="orders"
+        ),
+        resources=("ORDERS",),
+        state_url=state_url,
+    )
 
 
 def timed(call: Callable[[], object]) -> tuple[float, BaseException | None]:
@@ -52,6 +67,12 @@ def test_a_frozen_postgresql_store_raises_unreachable_within_its_timeout_then_re
             took, raised = timed(lambda: StateStore(postgres_url, timeout=TIMEOUT))
             assert isinstance(raised, StateStoreUnavailable), raised
             assert took < ACCEPTED, f"opening a store waited {took:.1f}s for a frozen server"
+            # The on-demand health check answers (failing) within the store's default timeout.
+            began = time.monotonic()
+            checked = health_check(stream_on(postgres_url))()
+            took = time.monotonic() - began
+            assert not checked.passed and "state store unreachable" in str(checked.description)
+            assert took < ACCEPTED, f"the health check waited {took:.1f}s for a frozen server"
         # Thawed: the same store answers again (the abandoned connections were discarded).
         deadline = time.monotonic() + 30
         while True:
