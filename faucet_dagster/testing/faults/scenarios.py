@@ -16,6 +16,7 @@ from pathlib import Path
 
 from faucet_dagster.protocol import EpochCertificate, Mode
 from faucet_dagster.runner.faults import Action, Point
+from faucet_dagster.state import StateStore
 from faucet_dagster.testing.faults.case import (
     Case,
     CaseOutcome,
@@ -170,6 +171,66 @@ def _restart(case: Case, fault: Fault) -> CaseOutcome:
     )
 
 
+def _delete(case: Case, fault: Fault) -> CaseOutcome:
+    """Delete the source while a worker with small epochs (pages) reads it part-way: it must halt
+    explicitly (no crash, no silent wait), keeping what it certified (a bounded sync: promising
+    nothing)."""
+    notes: list[str] = []
+    small = max(50, case.params.records // 20)
+    worker = case.start(case.spec("w1", epoch_records=small, batch_rows=small, batch_size=small))
+    progress = "certified" if case.pair.mode is Mode.CONTINUOUS else "page"
+    reached = worker.wait_for(
+        lambda event: event.event == progress and worker.count(progress) >= case.params.restart_after,
+        case.params.worker_deadline,
+    )
+    fired = reached is not None and worker.proc.poll() is None
+    if not fired:
+        notes.append(f"the worker finished before the deletion ({worker.count(progress)} {progress} events)")
+    case.source.delete()
+    code = case.finish(worker)
+    if code == EXIT_DONE and not fired:
+        return CaseOutcome(False, True, all_keys(case.produced), all_keys(case.produced), notes)
+    must: set[Key] | None = set() if case.pair.mode is Mode.BOUNDED else None
+    kinds = {"position_unavailable", "incarnation_changed"}
+    return halted_outcome(
+        case, worker, code, fired, kinds, notes, must=must, universe=all_keys(case.produced)
+    )
+
+
+def _exit_with_frozen_sink(case: Case, fault: Fault) -> CaseOutcome:
+    """Stop the worker cleanly (SIGTERM) while the NATS destination hangs: the close cannot settle.
+    It must end within the sink's ``ack_timeout`` and leave the stream marked uncertain, so the next
+    worker is refused until the operator releases it (:meth:`Case.recover` does, noting it)."""
+    notes: list[str] = []
+    worker = case.start(case.spec("w1"))
+    reached = worker.wait_for(
+        lambda event: event.event == "certified" and worker.count("certified") >= case.params.restart_after,
+        case.params.worker_deadline,
+    )
+    fired = reached is not None and worker.proc.poll() is None
+    if not fired:
+        notes.append(f"the worker finished before the exit ({worker.count('certified')} certified)")
+    nats = case.servers.nats
+    with nats.frozen(at_most=case.params.worker_deadline):
+        worker.send(signal.SIGTERM)
+        code = case.finish(worker)
+    if not fired:
+        return recovered_outcome(case, False, code == EXIT_DONE, notes)
+    error = worker.error()
+    with StateStore(case.state_url) as store:
+        status = store.status(case.spec("check").stream)
+    uncertain = bool(status) and status[0].uncertain
+    marked = code == EXIT_HALTED and error is not None and error.data.get("kind") == "uncertain_outcome"
+    if code == EXIT_DONE and not uncertain:
+        notes.append("the close settled before the destination hung: nothing was in doubt")
+    elif not (marked and uncertain):
+        notes.append(
+            f"the exit left the stream {'marked' if uncertain else 'not marked'} uncertain, exit {code}: "
+            f"{describe_event(error)}"
+        )
+    return recovered_outcome(case, fired, code == EXIT_DONE or (marked and uncertain), notes)
+
+
 def _first_run(case: Case, notes: list[str]) -> tuple[list[EpochCertificate], set[Key]]:
     """Run the stream over everything produced so far; return its certificates and the keys."""
     first = case.start(case.spec("w1"))
@@ -223,6 +284,8 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], CaseOutcome]] = {
     FaultKind.ZOMBIE: _zombie,
     FaultKind.RESTART: _restart,
     FaultKind.RECREATE: _recreate,
+    FaultKind.DELETE: _delete,
+    FaultKind.EXIT: _exit_with_frozen_sink,
     FaultKind.PURGE: _purge,
     FaultKind.DDL: _ddl,
     FaultKind.SNAPSHOT_CRASH: _snapshot_crash,
