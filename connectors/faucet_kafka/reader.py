@@ -28,6 +28,7 @@ from faucet_dagster.protocol import (
     PositionUnavailable,
 )
 from faucet_kafka.client import (
+    _MISSING_CODES,
     ClientThread,
     TopicInfo,
     TopicPartitionKey,
@@ -48,6 +49,12 @@ from faucet_kafka.config import KafkaSourceConfig
 LOG = logging.getLogger("faucet_kafka")
 CODEC = KafkaOffsetCodec()
 _RAISED_CLIENT_ERRORS = frozenset({KafkaError._ALL_BROKERS_DOWN, KafkaError._AUTHENTICATION})
+
+
+def _missing(exc: KafkaException) -> bool:
+    """The broker answered that a topic or partition does not exist."""
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and error.code() in _MISSING_CODES
 
 
 @dataclass
@@ -490,11 +497,15 @@ class KafkaReader:
         try:
             result = await self._thread.call(commit)
         except KafkaException as exc:
+            if _missing(exc):  # the topic existed when the session opened: deleted since
+                await self.check_incarnations()
             raise wrap_kafka_error(
                 exc, f"committing offsets to group {self.config.group_id}", self.where
             ) from exc
         for tp in result:
             if tp.error is not None:
+                if _missing(KafkaException(tp.error)):
+                    await self.check_incarnations()
                 raise wrap_kafka_error(
                     KafkaException(tp.error), "committing an offset", where_of(tp.topic, tp.partition)
                 )

@@ -18,6 +18,9 @@ Every case injects one fault (:mod:`.scenarios` runs it). Kinds of fault:
               never wait or skip silently.
 ``recreate``  the source is deleted and created again (new records) after the stream certified
               everything: IncarnationChanged, no new certificate, nothing of the new records written.
+``stop``      a clean stop part-way (a stopped sensor stops its reader), the successor started only
+              after the NATS destination's duplicate window (shortened to seconds) passed: the stop
+              must leave nothing published and uncertified, so no duplicate is allowed.
 ``exit``      the destination (the NATS server) hangs (SIGSTOP) while the worker stops cleanly
               (SIGTERM): its close cannot settle, returns UncertainOutcome within ``ack_timeout``, and
               the stream must be marked uncertain before the process exits; the successor is refused
@@ -62,6 +65,7 @@ class FaultKind(StrEnum):
     RECREATE = "recreate"
     DELETE = "delete"
     EXIT = "exit"
+    STOP = "stop"
     PURGE = "purge"
     DDL = "ddl"
     RETENTION = "retention"
@@ -146,6 +150,8 @@ class Fault:
             return "delete source under reader"
         if self.kind is FaultKind.EXIT:
             return "exit, sink frozen"
+        if self.kind is FaultKind.STOP:
+            return "stop, resumed after the window"
         return f"{self.kind} source"
 
 
@@ -190,6 +196,8 @@ def named_faults(pair: Pair) -> list[Fault]:
         and "nats" not in pair.source.servers_used
     ):
         faults.append(Fault(FaultKind.EXIT))  # a frozen NATS source would hang the source's close too
+    if pair.mode is Mode.CONTINUOUS and pair.sink.connector == "nats":
+        faults.append(Fault(FaultKind.STOP))
     if pair.source is PostgresChangesSource:
         faults.append(Fault(FaultKind.DDL))
     if pair.mode is Mode.CONTINUOUS and pair.source is NatsSource:

@@ -42,6 +42,7 @@ from faucet_dagster.testing.faults.pairs import (
     Pair,
     Servers,
 )
+from faucet_dagster.testing.faults.sink_sides import NatsSinkSide
 from faucet_dagster.testing.faults.spec import (
     EXIT_DONE,
     EXIT_HALTED,
@@ -171,6 +172,33 @@ def _restart(case: Case, fault: Fault) -> CaseOutcome:
     )
 
 
+STOP_WINDOW = 3.0
+"""The NATS duplicate window of a ``stop`` case (seconds): the successor starts after it passed."""
+
+
+def _stop_resumed_after_window(case: Case, fault: Fault) -> CaseOutcome:
+    """A clean stop part-way (a sensor stopped: the reader stops), then a successor started after the
+    target stream's duplicate window passed. The stop must leave nothing published and uncertified
+    (seal and certify, or stop publishing at the last tick): the successor's replay of it would be
+    past the window and stored twice, so no duplicate is allowed, although the case outlasts the
+    window."""
+    notes: list[str] = []
+    sink = case.sink
+    assert isinstance(sink, NatsSinkSide)
+    sink.use_window(STOP_WINDOW)
+    worker = case.start(case.spec("w1", stop_after_epochs=case.params.hit))
+    code = case.finish(worker)
+    stopped = code == EXIT_DONE and worker.count("stopped") > 0
+    if not stopped:
+        notes.append(f"the worker did not stop cleanly (exit {code}): {describe_event(worker.error())}")
+    time.sleep(STOP_WINDOW + 1.0)
+    recovered = case.recover(notes)
+    everything = all_keys(case.produced)
+    return CaseOutcome(
+        stopped, stopped and recovered, everything, everything, notes, duplicates_allowed=False
+    )
+
+
 def _delete(case: Case, fault: Fault) -> CaseOutcome:
     """Delete the source while a worker with small epochs (pages) reads it part-way: it must halt
     explicitly (no crash, no silent wait), keeping what it certified (a bounded sync: promising
@@ -197,6 +225,10 @@ def _delete(case: Case, fault: Fault) -> CaseOutcome:
     )
 
 
+EXIT_AFTER_FREEZE = 0.5
+"""Seconds between freezing the destination and the worker's SIGTERM in an ``exit`` case."""
+
+
 def _exit_with_frozen_sink(case: Case, fault: Fault) -> CaseOutcome:
     """Stop the worker cleanly (SIGTERM) while the NATS destination hangs: the close cannot settle.
     It must end within the sink's ``ack_timeout`` and leave the stream marked uncertain, so the next
@@ -212,6 +244,7 @@ def _exit_with_frozen_sink(case: Case, fault: Fault) -> CaseOutcome:
         notes.append(f"the worker finished before the exit ({worker.count('certified')} certified)")
     nats = case.servers.nats
     with nats.frozen(at_most=case.params.worker_deadline):
+        time.sleep(EXIT_AFTER_FREEZE)  # the next epoch publishes into the hung server
         worker.send(signal.SIGTERM)
         code = case.finish(worker)
     if not fired:
@@ -286,6 +319,7 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], CaseOutcome]] = {
     FaultKind.RECREATE: _recreate,
     FaultKind.DELETE: _delete,
     FaultKind.EXIT: _exit_with_frozen_sink,
+    FaultKind.STOP: _stop_resumed_after_window,
     FaultKind.PURGE: _purge,
     FaultKind.DDL: _ddl,
     FaultKind.SNAPSHOT_CRASH: _snapshot_crash,
@@ -319,7 +353,9 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         fault=fault.name,
         params=params,
         delivery=plan.delivery.value,
-        duplicates_allowed=duplicates_allowed(plan, seconds),
+        duplicates_allowed=duplicates_allowed(plan, seconds)
+        if outcome.duplicates_allowed is None
+        else outcome.duplicates_allowed,
         verdict=verdict,
         fired=outcome.fired,
         halted_correctly=outcome.halted_correctly,
