@@ -67,8 +67,12 @@ def config(nats_url: str, unique_name: Callable[..., str]) -> NatsSinkConfig:
     )
 
 
-async def open_session(config: NatsSinkConfig) -> NatsSinkSession:
-    return await NatsStreamingSink(config).open("orders-stream", WritePolicy.APPEND, (), WORKER)
+async def begun(config: NatsSinkConfig) -> tuple[NatsSinkSession, EpochId]:
+    """A session with epoch 1 begun (while the server answers)."""
+    session = await NatsStreamingSink(config).open("orders-stream", WritePolicy.APPEND, (), WORKER)
+    epoch = EpochId("orders-stream", 1, 1)
+    await session.begin_epoch(epoch)
+    return session, epoch
 
 
 async def timed(call: Any) -> tuple[float, BaseException | None]:
@@ -84,9 +88,7 @@ def test_close_against_a_frozen_server_with_megabytes_unsent_is_uncertain_within
     nats_server: NatsServer, config: NatsSinkConfig
 ) -> None:
     async def scenario() -> None:
-        session = await open_session(config)
-        epoch = EpochId("orders-stream", 1, 1)
-        await session.begin_epoch(epoch)
+        session, epoch = await begun(config)
         with nats_server.frozen(at_most=FREEZE):
             # About 6 MB: more than the kernel's socket buffers take, less than the sink's own limit.
             await session.apply(epoch, rows(epoch, 0, 1_500))
@@ -102,9 +104,7 @@ def test_an_apply_the_frozen_server_does_not_read_fails_within_ack_timeout(
     nats_server: NatsServer, config: NatsSinkConfig
 ) -> None:
     async def scenario() -> None:
-        session = await open_session(config)
-        epoch = EpochId("orders-stream", 1, 1)
-        await session.begin_epoch(epoch)
+        session, epoch = await begun(config)
         with nats_server.frozen(at_most=FREEZE):
             # About 16 MB: the client would buffer up to 64 MiB; the sink waits for 8 MiB to leave.
             took, raised = await timed(session.apply(epoch, rows(epoch, 0, 4_000)))

@@ -48,7 +48,7 @@ from faucet_dagster.testing.faults.spec import (
     EXIT_HALTED,
     Event,
 )
-from faucet_dagster.testing.faults.worker_process import HarnessError
+from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 
 # -- one case -------------------------------------------------------------------------------------
 
@@ -134,10 +134,9 @@ def _zombie(case: Case, fault: Fault) -> CaseOutcome:
     return recovered_outcome(case, True, took_over and refused, notes)
 
 
-def _restart(case: Case, fault: Fault) -> CaseOutcome:
-    assert fault.server is not None
-    notes: list[str] = []
-    # Small epochs (pages), so the restart lands while many are still to come.
+def _part_way(case: Case, fault: str, notes: list[str]) -> tuple[WorkerProcess, bool]:
+    """A worker with small epochs (pages), once it made ``restart_after`` of them, so a fault lands
+    while many are still to come; and whether it is still running (else noted)."""
     small = max(50, case.params.records // 20)
     worker = case.start(case.spec("w1", epoch_records=small, batch_rows=small, batch_size=small))
     progress = "certified" if case.pair.mode is Mode.CONTINUOUS else "page"
@@ -147,7 +146,14 @@ def _restart(case: Case, fault: Fault) -> CaseOutcome:
     )
     fired = reached is not None and worker.proc.poll() is None
     if not fired:
-        notes.append(f"the worker finished before the restart ({worker.count(progress)} {progress} events)")
+        notes.append(f"the worker finished before the {fault} ({worker.count(progress)} {progress} events)")
+    return worker, fired
+
+
+def _restart(case: Case, fault: Fault) -> CaseOutcome:
+    assert fault.server is not None
+    notes: list[str] = []
+    worker, fired = _part_way(case, "restart", notes)
     server = case.servers.server(fault.server)
     if fault.server == "kafka":
         server.kill()  # its storage is in memory: a graceful stop would lose the same
@@ -204,16 +210,7 @@ def _delete(case: Case, fault: Fault) -> CaseOutcome:
     explicitly (no crash, no silent wait), keeping what it certified (a bounded sync: promising
     nothing)."""
     notes: list[str] = []
-    small = max(50, case.params.records // 20)
-    worker = case.start(case.spec("w1", epoch_records=small, batch_rows=small, batch_size=small))
-    progress = "certified" if case.pair.mode is Mode.CONTINUOUS else "page"
-    reached = worker.wait_for(
-        lambda event: event.event == progress and worker.count(progress) >= case.params.restart_after,
-        case.params.worker_deadline,
-    )
-    fired = reached is not None and worker.proc.poll() is None
-    if not fired:
-        notes.append(f"the worker finished before the deletion ({worker.count(progress)} {progress} events)")
+    worker, fired = _part_way(case, "deletion", notes)
     case.source.delete()
     code = case.finish(worker)
     if code == EXIT_DONE and not fired:
