@@ -3,16 +3,24 @@ bounded by the store's timeout and ends in StateStoreUnavailable ("state store u
 process and from `faucet streams status` in another one; once the server answers again, the store
 works again without being rebuilt."""
 
+import asyncio
+import contextlib
+import json
 import time
 from collections.abc import Callable
 
+import dagster as dg
+import nats
 import pytest
+from stream_ticks import SensorTicks
 
 from faucet_dagster import FaucetConnection, FaucetStream
 from faucet_dagster.cli.main import main
-from faucet_dagster.protocol import ConfigError
+from faucet_dagster.protocol import ConfigError, ReadLimits
 from faucet_dagster.state import StateStore, StateStoreUnavailable
 from faucet_dagster.streams.health import health_check
+from faucet_dagster.streams.runner_cache import close_cached_streams
+from faucet_dagster.streams.sensor import faucet_stream_sensor
 from faucet_dagster.testing import PostgresServer
 
 TIMEOUT = 2.0
@@ -103,3 +111,63 @@ def test_streams_status_says_state_store_unreachable_when_postgresql_hangs(
 def test_a_store_timeout_must_be_positive(timeout: float, tmp_path: object) -> None:
     with pytest.raises(ConfigError, match="timeout must be positive"):
         StateStore(f"sqlite:///{tmp_path}/s.db", timeout=timeout)
+
+
+def test_a_sensor_tick_against_a_frozen_state_store_fails_within_its_budget_saying_unreachable(
+    postgres_server: PostgresServer, postgres_url: str, nats_url: str, unique_name: Callable[..., str]
+) -> None:
+    """A NATS to NATS stream whose state store is the PostgreSQL that hangs: the tick raises "state
+    store unreachable" within its budget and the store's timeout, not after the freeze (the old tick
+    waited for the whole freeze); once the server answers, the next ticks certify again."""
+    source, target = unique_name("src"), unique_name("dst")
+
+    async def setup() -> None:
+        client = await nats.connect(nats_url)
+        try:
+            js = client.jetstream()
+            await js.add_stream(name=source, subjects=[f"{source}.>"])
+            await js.add_stream(name=target, subjects=[f"{target}.out"], duplicate_window=120)
+        finally:
+            await client.close()
+
+    async def publish(first: int, count: int) -> None:
+        client = await nats.connect(nats_url)
+        try:
+            for n in range(first, first + count):
+                await client.jetstream().publish(f"{source}.rows", json.dumps({"id": n}).encode())
+        finally:
+            await client.close()
+
+    asyncio.run(setup())
+    stream = FaucetStream(
+        name=unique_name("stream"),
+        source=FaucetConnection(connector="nats", config={"servers": [nats_url], "stream": source}).using(),
+        sink=FaucetConnection(
+            connector="nats",
+            config={"servers": [nats_url], "stream": target, "subject": f"{target}.out"},
+        ).using(),
+        resources=(source,),
+        limits=ReadLimits(records=100, idle=0.3),
+        state_url=postgres_url,
+    )
+    try:
+        with dg.instance_for_test() as instance:
+            ticks = SensorTicks(faucet_stream_sensor(stream, budget_seconds=3), instance)
+            asyncio.run(publish(0, 200))
+            ticks.until(lambda: bool(ticks.reported), "a certificate reported")
+            with postgres_server.frozen(at_most=FREEZE):
+                took, raised = timed(ticks.tick)
+            assert isinstance(raised, StateStoreUnavailable), raised
+            assert "state store unreachable" in str(raised)
+            assert took < ACCEPTED, f"the tick took {took:.1f}s against a frozen state store"
+            # Thawed: the stream goes on. A tick may first report what its runner met in the background
+            # during the freeze (a certificate it could not store: retryable); the next ones certify.
+            asyncio.run(publish(200, 100))
+            certified = max(ticks.reported)
+            deadline = time.monotonic() + 120
+            while max(ticks.reported) <= certified:
+                assert time.monotonic() < deadline, "no certificate after the freeze"
+                with contextlib.suppress(StateStoreUnavailable):
+                    ticks.tick()
+    finally:
+        close_cached_streams()
