@@ -152,8 +152,8 @@ class StoreDatabase:
                     ) from exc
                 if _unreachable(exc):
                     raise StateStoreUnavailable(
-                        f"state store unreachable: could not {action} within {self.timeout:g}s "
-                        f"({_reason(exc)})",
+                        f"state store unreachable: could not {action} ({_reason(exc)}; an operation "
+                        f"waits at most {self.timeout:g}s)",
                         where=self.where,
                     ) from exc
                 raise ConnectionFailed(f"could not {action}: {type(exc).__name__}", where=self.where) from exc
