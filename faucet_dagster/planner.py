@@ -326,7 +326,10 @@ def _window_text(sink: SinkCapabilities) -> str:
         return "the destination deduplicates by stable event identity with no time limit"
     return (
         f"the destination deduplicates by stable event identity within its duplicate window of "
-        f"{sink.dedup_window.total_seconds():g}s; a replay older than the window duplicates"
+        f"{sink.dedup_window.total_seconds():g}s; a replay older than the window duplicates: work "
+        "published but not certified (a crashed or killed worker, an uncertain close or a halt) replayed "
+        "more than the window after its first publish, when the stream resumes (an operator's release) "
+        "that late, or a worker that lost its lease publishing that late"
     )
 
 

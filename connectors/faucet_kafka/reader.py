@@ -28,6 +28,7 @@ from faucet_dagster.protocol import (
     PositionUnavailable,
 )
 from faucet_kafka.client import (
+    _MISSING_CODES,
     ClientThread,
     TopicInfo,
     TopicPartitionKey,
@@ -48,6 +49,12 @@ from faucet_kafka.config import KafkaSourceConfig
 LOG = logging.getLogger("faucet_kafka")
 CODEC = KafkaOffsetCodec()
 _RAISED_CLIENT_ERRORS = frozenset({KafkaError._ALL_BROKERS_DOWN, KafkaError._AUTHENTICATION})
+
+
+def _missing(exc: KafkaException) -> bool:
+    """The broker answered that a topic or partition does not exist."""
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and error.code() in _MISSING_CODES
 
 
 @dataclass
@@ -124,6 +131,7 @@ class KafkaReader:
         self.by_domain: dict[OrderingDomain, PartitionState] = {}
         self.high_watermarks: dict[TopicPartitionKey, int] = {}
         self._thread = ClientThread(f"faucet-kafka-{name}")
+        self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
         self._verifier: Consumer | None = None
         self._client_errors: list[KafkaError] = []
@@ -146,7 +154,7 @@ class KafkaReader:
         """
         timeout = self.config.request_timeout
         try:
-            admin = AdminClient(client_settings(self.config))
+            self._admin = admin = AdminClient(client_settings(self.config))
             self._consumer = Consumer(consumer_settings(self.config, self._client_errors.append))
         except KafkaException as exc:
             raise wrap_kafka_error(exc, "creating the Kafka clients", self.where) from exc
@@ -348,6 +356,7 @@ class KafkaReader:
         keys = list(keys)
         if not keys:
             return {}
+        await self.check_incarnations()
         positions = await self.positions(keys)
         ends: dict[TopicPartitionKey, int] = {}
         for key in keys:
@@ -361,6 +370,37 @@ class KafkaReader:
         if gaps and self.config.verify_offset_gaps:
             await self._thread.call(self._verify_gaps, gaps)
         return ends
+
+    async def check_incarnations(self) -> None:
+        """Prove every topic read is still the incarnation opened (one DescribeCluster and one
+        DescribeTopics request): a read's records then came from it, since a topic id never returns.
+
+        The client does not say so itself: librdkafka follows a topic deleted and recreated under
+        the same name to its new id and goes on fetching at the old offsets (its own FIXME), and
+        reports a deleted one only in its debug log. Raises :class:`PositionUnavailable` for a topic
+        that was deleted, :class:`IncarnationChanged` for one recreated (or a cluster replaced),
+        each naming the topic and the first partition read."""
+        if self._admin is None or not self.topics:
+            return
+        cluster_id, described = await self._thread.call(
+            describe, self._admin, list(self.topics), self.config.request_timeout, self.where
+        )
+        for name, opened in self.topics.items():
+            partition = min((key[1] for key in self.parts if key[0] == name), default=None)
+            where = where_of(name, partition)
+            now = described.get(name)
+            if now is None:
+                raise PositionUnavailable(
+                    f"the topic was deleted while this session read it (incarnation {self.cluster_id}:"
+                    f"{opened.topic_id}): its unread records are gone",
+                    where=where,
+                )
+            if now.topic_id != opened.topic_id or cluster_id != self.cluster_id:
+                raise IncarnationChanged(
+                    f"the topic was deleted and recreated while this session read it: incarnation "
+                    f"{self.cluster_id}:{opened.topic_id} is now {cluster_id}:{now.topic_id}, another log",
+                    where=where,
+                )
 
     def advance(self, ends: Mapping[TopicPartitionKey, int]) -> None:
         """Record that reads ended (accepted boundaries) at ``ends``: the next read starts after them."""
@@ -457,11 +497,15 @@ class KafkaReader:
         try:
             result = await self._thread.call(commit)
         except KafkaException as exc:
+            if _missing(exc):  # the topic existed when the session opened: deleted since
+                await self.check_incarnations()
             raise wrap_kafka_error(
                 exc, f"committing offsets to group {self.config.group_id}", self.where
             ) from exc
         for tp in result:
             if tp.error is not None:
+                if _missing(KafkaException(tp.error)):
+                    await self.check_incarnations()
                 raise wrap_kafka_error(
                     KafkaException(tp.error), "committing an offset", where_of(tp.topic, tp.partition)
                 )
@@ -478,6 +522,7 @@ class KafkaReader:
                 except (KafkaException, RuntimeError) as exc:  # every client is closed before reporting
                     errors.append(exc)
         self._consumer = self._verifier = None
+        self._admin = None
         await self._thread.close()
         if errors:
             raise wrap_kafka_error(errors[0], "closing the consumer", self.where) from errors[0]

@@ -122,6 +122,8 @@ async def connect(config: NatsConnectionConfig, *, where: str) -> Client:
             allow_reconnect=True,
             error_cb=quiet,
             pending_size=64 * 1024 * 1024,
+            # A forced flush (64 MiB unsent) waits at most this long, not for ever (nats-py's default).
+            flush_timeout=config.request_timeout,
             **options,
         )
     except nats.errors.AuthorizationError as exc:

@@ -43,6 +43,13 @@ must be answered to be trusted; the rest absorbs the server's timers and clock-r
 RESEND_BACKOFF = (0.05, 1.0)
 """First and longest pause (seconds) before sending a re-publish again that the client refused."""
 
+UNSENT_LIMIT = 8 * 1024 * 1024
+"""Bytes of publishes the client may hold unsent (the server reads slower than the sink publishes)
+before ``publish`` waits for them to leave: nats-py's own limit (64 MiB) waits without a bound."""
+
+CLOSE_GRACE = 1.0
+"""Seconds of a close's budget kept for closing the connection itself (at most a tenth of it)."""
+
 LOG = logging.getLogger("faucet_nats")
 
 
@@ -156,7 +163,11 @@ class Publisher:
                 where=self.where,
             )
         prefix = self.config.api_prefix
-        self._js = client.jetstream(prefix=prefix, publish_async_max_pending=self.config.max_outstanding_acks)
+        self._js = client.jetstream(
+            prefix=prefix,
+            timeout=self.config.request_timeout,  # every request it makes (the watermark bucket's too)
+            publish_async_max_pending=self.config.max_outstanding_acks,
+        )
         return self._js
 
     async def last_sequence(self) -> int:
@@ -177,6 +188,8 @@ class Publisher:
         cancelled = cancellation_watch()
         try:
             for index, row in enumerate(records.to_pylist()):
+                if self._client is not None and self._client.pending_data_size > UNSENT_LIMIT:
+                    await self._unsent_drained(stall)
                 payload = dumps(row, default=json_default, separators=(",", ":")).encode()
                 headers = None if ids is None else {"Nats-Msg-Id": ids[index]}
                 futures.append(await js.publish_async(subject, payload, wait_stall=stall, headers=headers))
@@ -195,7 +208,22 @@ class Publisher:
         except (nats.errors.Error, OSError) as exc:
             raise ConnectionFailed(f"publishing failed: {type(exc).__name__}", where=self.where) from exc
 
-    async def settle(self, published: Sequence[Published], what: str, *, refusals_fail: bool) -> None:
+    async def _unsent_drained(self, stall: float) -> None:
+        """Wait (at most ``stall`` seconds) until the client's unsent publishes fall below
+        :data:`UNSENT_LIMIT`; ConnectionFailed when the server does not read them (it hangs)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + stall
+        while (client := self._client) is not None and client.pending_data_size > UNSENT_LIMIT:
+            if loop.time() >= deadline:
+                raise ConnectionFailed(
+                    f"the server read none of {client.pending_data_size} bytes of publishes for {stall:g}s",
+                    where=self.where,
+                )
+            await asyncio.sleep(0.01)
+
+    async def settle(
+        self, published: Sequence[Published], what: str, *, refusals_fail: bool, deadline: float | None = None
+    ) -> None:
         """Wait until every message of ``published`` is answered, re-publishing those that may be lost.
 
         Every ``republish_after`` seconds in which some stayed unanswered, and only while the connection
@@ -208,10 +236,12 @@ class Publisher:
         Raises UncertainOutcome when some are unanswered at the deadline (or the connection closed for
         good), or when a re-publish was stored but answered past the safe part of the window (the
         first publish may be stored too); ConnectionFailed for a refusal when ``refusals_fail``
-        (a refused publish stored nothing: ``close_session`` accepts it).
+        (a refused publish stored nothing: ``close_session`` accepts it). ``deadline`` (loop time)
+        ends the wait earlier than ``ack_timeout`` from now.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.ack_timeout
+        budget_end = loop.time() + self.config.ack_timeout
+        deadline = budget_end if deadline is None else min(deadline, budget_end)
         while True:
             if refusals_fail:
                 self._raise_refusal(published, what)
@@ -327,18 +357,47 @@ class Publisher:
     def _closed(self) -> bool:
         return self._client is None or self._client.is_closed
 
-    async def close(self) -> None:
+    async def close(self, timeout: float | None = None) -> None:
+        """Close the connection: nats-py flushes what it holds unsent, then closes the socket.
+
+        Against a server that hangs that waits without a bound (the flush and the socket's own
+        close wait for the server to read). With ``timeout`` (seconds) it waits at most that long,
+        then aborts the socket (a reset: what the kernel still holds unsent is dropped; what the
+        server's kernel already received it may still read when it resumes, which is why a close
+        of the sink only promises something when every publish was answered before)."""
         client, self._client, self._js = self._client, None, None
-        if client is not None and not client.is_closed:
-            try:
-                await client.close()
-            except (nats.errors.Error, OSError) as exc:
-                raise ConnectionFailed(f"closing the connection failed: {exc}", where=self.where) from exc
+        if client is None or client.is_closed:
+            return
+        closing = asyncio.ensure_future(client.close())
+        try:
+            done, _ = await asyncio.wait({closing}, timeout=timeout)
+            if not done:
+                LOG.warning("the connection did not close within %gs: aborted (%s)", timeout, self.where)
+                _abort(client)
+                await asyncio.wait({closing}, timeout=CLOSE_GRACE)
+                if not closing.done():
+                    closing.cancel()
+                    await asyncio.wait({closing})
+                return
+            closing.result()
+        except (nats.errors.Error, OSError) as exc:
+            raise ConnectionFailed(f"closing the connection failed: {exc}", where=self.where) from exc
+        finally:
+            if closing.done() and not closing.cancelled():
+                closing.exception()  # retrieved: an aborted close's error is expected
 
     def _require(self) -> JetStreamContext:
         if self._js is None:
             raise LifecycleError("the NATS sink is not open", where=self.where)
         return self._js
+
+
+def _abort(client: Client) -> None:
+    """Reset the client's socket at once (nats-py has no public way to: its transport's writer)."""
+    transport = getattr(client, "_transport", None)
+    writer = getattr(transport, "_io_writer", None)
+    if writer is not None:
+        writer.transport.abort()
 
 
 def naming(published: Sequence[Published], shown: int = 3) -> str:

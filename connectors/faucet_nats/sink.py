@@ -81,7 +81,7 @@ from faucet_dagster.protocol import (
     WorkerIdentity,
     WritePolicy,
 )
-from faucet_nats.publisher import Published, Publisher, receipts
+from faucet_nats.publisher import CLOSE_GRACE, Published, Publisher, receipts
 from faucet_nats.sink_config import NatsSinkConfig
 
 _WATERMARK_ATTEMPTS = 5
@@ -259,42 +259,58 @@ class NatsSinkSession(StreamingSinkSession):
         self._active = None
 
     async def close_session(self) -> None:
-        """Wait for an apply still sending (see :meth:`_apply_ended`), then settle every unanswered
+        """Return, or raise UncertainOutcome, within ``ack_timeout`` whatever the server does.
+
+        Waits for an apply still sending (see :meth:`_apply_ended`), then settles every unanswered
         publish of the session (aborted epochs and the active one) as ``commit_epoch`` does,
-        re-publishing lost ones while the duplicate window allows, within ``ack_timeout``; then close
-        the connection. A refused publish stored nothing and is settled. Raises UncertainOutcome,
-        naming the first unanswered messages, when some are still unanswered: they are abandoned
-        (the connection is closed) but may still be stored after this returns. Idempotent once it
-        succeeded."""
+        re-publishing lost ones while the duplicate window allows; then closes the connection. The
+        three share one budget, ``ack_timeout``, the last :data:`~faucet_nats.publisher.CLOSE_GRACE`
+        of it (at most a tenth) kept for closing the connection, which is reset when the server does
+        not let it close in time (a server that hangs). A refused publish stored nothing and is
+        settled. Returns only when every publish of the session was answered: then nothing the
+        session sent can still be stored later (what a reset connection leaves in the server's
+        kernel are no publishes). Raises UncertainOutcome, naming the first unanswered messages,
+        when some are still unanswered: they are abandoned but may still be stored after this
+        returns. Idempotent once it succeeded."""
         if self._closed:
             return
         self._closed = True
-        await self._apply_ended()
-        outstanding = self._unsettled
-        if self._active is not None:
-            outstanding.extend(self._active.published)
-            self._active = None
-        self._unsettled = []
+        loop = asyncio.get_running_loop()
+        budget = self._publisher.config.ack_timeout
+        grace = min(CLOSE_GRACE, budget / 10)
+        settled_by = loop.time() + budget - grace
         uncertain: UncertainOutcome | None = None
         try:
-            await self._publisher.settle(outstanding, "the session", refusals_fail=False)
+            await self._apply_ended(settled_by)
+            outstanding = self._unsettled
+            if self._active is not None:
+                outstanding.extend(self._active.published)
+                self._active = None
+            self._unsettled = []
+            await self._publisher.settle(outstanding, "the session", refusals_fail=False, deadline=settled_by)
         except UncertainOutcome as exc:
             uncertain = exc
-        await self._publisher.close()
+        try:
+            await self._publisher.close(timeout=max(0.0, settled_by + grace - loop.time()))
+        except ConnectionFailed:
+            if uncertain is None:
+                raise
         if uncertain is not None:
             raise uncertain
 
-    async def _apply_ended(self) -> None:
-        """Wait (at most ``ack_timeout``) for an apply still sending (one its caller gave up on
-        without waiting for it: a cancelled apply stops at its next message); UncertainOutcome,
-        after closing the connection, when it does not end."""
+    async def _apply_ended(self, deadline: float) -> None:
+        """Wait (until ``deadline``, loop time) for an apply still sending (one its caller gave up on
+        without waiting for it: a cancelled apply stops at its next message); UncertainOutcome when
+        it does not end (the caller closes the connection under it)."""
         try:
-            await asyncio.wait_for(self._no_apply.wait(), self._publisher.config.ack_timeout)
+            await asyncio.wait_for(
+                self._no_apply.wait(), max(0.0, deadline - asyncio.get_running_loop().time())
+            )
         except TimeoutError:
-            await self._publisher.close()
             raise UncertainOutcome(
-                f"an apply was still sending after {self._publisher.config.ack_timeout:g}s: the "
-                "connection was closed under it, and what it sent may or may not be stored",
+                "an apply was still sending when the close's budget (ack_timeout "
+                f"{self._publisher.config.ack_timeout:g}s) ran out: the connection was closed under it, "
+                "and what it sent may or may not be stored",
                 where=self.where,
             ) from None
 

@@ -47,7 +47,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.state import tables as q
 from faucet_dagster.state.certificates import advance_positions, canonical_certificate, fingerprint_and_body
-from faucet_dagster.state.database import StoreDatabase
+from faucet_dagster.state.database import STATE_TIMEOUT, StoreDatabase
 from faucet_dagster.state.status import StreamStatus, stored_positions, stream_status
 from faucet_dagster.state.tables import (
     certificates_table,
@@ -83,10 +83,17 @@ class LeaseBusy:
 
 
 class StateStore:
-    """Certificates, leases, report marks and dead letters of continuous streams, in one database."""
+    """Certificates, leases, report marks and dead letters of continuous streams, in one database.
 
-    def __init__(self, url: str | None = None, *, codecs: CodecRegistry | None = None) -> None:
-        self._db = StoreDatabase(url)
+    Every method waits on the database at most ``timeout`` seconds in total, else raises
+    :class:`~faucet_dagster.state.database.StateStoreUnavailable` ("state store unreachable"); so does
+    building the store when the database cannot be reached.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, codecs: CodecRegistry | None = None, timeout: float = STATE_TIMEOUT
+    ) -> None:
+        self._db = StoreDatabase(url, timeout=timeout)
         self._where = self._db.where
         self._codecs = codecs or default_codec_registry()
         self._new_stream = self._db.insert(streams_table).on_conflict_do_nothing()

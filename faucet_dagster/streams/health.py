@@ -22,7 +22,7 @@ import dagster as dg
 from dagster._core.definitions.metadata import TableMetadataSet
 
 from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, OwnershipLost, SourceLag
-from faucet_dagster.state import StateStore
+from faucet_dagster.state import StateStore, StateStoreUnavailable
 from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
 
 HEALTH_CHECK = "faucet_stream_health"
@@ -312,7 +312,12 @@ def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) ->
         description="The stream certifies epochs: not halted, uncertain or waiting on a lease.",
     )
     def _check() -> dg.AssetCheckResult:
-        with StateStore(stream.state_url) as store:
-            return check_result(stored_health(store, key, [stream.name]))
+        try:
+            with StateStore(stream.state_url) as store:
+                return check_result(stored_health(store, key, [stream.name]))
+        except StateStoreUnavailable as exc:  # within the store's timeout: "state store unreachable: ..."
+            return dg.AssetCheckResult(
+                passed=False, severity=dg.AssetCheckSeverity.ERROR, description=str(exc)
+            )
 
     return _check

@@ -50,6 +50,7 @@ import dagster as dg
 from faucet_dagster.declarations.preflight import check_streams
 from faucet_dagster.protocol import ConfigError, FaucetError, OwnershipLost
 from faucet_dagster.runner.open_epoch import Pending
+from faucet_dagster.state import StateStoreUnavailable
 from faucet_dagster.streams.certificates import MAX_REPORTS_PER_TICK, certificate_events
 from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
 from faucet_dagster.streams.health import describe_certified, tick_health
@@ -225,6 +226,8 @@ def _tick(
     else:
         skip = "a previous tick is still running this stream's epochs"
     ran = time.perf_counter() - began
+    if isinstance(failure, StateStoreUnavailable):
+        raise failure  # "state store unreachable": asking it for certificates would wait its timeout again
     certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
     health = tick_health(
         context,

@@ -132,9 +132,11 @@ async def _stalled(
     if not (closed and returned_while_stalled):
         return "waited for it" if closed else "was uncertain"
     landed: set[tuple[int, str]] = set()
+    # Only this call's rows count: what an earlier, uncertain close abandoned may land meanwhile.
+    ours = set(pairs(rows))
     for _ in range(3):  # the destination works off what it held once it answers again
         await asyncio.sleep(settle)
-        landed = set(pairs(await subject.sink_setup.read_back())) - baseline
+        landed = (set(pairs(await subject.sink_setup.read_back())) - baseline) & ours
         if landed:
             break
     if landed:

@@ -80,6 +80,9 @@ class CaseOutcome:
     must: set[Key]
     may: set[Key]
     notes: list[str] = field(default_factory=list)
+    duplicates_allowed: bool | None = None
+    """None: as the plan allows for the case's duration; False: none, whatever the plan says (a fault
+    whose path must leave nothing to replay, although the case outlasts the duplicate window)."""
 
 
 class Case:

@@ -18,6 +18,17 @@ Every case injects one fault (:mod:`.scenarios` runs it). Kinds of fault:
               never wait or skip silently.
 ``recreate``  the source is deleted and created again (new records) after the stream certified
               everything: IncarnationChanged, no new certificate, nothing of the new records written.
+``stop``      a clean stop part-way (a stopped sensor stops its reader), the successor started only
+              after the NATS destination's duplicate window (shortened to seconds) passed: the stop
+              must leave nothing published and uncertified, so no duplicate is allowed.
+``exit``      the destination (the NATS server) hangs (SIGSTOP) while the worker stops cleanly
+              (SIGTERM): its close cannot settle, returns UncertainOutcome within ``ack_timeout``, and
+              the stream must be marked uncertain before the process exits; the successor is refused
+              until the operator releases it; then nothing is lost and nothing duplicated.
+``delete``    the source (a Kafka topic) is deleted under a live reader, part-way through: the worker
+              lives (no crash: see :mod:`faucet_dagster.testing.servers.kafka_shim`) and halts with
+              PositionUnavailable or IncarnationChanged naming topic and partition; what it certified
+              before stays, nothing after.
 ``purge``     positions after the certified one are removed (NATS purge): PositionUnavailable, no
               new certificate, nothing written.
 ``ddl``       a change source's table gets a column with a default, a type change and a dropped
@@ -52,6 +63,9 @@ class FaultKind(StrEnum):
     ZOMBIE = "zombie"
     RESTART = "restart"
     RECREATE = "recreate"
+    DELETE = "delete"
+    EXIT = "exit"
+    STOP = "stop"
     PURGE = "purge"
     DDL = "ddl"
     RETENTION = "retention"
@@ -132,6 +146,12 @@ class Fault:
             return "source ddl"
         if self.kind is FaultKind.SNAPSHOT_CRASH:
             return "kill@snapshot_commit, source changed"
+        if self.kind is FaultKind.DELETE:
+            return "delete source under reader"
+        if self.kind is FaultKind.EXIT:
+            return "exit, sink frozen"
+        if self.kind is FaultKind.STOP:
+            return "stop, resumed after the window"
         return f"{self.kind} source"
 
 
@@ -168,6 +188,16 @@ def named_faults(pair: Pair) -> list[Fault]:
         faults.append(Fault(FaultKind.RECREATE))
     if pair.source is NatsSource:
         faults.append(Fault(FaultKind.PURGE))
+    if pair.source is KafkaSource:
+        faults.append(Fault(FaultKind.DELETE))
+    if (
+        pair.mode is Mode.CONTINUOUS
+        and pair.sink.connector == "nats"
+        and "nats" not in pair.source.servers_used
+    ):
+        faults.append(Fault(FaultKind.EXIT))  # a frozen NATS source would hang the source's close too
+    if pair.mode is Mode.CONTINUOUS and pair.sink.connector == "nats":
+        faults.append(Fault(FaultKind.STOP))
     if pair.source is PostgresChangesSource:
         faults.append(Fault(FaultKind.DDL))
     if pair.mode is Mode.CONTINUOUS and pair.source is NatsSource:

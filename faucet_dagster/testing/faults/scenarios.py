@@ -16,6 +16,7 @@ from pathlib import Path
 
 from faucet_dagster.protocol import EpochCertificate, Mode
 from faucet_dagster.runner.faults import Action, Point
+from faucet_dagster.state import StateStore
 from faucet_dagster.testing.faults.case import (
     Case,
     CaseOutcome,
@@ -41,12 +42,13 @@ from faucet_dagster.testing.faults.pairs import (
     Pair,
     Servers,
 )
+from faucet_dagster.testing.faults.sink_sides import NatsSinkSide
 from faucet_dagster.testing.faults.spec import (
     EXIT_DONE,
     EXIT_HALTED,
     Event,
 )
-from faucet_dagster.testing.faults.worker_process import HarnessError
+from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 
 # -- one case -------------------------------------------------------------------------------------
 
@@ -132,10 +134,9 @@ def _zombie(case: Case, fault: Fault) -> CaseOutcome:
     return recovered_outcome(case, True, took_over and refused, notes)
 
 
-def _restart(case: Case, fault: Fault) -> CaseOutcome:
-    assert fault.server is not None
-    notes: list[str] = []
-    # Small epochs (pages), so the restart lands while many are still to come.
+def _part_way(case: Case, fault: str, notes: list[str]) -> tuple[WorkerProcess, bool]:
+    """A worker with small epochs (pages), once it made ``restart_after`` of them, so a fault lands
+    while many are still to come; and whether it is still running (else noted)."""
     small = max(50, case.params.records // 20)
     worker = case.start(case.spec("w1", epoch_records=small, batch_rows=small, batch_size=small))
     progress = "certified" if case.pair.mode is Mode.CONTINUOUS else "page"
@@ -145,7 +146,14 @@ def _restart(case: Case, fault: Fault) -> CaseOutcome:
     )
     fired = reached is not None and worker.proc.poll() is None
     if not fired:
-        notes.append(f"the worker finished before the restart ({worker.count(progress)} {progress} events)")
+        notes.append(f"the worker finished before the {fault} ({worker.count(progress)} {progress} events)")
+    return worker, fired
+
+
+def _restart(case: Case, fault: Fault) -> CaseOutcome:
+    assert fault.server is not None
+    notes: list[str] = []
+    worker, fired = _part_way(case, "restart", notes)
     server = case.servers.server(fault.server)
     if fault.server == "kafka":
         server.kill()  # its storage is in memory: a graceful stop would lose the same
@@ -168,6 +176,89 @@ def _restart(case: Case, fault: Fault) -> CaseOutcome:
     return halted_outcome(
         case, worker, code, fired, kinds, notes, must=must, universe=all_keys(case.produced)
     )
+
+
+STOP_WINDOW = 3.0
+"""The NATS duplicate window of a ``stop`` case (seconds): the successor starts after it passed."""
+
+
+def _stop_resumed_after_window(case: Case, fault: Fault) -> CaseOutcome:
+    """A clean stop part-way (a sensor stopped: the reader stops), then a successor started after the
+    target stream's duplicate window passed. The stop must leave nothing published and uncertified
+    (seal and certify, or stop publishing at the last tick): the successor's replay of it would be
+    past the window and stored twice, so no duplicate is allowed, although the case outlasts the
+    window."""
+    notes: list[str] = []
+    sink = case.sink
+    assert isinstance(sink, NatsSinkSide)
+    sink.use_window(STOP_WINDOW)
+    worker = case.start(case.spec("w1", stop_after_epochs=case.params.hit))
+    code = case.finish(worker)
+    stopped = code == EXIT_DONE and worker.count("stopped") > 0
+    if not stopped:
+        notes.append(f"the worker did not stop cleanly (exit {code}): {describe_event(worker.error())}")
+    time.sleep(STOP_WINDOW + 1.0)
+    recovered = case.recover(notes)
+    everything = all_keys(case.produced)
+    return CaseOutcome(
+        stopped, stopped and recovered, everything, everything, notes, duplicates_allowed=False
+    )
+
+
+def _delete(case: Case, fault: Fault) -> CaseOutcome:
+    """Delete the source while a worker with small epochs (pages) reads it part-way: it must halt
+    explicitly (no crash, no silent wait), keeping what it certified (a bounded sync: promising
+    nothing)."""
+    notes: list[str] = []
+    worker, fired = _part_way(case, "deletion", notes)
+    case.source.delete()
+    code = case.finish(worker)
+    if code == EXIT_DONE and not fired:
+        return CaseOutcome(False, True, all_keys(case.produced), all_keys(case.produced), notes)
+    must: set[Key] | None = set() if case.pair.mode is Mode.BOUNDED else None
+    kinds = {"position_unavailable", "incarnation_changed"}
+    return halted_outcome(
+        case, worker, code, fired, kinds, notes, must=must, universe=all_keys(case.produced)
+    )
+
+
+EXIT_AFTER_FREEZE = 0.5
+"""Seconds between freezing the destination and the worker's SIGTERM in an ``exit`` case."""
+
+
+def _exit_with_frozen_sink(case: Case, fault: Fault) -> CaseOutcome:
+    """Stop the worker cleanly (SIGTERM) while the NATS destination hangs: the close cannot settle.
+    It must end within the sink's ``ack_timeout`` and leave the stream marked uncertain, so the next
+    worker is refused until the operator releases it (:meth:`Case.recover` does, noting it)."""
+    notes: list[str] = []
+    worker = case.start(case.spec("w1"))
+    reached = worker.wait_for(
+        lambda event: event.event == "certified" and worker.count("certified") >= case.params.restart_after,
+        case.params.worker_deadline,
+    )
+    fired = reached is not None and worker.proc.poll() is None
+    if not fired:
+        notes.append(f"the worker finished before the exit ({worker.count('certified')} certified)")
+    nats = case.servers.nats
+    with nats.frozen(at_most=case.params.worker_deadline):
+        time.sleep(EXIT_AFTER_FREEZE)  # the next epoch publishes into the hung server
+        worker.send(signal.SIGTERM)
+        code = case.finish(worker)
+    if not fired:
+        return recovered_outcome(case, False, code == EXIT_DONE, notes)
+    error = worker.error()
+    with StateStore(case.state_url) as store:
+        status = store.status(case.spec("check").stream)
+    uncertain = bool(status) and status[0].uncertain
+    marked = code == EXIT_HALTED and error is not None and error.data.get("kind") == "uncertain_outcome"
+    if code == EXIT_DONE and not uncertain:
+        notes.append("the close settled before the destination hung: nothing was in doubt")
+    elif not (marked and uncertain):
+        notes.append(
+            f"the exit left the stream {'marked' if uncertain else 'not marked'} uncertain, exit {code}: "
+            f"{describe_event(error)}"
+        )
+    return recovered_outcome(case, fired, code == EXIT_DONE or (marked and uncertain), notes)
 
 
 def _first_run(case: Case, notes: list[str]) -> tuple[list[EpochCertificate], set[Key]]:
@@ -223,6 +314,9 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], CaseOutcome]] = {
     FaultKind.ZOMBIE: _zombie,
     FaultKind.RESTART: _restart,
     FaultKind.RECREATE: _recreate,
+    FaultKind.DELETE: _delete,
+    FaultKind.EXIT: _exit_with_frozen_sink,
+    FaultKind.STOP: _stop_resumed_after_window,
     FaultKind.PURGE: _purge,
     FaultKind.DDL: _ddl,
     FaultKind.SNAPSHOT_CRASH: _snapshot_crash,
@@ -256,7 +350,9 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         fault=fault.name,
         params=params,
         delivery=plan.delivery.value,
-        duplicates_allowed=duplicates_allowed(plan, seconds),
+        duplicates_allowed=duplicates_allowed(plan, seconds)
+        if outcome.duplicates_allowed is None
+        else outcome.duplicates_allowed,
         verdict=verdict,
         fired=outcome.fired,
         halted_correctly=outcome.halted_correctly,

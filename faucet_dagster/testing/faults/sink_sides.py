@@ -100,6 +100,9 @@ class NatsSinkSide(SinkSide):
     label = "NATS"
     servers_used = ("nats",)
 
+    window = NATS_DUPLICATE_WINDOW
+    """The stream's duplicate window (seconds): :meth:`use_window` shortens it for one case."""
+
     @property
     def stream(self) -> str:
         return f"{self.name}_out"
@@ -108,17 +111,29 @@ class NatsSinkSide(SinkSide):
         async def create() -> None:
             async with jetstream(self.servers.nats.url) as js:
                 await js.add_stream(
-                    name=self.stream, subjects=[f"{self.stream}.rows"], duplicate_window=NATS_DUPLICATE_WINDOW
+                    name=self.stream, subjects=[f"{self.stream}.rows"], duplicate_window=self.window
                 )
 
         run_blocking(create)
+
+    def use_window(self, seconds: float) -> None:
+        """Create the (still empty) stream again with a duplicate window of ``seconds``: a case that
+        must outlast the window (a replay after it would duplicate) without waiting minutes."""
+
+        async def drop() -> None:
+            async with jetstream(self.servers.nats.url) as js:
+                await js.delete_stream(self.stream)
+
+        run_blocking(drop)
+        self.window = seconds
+        self.create()
 
     def config(self) -> dict[str, Any]:
         return {
             "servers": [self.servers.nats.url],
             "stream": self.stream,
             "subject": f"{self.stream}.rows",
-            "duplicate_window": NATS_DUPLICATE_WINDOW,
+            "duplicate_window": self.window,
             "watermark_bucket": f"w_{self.stream}",
             "ack_timeout": 10.0,
             "request_timeout": 2.0,

@@ -73,6 +73,10 @@ class SourceSide(ABC):
         """Remove what the source holds on the servers beyond its case (a replication slot keeps
         WAL and one of the server's few slots for good); called when the case ends."""
 
+    def delete(self) -> None:
+        """Delete the source (while a worker may be reading it)."""
+        raise NotImplementedError(f"a {self.label} source is not deleted by this harness")
+
     def recreate(self) -> None:
         """Delete the source and create it again, empty (a new incarnation)."""
         raise NotImplementedError(f"a {self.label} source is not recreated by this harness")
@@ -209,6 +213,10 @@ class KafkaSource(SourceSide):
             "request_timeout": 5.0,
             "poll_timeout": 0.2,
         }
+
+    def delete(self) -> None:
+        admin = self._admin()
+        admin.delete_topics([self.name])[self.name].result(timeout=30)
 
     def recreate(self) -> None:
         admin = self._admin()

@@ -45,7 +45,7 @@ from faucet_dagster.testing.servers._base import (
     ServerStartError,
     make_unique_name,
 )
-from faucet_dagster.testing.servers.kafka import KafkaServer
+from faucet_dagster.testing.servers.kafka import ConformantFetchKafkaServer, KafkaServer
 from faucet_dagster.testing.servers.nats import NatsServer
 from faucet_dagster.testing.servers.postgres import PostgresServer
 
@@ -54,6 +54,7 @@ __all__ = [
     "NATS_URL_ENV",
     "POSTGRES_OS_USER",
     "POSTGRES_URL_ENV",
+    "ConformantFetchKafkaServer",
     "ExternalServerError",
     "KafkaServer",
     "NatsServer",

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, ClassVar, Self, TypeVar
@@ -76,6 +76,28 @@ def port_accepts(host: str, port: int, timeout: float = 0.5) -> bool:
             return True
     except OSError:
         return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux ``/proc``), parents before their children."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def run_blocking(factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
@@ -386,6 +408,45 @@ class ManagedServer:
         with self._lock:
             if self._proc is not None:
                 self._reap(self._proc)
+
+    @contextlib.contextmanager
+    def frozen(self, at_most: float | None = None) -> Iterator[None]:
+        """The server stopped (SIGSTOP) inside the context, continued (SIGCONT) on exit, or after
+        ``at_most`` seconds if the context lasts longer (so a client that waits for the server ends
+        instead of hanging its test): a server that hangs. Its process and every descendant are stopped
+        (PostgreSQL's backends run in sessions of their own, so the process group alone would leave
+        them answering). Its kernel still accepts connections and acknowledges bytes, so clients see
+        no error, only no answer. Raises :class:`ExternalServerError` for an external server and
+        RuntimeError when it is not running."""
+        self._require_owned("freeze")
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"{self!r} is not running: it cannot be frozen")
+        stopped: list[int] = []
+        thawing = threading.Lock()
+
+        def thaw() -> None:
+            with thawing:
+                while stopped:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(stopped.pop(), signal.SIGCONT)
+
+        os.kill(proc.pid, signal.SIGSTOP)  # first: a stopped server forks no new process
+        stopped.append(proc.pid)
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        timer = None if at_most is None else threading.Timer(at_most, thaw)
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.cancel()
+            thaw()
 
     def restart(self, timeout: float = 30.0) -> Self:
         """``stop(timeout)`` if running, then ``start()``: same port, same data directory.

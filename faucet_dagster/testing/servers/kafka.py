@@ -3,6 +3,7 @@
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from faucet_dagster.testing.servers._base import (
@@ -11,6 +12,7 @@ from faucet_dagster.testing.servers._base import (
     ManagedServer,
     NotReady,
     ServerStartError,
+    _free_port,
     port_accepts,
 )
 
@@ -65,13 +67,17 @@ class KafkaServer(ManagedServer):
 
     def _command(self, workdir: Path) -> list[str]:
         listener = f"tcp://{HOST}:{self._port}"
+        return self._tansu(listener, listener)
+
+    @staticmethod
+    def _tansu(listener: str, advertised: str) -> list[str]:
         return [
             _tansu_binary(),
             "broker",
             "--listener-url",
             listener,
             "--advertised-listener-url",
-            listener,
+            advertised,
             "--storage-engine",
             "memory://tansu/",
         ]
@@ -89,3 +95,16 @@ class KafkaServer(ManagedServer):
             raise NotReady(str(exc)) from exc
         if not metadata.brokers:
             raise NotReady("metadata lists no broker")
+
+
+class ConformantFetchKafkaServer(KafkaServer):
+    """Tansu behind :mod:`faucet_dagster.testing.servers.kafka_shim`, which answers a deleted topic's
+    Fetch with the topic id asked for, as Kafka does (Tansu's all-zero id crashes librdkafka 2.16 with
+    SIGSEGV). Clients use :attr:`bootstrap` (the relay's port); Tansu listens on another port and
+    advertises the relay's. Stopping or killing it stops both (one process group)."""
+
+    def _command(self, workdir: Path) -> list[str]:
+        inner = _free_port()
+        tansu = self._tansu(f"tcp://{HOST}:{inner}", f"tcp://{HOST}:{self._port}")
+        shim = "faucet_dagster.testing.servers.kafka_shim"
+        return [sys.executable, "-m", shim, str(self._port), str(inner), "--", *tansu]

@@ -1,0 +1,71 @@
+"""A Kafka topic deleted (or deleted and recreated) under a live reader: the reading process lives on
+and its read ends with a typed error naming the topic and partition, never a crash nor a silent read
+of another log.
+
+The broker is Tansu behind the relay of :mod:`faucet_dagster.testing.servers.kafka_shim`: Tansu's own
+answer to a deleted topic's Fetch (an all-zero topic id with leader tags) crashes librdkafka 2.16 with
+SIGSEGV, which no client setting avoids; Kafka echoes the id asked for, and so does the relay. The
+reader runs in a process of its own so a crash is seen as its exit code, not as the test's."""
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kafka_topics import create_topic, delete_topic, produce_json
+
+from faucet_dagster.testing.servers import ConformantFetchKafkaServer
+
+READER = Path(__file__).parent.parent / "kafka_live_reader.py"
+
+
+@pytest.fixture(scope="module")
+def relayed_bootstrap() -> Iterator[str]:
+    server = ConformantFetchKafkaServer()
+    try:
+        yield server.start().bootstrap
+    finally:
+        server.close()
+
+
+def reader_after(bootstrap: str, topic: str, change: Callable[[], None]) -> tuple[int, str]:
+    """Start the reader, apply ``change`` once it reads, return its exit code and output."""
+    reader = subprocess.Popen(
+        [sys.executable, str(READER), bootstrap, topic],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert reader.stdout is not None
+    first = reader.stdout.readline()
+    assert first.strip() == "reading", first + reader.stdout.read()
+    change()
+    try:
+        out, _ = reader.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        reader.kill()
+        out, _ = reader.communicate()
+    return reader.returncode, out
+
+
+@pytest.mark.parametrize("recreated", [False, True], ids=["deleted", "recreated"])
+def test_a_topic_deleted_under_a_live_reader_ends_its_read_with_a_typed_error(
+    relayed_bootstrap: str, unique_name: Callable[..., str], recreated: bool
+) -> None:
+    topic = unique_name("topic")
+    create_topic(relayed_bootstrap, topic, 2)
+    produce_json(relayed_bootstrap, topic, 0, 400, partitions=2)
+
+    def change() -> None:
+        delete_topic(relayed_bootstrap, topic)
+        if recreated:
+            create_topic(relayed_bootstrap, topic, 2)
+            produce_json(relayed_bootstrap, topic, 1000, 400, partitions=2)
+
+    code, out = reader_after(relayed_bootstrap, topic, change)
+    assert code == 0, f"the reader exited with {code} (-11: SIGSEGV): {out}"
+    # Recreated: the read that ends first sees the topic gone, or a new one in its place.
+    expected = ("IncarnationChanged", "PositionUnavailable") if recreated else ("PositionUnavailable",)
+    assert any(f"raised {name}" in out for name in expected), out
+    assert f"topic {topic} partition 0" in out, out
