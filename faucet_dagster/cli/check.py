@@ -148,7 +148,7 @@ def print_table(rows: Sequence[CheckRow]) -> None:
 
 
 CHECK_COLUMNS = (
-    Column("declaration"),
+    Column("declaration", wraps=True),
     Column("role"),
     Column("connector"),
     Column("dataset", wraps=True),

@@ -54,12 +54,23 @@ def add_plan_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParse
         "--set-sink", action="append", default=[], metavar="FIELD=VALUE", help="set a sink capability"
     )
     plan_parser.add_argument(
-        "--mode", choices=[m.value for m in Mode], help="bounded (a sync) or continuous (a stream)"
+        "--mode",
+        choices=[m.value for m in Mode],
+        metavar="MODE",
+        help="bounded (a sync) or continuous (a stream)",
     )
-    plan_parser.add_argument("--policy", choices=[p.value for p in WritePolicy], help="how the sink writes")
+    plan_parser.add_argument(
+        "--policy",
+        choices=[p.value for p in WritePolicy],
+        metavar="POLICY",
+        help=f"how the sink writes: {', '.join(p.value for p in WritePolicy)}",
+    )
     plan_parser.add_argument("--key", help="comma-separated key columns")
     plan_parser.add_argument(
-        "--delivery", choices=[d.value for d in Delivery], help="the guarantee to insist on"
+        "--delivery",
+        choices=[d.value for d in Delivery],
+        metavar="DELIVERY",
+        help=f"the guarantee to insist on: {', '.join(d.value for d in Delivery)}",
     )
     plan_parser.add_argument(
         "--dead-letter", action="store_true", default=None, help="a dead-letter route is set"

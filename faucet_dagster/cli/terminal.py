@@ -107,15 +107,20 @@ def fit_text(text: str, width: int | None) -> str:
 
 
 def fold_pipe_table(text: str, width: int | None, separator: str = " | ") -> str:
-    """A table whose cells are joined by ``separator``, its header ruled by a line of dashes, printed
-    in blocks of columns that fit ``width``, each block repeating the first column (the row's name);
-    the lines around the table wrapped by :func:`fit_line`."""
+    """The first table in ``text`` (lines whose cells are joined by ``separator``, the header ruled by
+    a line of dashes, up to the first other line), printed in blocks of columns that fit ``width``,
+    each block repeating the first column (the row's name); every other line wrapped by
+    :func:`fit_line`."""
     lines = text.splitlines()
-    rows = [i for i, line in enumerate(lines) if separator in line]
-    if width is None or not rows or all(len(lines[i]) <= width for i in rows):
+    first = next((i for i, line in enumerate(lines) if separator in line), None)
+    if width is None or first is None:
         return fit_text(text, width)
-    first, last = rows[0], rows[-1]
-    table = [lines[i].split(separator) for i in rows]
+    end = first
+    while end < len(lines) and (separator in lines[end] or _is_rule(lines[end])):
+        end += 1
+    table = [lines[i].split(separator) for i in range(first, end) if not _is_rule(lines[i])]
+    if all(len(separator.join(cells)) <= width for cells in table):
+        return fit_text(text, width)
     widths = [max(len(cells[c]) if c < len(cells) else 0 for cells in table) for c in range(len(table[0]))]
     blocks: list[list[int]] = [[]]
     used = widths[0]
@@ -134,9 +139,12 @@ def fold_pipe_table(text: str, width: int | None, separator: str = " | ") -> str
             out.append(line)
             if position == 0:
                 out.append("-" * len(line))
-    between = [line for line in lines[first + 1 : last] if separator not in line and set(line) != {"-"}]
-    out += [part for line in [*between, *lines[last + 1 :]] for part in fit_line(line, width)]
+    out += [part for line in lines[end:] for part in fit_line(line, width)]
     return "\n".join(out)
+
+
+def _is_rule(line: str) -> bool:
+    return bool(line) and set(line) == {"-"}
 
 
 __all__ = ["Column", "fit_line", "fit_text", "fold_pipe_table", "format_grid", "terminal_width"]
