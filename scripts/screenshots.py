@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from websockets.sync.client import ClientConnection, connect
+
+from faucet_dagster.testing.servers._base import _free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "docs" / "images"
@@ -199,13 +200,6 @@ def wait_for_certificates(project: Path, env: dict[str, str], streams: tuple[str
         if time.monotonic() > deadline:
             raise RuntimeError(f"no certificates reported within 600 s: {statuses}")
         time.sleep(5)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Browser:

@@ -31,7 +31,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +49,8 @@ from dagster.components.testing import create_defs_folder_sandbox
 
 from faucet_dagster.cli.main import _parser, main
 from faucet_dagster.protocol import Role, get_connector
+from faucet_dagster.testing.servers._base import _free_port as free_port
+from faucet_dagster.testing.servers._base import port_accepts
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "example_project"
@@ -400,24 +401,14 @@ def test_the_shipped_workspace_file_serves_the_example_from_one_code_server(tmp_
         server.wait(timeout=60)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def wait_for_server(server: subprocess.Popen[str], port: int) -> None:
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+    while not port_accepts("127.0.0.1", port):
         assert server.poll() is None, (
             f"the code server exited: {server.stderr.read() if server.stderr else ''}"
         )
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        assert time.monotonic() < deadline, f"no code server on port {port} after 180 s"
         time.sleep(0.5)
-    raise AssertionError(f"no code server on port {port} after 180 s")
 
 
 # -- shell ----------------------------------------------------------------------------------------------

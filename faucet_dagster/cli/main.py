@@ -61,14 +61,7 @@ def _add_check_parser(commands: Any) -> None:
         "streams (secrets from the environment), check what each names exists, plan each pair, and "
         "print a table. Exit codes: 0 every check passed, 1 one failed, 2 bad input.",
     )
-    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
-    parser.add_argument(
-        "-d",
-        "--working-directory",
-        type=Path,
-        default=Path.cwd(),
-        help="where to import it from (default: .)",
-    )
+    _add_code_location_arguments(parser)
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds each connector's check may take")
     parser.set_defaults(handler=_dagster_command("faucet_dagster.cli.check", "check_command"))
 
@@ -87,16 +80,21 @@ def _add_partitions_parser(commands: Any) -> None:
         description="Evaluate every faucet partitions sensor of the code location once, against the "
         "instance of $DAGSTER_HOME, and add the partitions they request.",
     )
-    refresh.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    _add_code_location_arguments(refresh)
     refresh.add_argument("-a", "--attribute", default="defs", help="its Definitions (default: defs)")
-    refresh.add_argument(
+    refresh.set_defaults(handler=_dagster_command("faucet_dagster.cli.partitions", "refresh_command"))
+
+
+def _add_code_location_arguments(parser: argparse.ArgumentParser) -> None:
+    """``-m MODULE`` and ``-d DIRECTORY``: a code location as Dagster's own commands name it."""
+    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    parser.add_argument(
         "-d",
         "--working-directory",
         type=Path,
         default=Path.cwd(),
         help="where to import it from (default: .)",
     )
-    refresh.set_defaults(handler=_dagster_command("faucet_dagster.cli.partitions", "refresh_command"))
 
 
 def _dagster_command(module: str, name: str) -> Any:
