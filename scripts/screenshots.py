@@ -9,7 +9,8 @@ until the page shows what the shot is about, and saves it under ``docs/images/``
 
 * ``sync-materialization.png``: the ``customers`` sync's latest materialization and its metadata;
 * ``stream-certificate.png``: the ``order_events_nats`` stream's latest certificate;
-* ``stream-health.png``: its ``faucet_stream_health`` check.
+* ``stream-health.png``: its ``faucet_stream_health`` check, passing with the lag;
+* ``stream-stalled.png``: the same check failing with its reason and remedy, once the servers stopped.
 
 Everything it started is stopped at the end, and the temporary folder deleted. Needs the ``dev`` extra
 (``dg``, the webserver, the servers' wheels).
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,8 @@ def main() -> int:
         )
         env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "FAUCET_STATE_URL")}
         env["DAGSTER_HOME"] = str(project / ".dagster_home")
-        env |= stack.enter_context(example_servers(project, env))
+        exports, stop_servers = stack.enter_context(example_servers(project, env))
+        env |= exports
         step("command one: the syncs", [str(VENV_BIN / "python"), "-m", "example_project"], project, env)
         for server in ("nats", "kafka"):
             publish = [str(VENV_BIN / "python"), "-m", "example_project.publish", server, str(args.events)]
@@ -105,6 +107,17 @@ def main() -> int:
             click="faucet_stream_health",
             then_shows="faucet/lag",
         )
+        print("-- stopping the servers: the next ticks stall", flush=True)
+        stop_servers()
+        shoot(
+            browser,
+            f"{base}/assets/order_events_nats?view=checks",
+            "faucet_stream_health",
+            args.out / "stream-stalled.png",
+            click="faucet_stream_health",
+            then_shows="faucet/remedy",
+            reload_for=240,
+        )
     return 0
 
 
@@ -116,8 +129,11 @@ def step(what: str, command: list[str], cwd: Path, env: dict[str, str]) -> None:
 
 
 @contextmanager
-def example_servers(project: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """``python -m example_project.servers``: its ``export`` lines, while it runs."""
+def example_servers(
+    project: Path, env: dict[str, str]
+) -> Iterator[tuple[dict[str, str], Callable[[], None]]]:
+    """``python -m example_project.servers``: its ``export`` lines, and a function that stops the
+    servers (as Ctrl-C does in the README's tour), while it runs."""
     print("-- the example's servers", flush=True)
     process = subprocess.Popen(
         [str(VENV_BIN / "python"), "-m", "example_project.servers"],
@@ -126,6 +142,12 @@ def example_servers(project: Path, env: dict[str, str]) -> Iterator[dict[str, st
         stdout=subprocess.PIPE,
         text=True,
     )
+
+    def stop() -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+
     try:
         exports: dict[str, str] = {}
         assert process.stdout is not None
@@ -137,10 +159,9 @@ def example_servers(project: Path, env: dict[str, str]) -> Iterator[dict[str, st
                 break
         if len(exports) != 3:
             raise RuntimeError(f"the servers printed {sorted(exports)}, not three export lines")
-        yield exports
+        yield exports, stop
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
+        stop()
 
 
 @contextmanager
@@ -276,27 +297,37 @@ def shoot(
     *,
     click: str | None = None,
     then_shows: str | None = None,
+    reload_for: float = 0.0,
 ) -> None:
     """Open ``url``, wait until the page's text holds ``shows`` (after clicking ``click``, until it holds
-    ``then_shows``), close Dagster's welcome dialog, let the page's other queries end, and save a PNG."""
+    ``then_shows``, reloading the page for up to ``reload_for`` seconds), close Dagster's welcome
+    dialog, let the page's other queries end, and save a PNG."""
     print(f"-- {path.name}: {url}", flush=True)
-    browser.call("Page.navigate", url=url)
-    wait_for_text(browser, shows, url)
-    browser.evaluate(f"({CLICK})('Skip')")  # the "Join the Dagster community" dialog, shown once
-    if click is not None:
+    deadline = time.monotonic() + reload_for
+    while True:
+        browser.call("Page.navigate", url=url)
+        wait_for_text(browser, shows, url)
+        browser.evaluate(f"({CLICK})('Skip')")  # the "Join the Dagster community" dialog, shown once
+        if click is None:
+            break
         if not browser.evaluate(f"({CLICK})({json.dumps(click)})"):
             raise RuntimeError(f"{url} has nothing to click named {click!r}")
-        wait_for_text(browser, then_shows or click, url)
+        try:
+            wait_for_text(browser, then_shows or click, url, timeout=30 if reload_for else 120)
+            break
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
     time.sleep(3)  # the rest of the page's queries
     png = browser.call("Page.captureScreenshot", format="png")["data"]
     path.write_bytes(base64.b64decode(png))
 
 
-def wait_for_text(browser: Browser, text: str, url: str) -> None:
-    deadline = time.monotonic() + 120
+def wait_for_text(browser: Browser, text: str, url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
     while not browser.evaluate(f"document.body && document.body.innerText.includes({json.dumps(text)})"):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} never showed {text!r}")
+            raise RuntimeError(f"{url} did not show {text!r} within {timeout:.0f} s")
         time.sleep(0.5)
 
 

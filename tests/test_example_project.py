@@ -71,7 +71,7 @@ def test_the_component_loads_from_defs_yaml_through_dg(project: Path) -> None:
 
 
 def test_the_same_assets_pointed_at_postgresql(project: Path, postgres_url: str) -> None:
-    # What the README says: replace the warehouse connection in defs.yaml.
+    # What docs/syncs.md says: replace the warehouse connection in defs.yaml.
     defs_yaml = project / "example_project" / "defs" / "shop" / "defs.yaml"
     sqlite = (
         "connector: sql\n      config:\n"
