@@ -286,9 +286,15 @@ class StreamModel(dg.Model, _Located):
 
 class FaucetComponentScaffolder(dg.Scaffolder[Any]):
     """``dg scaffold defs faucet_dagster.components.FaucetComponent <path>``: a ``defs.yaml`` with one
-    files-to-SQLite sync to edit."""
+    files-to-SQLite sync to edit, named after its folder (``defs/landing`` declares the sync and the
+    asset ``landing``, reading ``data/landing/*.csv`` into the table ``landing``), so that it does not
+    take a name the project already uses, such as the example's ``orders``."""
 
     def scaffold(self, request: dg.ScaffoldRequest[Any]) -> None:
+        folder = request.target_path.name.lower()
+        name = "".join(c if c.isalnum() and c.isascii() else "_" for c in folder).strip("_") or "sync"
+        if name[0].isdigit():
+            name = f"sync_{name}"
         dg.scaffold_component(
             request,
             {
@@ -301,12 +307,12 @@ class FaucetComponentScaffolder(dg.Scaffolder[Any]):
                 },
                 "syncs": [
                     {
-                        "name": "orders",
+                        "name": name,
                         "source": {
                             "connection": "files",
-                            "config": {"paths": ["{{ context.project_root }}/data/orders/*.csv"]},
+                            "config": {"paths": [f"{{{{ context.project_root }}}}/data/{name}/*.csv"]},
                         },
-                        "sink": {"connection": "warehouse", "config": {"table": "orders", "mode": "append"}},
+                        "sink": {"connection": "warehouse", "config": {"table": name, "mode": "append"}},
                     }
                 ],
             },

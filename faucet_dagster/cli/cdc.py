@@ -17,7 +17,12 @@ from faucet_dagster.runner.replication import setup_change_source
 
 def add_cdc_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add ``cdc setup`` to the ``faucet`` command line."""
-    cdc = commands.add_parser("cdc", help="prepare a database for change data capture")
+    cdc = commands.add_parser(
+        "cdc",
+        help="prepare a database for change data capture",
+        description="Prepare a database for change data capture: the publication and the replication "
+        "slot a change source reads.",
+    )
     actions = cdc.add_subparsers(dest="cdc_command", required=True)
     setup = actions.add_parser(
         "setup",

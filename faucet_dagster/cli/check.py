@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from faucet_dagster.cli.terminal import Column, format_grid, terminal_width
 from faucet_dagster.declarations.code_location import import_code_location
 from faucet_dagster.declarations.declared import DECLARED
 from faucet_dagster.declarations.preflight import pair_problems
@@ -125,7 +126,11 @@ async def _within(
 
 
 def print_table(rows: Sequence[CheckRow]) -> None:
-    headers = ("declaration", "role", "connector", "dataset", "result")
+    """The table, fitted to the terminal (what each connection names and the result wrap), and the
+    count of checks that passed and failed."""
+    if not rows:
+        print("no faucet sync or stream declared")
+        return
     cells = [
         (
             row.declaration,
@@ -136,17 +141,19 @@ def print_table(rows: Sequence[CheckRow]) -> None:
         )
         for row in rows
     ]
-    widths = [max(len(headers[i]), *(len(cell[i]) for cell in cells)) for i in range(4)] if cells else []
-    if not cells:
-        print("no faucet sync or stream declared")
-        return
-    print("  ".join(header.ljust(width) for header, width in zip(headers, widths, strict=False)) + "  result")
-    for cell in cells:
-        print(
-            "  ".join(value.ljust(width) for value, width in zip(cell, widths, strict=False)) + "  " + cell[4]
-        )
+    for line in format_grid(CHECK_COLUMNS, cells, terminal_width()):
+        print(line)
     failed = sum(not row.ok for row in rows)
     print(f"{len(rows) - failed} passed, {failed} failed")
+
+
+CHECK_COLUMNS = (
+    Column("declaration", wraps=True),
+    Column("role"),
+    Column("connector"),
+    Column("dataset", wraps=True),
+    Column("result", wraps=True),
+)
 
 
 __all__ = ["CheckRow", "check_command", "check_declared", "print_table"]

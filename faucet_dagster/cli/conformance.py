@@ -19,6 +19,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from faucet_dagster.cli.terminal import fit_text, fold_pipe_table, terminal_width
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import ConformanceFailure, ConformanceOptions
 from faucet_dagster.conformance.registry import conformance_setups
@@ -34,7 +35,12 @@ def add_conformance_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "conformance",
         help="run the conformance battery on connectors and print the table of checks",
-        description=__doc__,
+        description="Run the conformance battery on installed connectors (the faucet.connectors entry "
+        "point) that have a conformance setup (the faucet.conformance entry point), and print the table "
+        "of checks by connector. The servers the checks need (PostgreSQL, NATS JetStream, a "
+        "Kafka-protocol broker) start on free local ports and stop at the end, unless "
+        "FAUCET_TEST_POSTGRES_URL, FAUCET_TEST_NATS_URL or FAUCET_TEST_KAFKA_BOOTSTRAP name your own. "
+        "Exit codes: 0 nothing failed, 1 a check failed, 2 bad input.",
     )
     parser.add_argument("connectors", nargs="*", help="names of installed connectors")
     parser.add_argument("--all", action="store_true", help="every installed connector with a setup")
@@ -73,10 +79,10 @@ def conformance_command(args: argparse.Namespace) -> int:
                         continue
                     label = f"{name} {role.value}"
                     result = _run(check, label, spec, role, fixtures, factory, options)
-                    print(f"{label:<26} {check.id:<32} {result.status}", flush=True)
+                    _print(f"{label:<26} {check.id:<32} {result.status}")
                     results.append(result)
     print()
-    print(format_table(results))
+    print(fold_pipe_table(format_table(results), terminal_width()))
     return 1 if any(result.status == "fail" for result in results) else 0
 
 
@@ -96,12 +102,17 @@ def _self_test(only: list[str]) -> int:
                 verdict = f"NOT CAUGHT: {exc}"
             else:
                 verdict = "caught"
-            print(f"{case.rule:<82} {where:<52} -> {case.check:<30} {verdict}", flush=True)
+            _print(f"{case.rule:<82} {where:<52} -> {case.check:<30} {verdict}")
             rows.append((case.rule, where, case.check, verdict))
     missed = [row for row in rows if row[3] != "caught"]
     print()
     print(f"{len(rows) - len(missed)} of {len(rows)} broken connectors caught by the check of their rule")
     return 1 if missed else 0
+
+
+def _print(line: str) -> None:
+    """A line of progress, wrapped to the terminal and shown at once."""
+    print(fit_text(line, terminal_width()), flush=True)
 
 
 def _run(

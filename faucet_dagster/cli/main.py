@@ -36,7 +36,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="faucet", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="faucet",
+        description="Check, run and inspect faucet-dagster's syncs and streams: move data between systems "
+        "inside Dagster with delivery guarantees it can prove.",
+        epilog="Run 'faucet COMMAND --help' for a command's options. Exit codes: 0 success, 1 refused or "
+        "failed, 2 bad input.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(commands)
     add_streams_parser(commands)
@@ -55,14 +61,18 @@ def _add_check_parser(commands: Any) -> None:
         "streams (secrets from the environment), check what each names exists, plan each pair, and "
         "print a table. Exit codes: 0 every check passed, 1 one failed, 2 bad input.",
     )
-    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
-    parser.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
+    _add_code_location_arguments(parser)
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds each connector's check may take")
     parser.set_defaults(handler=_dagster_command("faucet_dagster.cli.check", "check_command"))
 
 
 def _add_partitions_parser(commands: Any) -> None:
-    parser = commands.add_parser("partitions", help="the dynamic partitions of sharded syncs")
+    parser = commands.add_parser(
+        "partitions",
+        help="the dynamic partitions of sharded syncs",
+        description="The dynamic partitions of sharded syncs: one partition per shard (a file of a sync "
+        "with shard_by_file), added by each sync's partitions sensor or by 'refresh'.",
+    )
     actions = parser.add_subparsers(dest="action", required=True)
     refresh = actions.add_parser(
         "refresh",
@@ -70,10 +80,21 @@ def _add_partitions_parser(commands: Any) -> None:
         description="Evaluate every faucet partitions sensor of the code location once, against the "
         "instance of $DAGSTER_HOME, and add the partitions they request.",
     )
-    refresh.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    _add_code_location_arguments(refresh)
     refresh.add_argument("-a", "--attribute", default="defs", help="its Definitions (default: defs)")
-    refresh.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
     refresh.set_defaults(handler=_dagster_command("faucet_dagster.cli.partitions", "refresh_command"))
+
+
+def _add_code_location_arguments(parser: argparse.ArgumentParser) -> None:
+    """``-m MODULE`` and ``-d DIRECTORY``: a code location as Dagster's own commands name it."""
+    parser.add_argument("-m", "--module", required=True, help="the code location's module (Dagster's -m)")
+    parser.add_argument(
+        "-d",
+        "--working-directory",
+        type=Path,
+        default=Path.cwd(),
+        help="where to import it from (default: .)",
+    )
 
 
 def _dagster_command(module: str, name: str) -> Any:

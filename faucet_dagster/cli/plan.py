@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from faucet_dagster.cli.files import parse_flag_value, read_yaml
+from faucet_dagster.cli.terminal import fit_text, terminal_width
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import (
     ConfigError,
@@ -34,9 +35,14 @@ def add_plan_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParse
     plan_parser = commands.add_parser(
         "plan",
         help="check a source/sink pair and print the delivery guarantee, or every violation",
-        description="Check a source/sink pair. Flags override the YAML file's values.",
+        description="Check a source/sink pair before anything runs, and print its delivery guarantee or "
+        "every rule it breaks. Name each side by an installed connector (with its config) or by its "
+        "capabilities; flags override the YAML file's values. Exit codes: 0 accepted, 1 refused, "
+        "2 bad input.",
     )
-    plan_parser.add_argument("-f", "--file", type=Path, help="YAML file with one pair, or `pairs:` a list")
+    plan_parser.add_argument(
+        "-f", "--file", type=Path, help="a YAML file with one pair, or a list of them under pairs:"
+    )
     plan_parser.add_argument("--source", help="an installed connector name")
     plan_parser.add_argument("--sink", help="an installed connector name")
     plan_parser.add_argument("--source-config", type=Path, help="YAML/JSON config of the source connector")
@@ -47,10 +53,25 @@ def add_plan_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParse
     plan_parser.add_argument(
         "--set-sink", action="append", default=[], metavar="FIELD=VALUE", help="set a sink capability"
     )
-    plan_parser.add_argument("--mode", choices=[m.value for m in Mode])
-    plan_parser.add_argument("--policy", choices=[p.value for p in WritePolicy])
+    plan_parser.add_argument(
+        "--mode",
+        choices=[m.value for m in Mode],
+        metavar="MODE",
+        help="bounded (a sync) or continuous (a stream)",
+    )
+    plan_parser.add_argument(
+        "--policy",
+        choices=[p.value for p in WritePolicy],
+        metavar="POLICY",
+        help=f"how the sink writes: {', '.join(p.value for p in WritePolicy)}",
+    )
     plan_parser.add_argument("--key", help="comma-separated key columns")
-    plan_parser.add_argument("--delivery", choices=[d.value for d in Delivery])
+    plan_parser.add_argument(
+        "--delivery",
+        choices=[d.value for d in Delivery],
+        metavar="DELIVERY",
+        help=f"the guarantee to insist on: {', '.join(d.value for d in Delivery)}",
+    )
     plan_parser.add_argument(
         "--dead-letter", action="store_true", default=None, help="a dead-letter route is set"
     )
@@ -96,12 +117,14 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 def _print_result(result: Mapping[str, Any]) -> None:
     if result["accepted"]:
-        print(f"{result['name']}: accepted, {result['summary']}")
-        return
-    violations = result["violations"]
-    print(f"{result['name']}: refused ({len(violations)} violation(s))")
-    for violation in violations:
-        print(f"  [{violation['code']}] rule {violation['rule']}: {violation['message']}")
+        lines = [f"{result['name']}: accepted, {result['summary']}"]
+    else:
+        violations = result["violations"]
+        lines = [f"{result['name']}: refused ({len(violations)} violation(s))"] + [
+            f"  [{violation['code']}] rule {violation['rule']}: {violation['message']}"
+            for violation in violations
+        ]
+    print(fit_text("\n".join(lines), terminal_width()))
 
 
 def _load_pairs(path: Path) -> list[dict[str, Any]]:

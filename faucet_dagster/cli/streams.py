@@ -15,6 +15,7 @@ import argparse
 import json
 from typing import Any
 
+from faucet_dagster.cli.terminal import fit_line, fit_text, terminal_width
 from faucet_dagster.protocol import EpochCertificate
 from faucet_dagster.state.members import MemberRegistry, parse_group_stream
 from faucet_dagster.state.status import StreamStatus
@@ -23,16 +24,35 @@ from faucet_dagster.state.store import StateStore
 
 def add_streams_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add ``streams status`` and ``streams release`` to the ``faucet`` command line."""
-    streams = commands.add_parser("streams", help="inspect continuous streams and release them")
+    streams = commands.add_parser(
+        "streams",
+        help="inspect continuous streams and release them",
+        description="The state store of continuous streams, from a terminal: each stream's lease, "
+        "certified epochs, positions and lag, and the release of a stream marked uncertain.",
+    )
     actions = streams.add_subparsers(dest="streams_command", required=True)
-    status = actions.add_parser("status", help="leases, uncertain flags, certified epochs and positions")
+    status = actions.add_parser(
+        "status",
+        help="leases, uncertain flags, certified epochs and positions",
+        description="Print each stream's lease (owner, fencing token, time left, a pending hand-over), "
+        "whether it is marked uncertain and why, its last certified epoch and how far Dagster received "
+        "its reports, its certified positions, its dead letters and its lag at the last certificate.",
+    )
     status.add_argument("stream", nargs="?", help="one stream (default: every stream)")
     release = actions.add_parser(
-        "release", help="clear a stream's uncertain flag and lease so it can be taken over"
+        "release",
+        help="clear a stream's uncertain flag and lease so it can be taken over",
+        description="Clear a stream's uncertain flag and its lease so that a worker can take it over, "
+        "once you checked that the destination holds all or none of the last epoch's effects. The "
+        "fencing token is kept: the next owner still fences every earlier one.",
     )
     release.add_argument("stream", help="the stream to release")
     for parser in (status, release):
-        parser.add_argument("--state-url", help="SQLAlchemy URL of the state store")
+        parser.add_argument(
+            "--state-url",
+            help="SQLAlchemy URL of the state store (default: $FAUCET_STATE_URL, else "
+            "$DAGSTER_HOME/faucet_state.db)",
+        )
         parser.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(handler=_status_command)
     release.set_defaults(handler=_release_command)
@@ -57,13 +77,14 @@ def _status_command(args: argparse.Namespace) -> int:
         )
     elif not statuses:
         print(f"no streams in {store.where}")
+    width = terminal_width()
     for status in [] if args.json else statuses:
         lines = [
-            _describe(status),
+            *_describe(status).splitlines(),
             *_member_lines(members.get(status.stream)),
             *_lag_lines(lasts[status.stream]),
         ]
-        print("\n".join(lines))
+        print(fit_text("\n".join(lines), width))
     return 0
 
 
@@ -133,7 +154,10 @@ def _release_command(args: argparse.Namespace) -> int:
         was.append(f"marked uncertain ({before.uncertain_reason})")
     if before.owner is not None:
         was.append(f"leased to {before.owner} (token {before.fencing_token})")
-    print(f"released {args.stream}: it was {' and '.join(was) if was else 'neither uncertain nor leased'}")
+    released = (
+        f"released {args.stream}: it was {' and '.join(was) if was else 'neither uncertain nor leased'}"
+    )
+    print("\n".join(fit_line(released, terminal_width())))
     return 0
 
 
