@@ -44,10 +44,13 @@ A run over one shard of a source uses the watermark only when the sink keeps one
 sequence. Otherwise the plan for that run is made without the watermark and says so.
 """
 
+import operator
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 import pyarrow as pa
@@ -71,8 +74,11 @@ from faucet_dagster.protocol import (
     Source,
     WritePolicy,
     as_record_batch,
+    conform_rows,
+    split_missing,
 )
 from faucet_dagster.protocol.json_values import json_record
+from faucet_dagster.protocol.lattice import infer_type
 from faucet_dagster.runner.bounded_values import BoundedSyncResult, PageReport, SyncSettings
 from faucet_dagster.runner.read_ahead import reading_ahead
 
@@ -208,6 +214,7 @@ async def run_bounded_sync(
         schema=schema,
         seconds=time.perf_counter() - started,
         evolved_columns=tuple(run.evolved),
+        missing_fields=dict(run.missing),
     )
 
 
@@ -236,6 +243,11 @@ class _Run:
     rows_written: int = 0
     rows_dead_lettered: int = 0
     rows_skipped: int = 0
+    missing: Counter[str] = field(default_factory=Counter)
+    """Per field, the rows read whose record lacked it (a JSON page's objects, a batch's
+    ``MISSING_COLUMN``)."""
+    fields: set[str] = field(default_factory=set)
+    """The fields of every JSON object read so far: a later object lacking one lacks a field."""
     evolved: list[str] = field(default_factory=list)
     last_schema: pa.Schema | None = None
     watermark: bool = False
@@ -326,7 +338,11 @@ class _Run:
         page (``None`` when they are the same).
         """
         if isinstance(records, pa.RecordBatch):
-            return records, [], None
+            batch, missing = split_missing(records)
+            self.missing.update({name: len(rows) for name, rows in missing.items()})
+            return batch, [], None
+        self.fields.update(name for row in records for name in row)
+        self.missing.update({name: count for name in self.fields if (count := _lacking(records, name))})
         try:
             return as_record_batch(records), [], None
         except DataError as exc:
@@ -341,39 +357,30 @@ class _Run:
     def _convert_rows(
         self, records: Sequence[Mapping[str, Any]]
     ) -> tuple[pa.RecordBatch, list[_Rejected], Sequence[int]]:
-        """Convert rows one by one against one schema; the rows that do not fit are rejected.
+        """Convert rows against one schema by the type lattice's rule; the rows that do not fit are
+        rejected.
 
-        A column's type is the destination's when it has the column, else the type of the first
-        value in the page that converts on its own (first row wins): deterministic, so a replayed
-        page rejects the same rows.
+        A column's type is the destination's when it has the column, else the one the lattice infers
+        from the page's values (the first non-null value's kind): deterministic, so a replayed page
+        rejects the same rows.
         """
         known = self._destination or {}
-        types: dict[str, pa.DataType] = {}
-        for row in records:
-            for name, value in row.items():
-                if name in types or value is None:
-                    continue
-                if name in known:
-                    types[name] = known[name]
-                    continue
-                try:
-                    types[name] = pa.array([value]).type
-                except _ARROW_ERRORS:
-                    continue  # this value fits no Arrow type; a later row may type the column
         names = list(dict.fromkeys(name for row in records for name in row))
-        schema = pa.schema([pa.field(name, types.get(name, pa.null())) for name in names])
-        good: list[dict[str, Any]] = []
-        origin: list[int] = []
-        rejected: list[_Rejected] = []
-        for index, row in enumerate(records):
-            try:
-                pa.RecordBatch.from_pylist([dict(row)], schema=schema)
-            except _ARROW_ERRORS as exc:
-                rejected.append(_Rejected(index, "convert", f"does not convert to Arrow: {exc}", row))
-                continue
-            good.append(dict(row))
-            origin.append(index)
-        return pa.RecordBatch.from_pylist(good, schema=schema), rejected, origin
+        schema = pa.schema(
+            [
+                pa.field(
+                    name, known[name] if name in known else infer_type([row.get(name) for row in records])
+                )
+                for name in names
+            ]
+        )
+        conformed = conform_rows(records, schema)
+        rejected = [
+            _Rejected(index, "convert", f"does not convert to Arrow: {reason}", records[index])
+            for index, reason in sorted(conformed.bad.items())
+        ]
+        origin = range(len(records)) if conformed.kept is None else conformed.kept
+        return conformed.batch, rejected, origin
 
     # -- schema ------------------------------------------------------------------------------------
 
@@ -515,7 +522,9 @@ class _Run:
         return f"{self.source.dataset_uri()}{shard} page {number}"
 
 
-_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError)
+def _lacking(records: Sequence[Mapping[str, Any]], name: str) -> int:
+    """How many of ``records`` lack field ``name``."""
+    return len(records) - sum(map(operator.contains, records, repeat(name)))
 
 
 def _columns(schema: pa.Schema) -> dict[str, pa.DataType]:
