@@ -41,7 +41,9 @@ from faucet_dagster.protocol import (
     FetchContext,
     KeysetSource,
     Page,
+    conform_values,
 )
+from faucet_dagster.protocol.lattice import lands_as_is
 from faucet_sql.config import SqlSourceConfig
 from faucet_sql.database import ROW_VALUE_DIALECTS, Converter, Database, arrow_type, converter, db_error
 
@@ -204,24 +206,32 @@ class SqlSource(KeysetSource):
             return _empty(plan.schema), None
         names = [column.name for column in plan.selected]
         last = tuple(rows[-1][names.index(name)] for name in plan.order_names)
-        if plan.plain_rows:
+        typed = self.db.dialect != "sqlite"
+        columns = None if typed else list(zip(*rows, strict=True))
+        if plan.plain_rows and (
+            # SQLite keeps any value in any column (a REAL in an INTEGER one): only values of the
+            # column's own kind go through Arrow's one-call conversion, which would truncate 1.5 to 1.
+            columns is None or all(lands_as_is(columns[names.index(f.name)], f.type) for f in plan.schema)
+        ):
             whole = _batch_of_rows(rows, plan.schema)
             if whole is not None:
                 return whole, last
-        columns = list(zip(*rows, strict=True))
+        if columns is None:
+            columns = list(zip(*rows, strict=True))
         arrays = []
         for field, convert in zip(plan.schema, plan.converters, strict=True):
             values = list(columns[names.index(field.name)])
             if convert is not None:
                 values = convert(values)
-            try:
-                arrays.append(pa.array(values, type=field.type))
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
+            array, unfit = conform_values(values, field.type, field.name)
+            if unfit:
+                index = min(unfit)
+                at = ", ".join(f"{name}={rows[index][names.index(name)]!r}" for name in plan.order_names)
                 raise DataError(
-                    f"column {field.name!r} of {self.db.qualified()!r} holds a value that is not "
-                    f"{field.type}: {exc}",
-                    where=self.dataset_uri(),
-                ) from exc
+                    f"{self.db.qualified()!r} row ({at}): {unfit[index]}",
+                    where=f"{self.dataset_uri()} @ {at}",
+                )
+            arrays.append(array)
         return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last
 
     def _discover(self) -> list[DiscoveredDataset]:

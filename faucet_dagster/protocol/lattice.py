@@ -103,6 +103,13 @@ def _safe_kinds(kind: pa.DataType) -> frozenset[type]:
     return frozenset({_NONE})
 
 
+def lands_as_is(values: Sequence[Any], kind: pa.DataType) -> bool:
+    """True when every one of ``values`` is of a Python type ``pa.array(values, kind)`` lands exactly
+    or refuses, never coerces (an ``int`` into an integer column, a ``float`` into float64...): then
+    one Arrow call converts them by the lattice's rule. Otherwise use :func:`conform_values`."""
+    return set(map(type, values)) <= _safe_kinds(kind)
+
+
 def kind_name(value: Any) -> str:
     """The value kind of ``value`` as the lattice names it (in reasons and in the documentation)."""
     if value is None:
@@ -243,8 +250,7 @@ class Conformed:
 def conform_values(values: Sequence[Any], kind: pa.DataType, label: str) -> tuple[pa.Array, dict[int, str]]:
     """``values`` as one array of ``kind`` (length ``len(values)``), and the index of each value that
     does not fit with why (null in the array). ``label`` names the column in reasons."""
-    kinds = set(map(type, values))
-    if kinds <= _safe_kinds(kind):
+    if lands_as_is(values, kind):
         try:
             return pa.array(values, kind), {}
         except _ARROW_ERRORS:
@@ -327,7 +333,7 @@ def _arrow_reason(value: Any, exc: BaseException) -> str:
 
 
 def _reason(label: str, value: Any, kind: pa.DataType, why: str) -> str:
-    return f"field {label!r}: {kind_name(value)} {_preview(value)} does not fit {kind}: {why}"
+    return f"column {label!r}: {kind_name(value)} {_preview(value)} does not fit {kind}: {why}"
 
 
 def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> Conformed:
@@ -499,5 +505,6 @@ __all__ = [
     "infer_schema",
     "infer_type",
     "kind_name",
+    "lands_as_is",
     "lattice_type_problem",
 ]
