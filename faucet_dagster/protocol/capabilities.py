@@ -129,7 +129,9 @@ class SourceCapabilities:
     ``deterministic`` means re-reading a range of positions yields the same records in the same
     pages, which the atomic-watermark mechanism needs to skip pages a sink already committed.
     ``columns`` names the source schema's columns when they are known before reading, so the
-    planner can check a key against them.
+    planner can check a key against them. ``dead_letters`` means the source itself routes records it
+    cannot turn into rows to the dead-letter route (``on_malformed: dead_letter``): the planner counts
+    that route as it counts one for rows that do not fit (it rules out the atomic watermark).
     """
 
     emits: Emits
@@ -144,6 +146,7 @@ class SourceCapabilities:
     discover: bool = False
     shardable: bool = False
     columns: tuple[str, ...] | None = None
+    dead_letters: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ _SOURCE_FIELD_TYPES: Mapping[str, Callable[[object], Any]] = {
     "discover": _boolean,
     "shardable": _boolean,
     "columns": _columns,
+    "dead_letters": _boolean,
 }
 
 _SINK_FIELD_TYPES: Mapping[str, Callable[[object], Any]] = {
