@@ -302,7 +302,14 @@ def _mechanisms(
         for failed, text in (
             # Continuous mode never re-reads a non-deterministic source into an atomic watermark: the
             # runner certifies a commit the sink holds without a certificate from the sink's watermark.
-            (mode is Mode.BOUNDED and not source.deterministic, "the source is not deterministic"),
+            # A bounded rerun re-reads the source: it must give the same rows again, unless it resumes
+            # from the bookmark the sink keeps with the token (every page carries one).
+            (
+                mode is Mode.BOUNDED
+                and not source.deterministic
+                and not (source.page_bookmarks and sink.watermark_bookmark),
+                "the source is not deterministic",
+            ),
             (not sink.atomic_watermark, "the sink has no atomic watermark"),
             (not durable_state, "the state is not durable"),
             (dead_letter, "a dead-letter route is configured"),
@@ -357,6 +364,11 @@ _MECHANISM_TEXT: dict[Mechanism, Callable[[SinkCapabilities], str]] = {
     Mechanism.ATOMIC_WATERMARK: lambda sink: (
         "atomic watermark: records and a monotonic commit token commit in one destination "
         "transaction, so a replayed page or epoch at or below the watermark is skipped"
+        + (
+            " (the page's bookmark is kept with the token: a rerun resumes from what the destination holds)"
+            if sink.watermark_bookmark
+            else ""
+        )
     ),
     Mechanism.KEYED_UPSERT: lambda sink: (
         "keyed upsert: re-applying a record converges on the same row instead of duplicating it"

@@ -65,7 +65,14 @@ from faucet_dagster.protocol.identifiers import (
     identifier_too_long,
     postgres_identifier_problem,
 )
-from faucet_dagster.protocol.keyset import KeysetBookmark, KeysetSource, decode_scalar, encode_scalar
+from faucet_dagster.protocol.keyset import (
+    KeysetBookmark,
+    KeysetPages,
+    KeysetSource,
+    decode_scalar,
+    encode_scalar,
+    tie_start,
+)
 from faucet_dagster.protocol.lattice import (
     Conformed,
     as_record_batch,
@@ -179,6 +186,7 @@ __all__ = [
     "IntegrityError",
     "JsonValue",
     "KeysetBookmark",
+    "KeysetPages",
     "KeysetSource",
     "LifecycleError",
     "Membership",
@@ -248,5 +256,6 @@ __all__ = [
     "sink_capabilities_from",
     "source_capabilities_from",
     "split_missing",
+    "tie_start",
     "url_credentials",
 ]

@@ -31,6 +31,12 @@ pages, the caller never persisted the result) neither duplicates nor skips:
   old bookmark said: what the sink holds is never re-read, and what follows it is read or is
   reported gone (:class:`PositionUnavailable`), even when retention moved the start of the source
   between the crash and the rerun.
+* by bookmark, when every page carries a bookmark (``SourceCapabilities.page_bookmarks``) and the sink
+  keeps each page's bookmark with its token (``SinkCapabilities.watermark_bookmark``): tokens count
+  rows as below, and the rerun reads the sink's token and bookmark first and, when the sink holds
+  more than the caller's token says, has the source resume from the bookmark the sink holds: what
+  it holds is named by the bookmark (files by path, size and modification time; table rows by their
+  position), never by a count, so a file that sorts before the ones read is read once.
 * by count, otherwise: the caller passes the token of its last successful run, and page ``n`` carries
   that token plus the rows read up to the end of page ``n``. The next run starts again from the old
   bookmark and old token; the deterministic source re-reads the same rows in the same order, and
@@ -167,7 +173,13 @@ async def run_bounded_sync(
     watermark = Mechanism.ATOMIC_WATERMARK in accepted.mechanisms and not replacing
     # The first page is read while the sinks are checked and the watermark is read, unless the sink's
     # watermark says where the source resumes (by position).
-    resumes_at_sink = watermark and source.watermark_by_position
+    by_bookmark = (
+        watermark
+        and not source.watermark_by_position
+        and sink_capabilities.watermark_bookmark
+        and source.capabilities().page_bookmarks
+    )
+    resumes_at_sink = watermark and (source.watermark_by_position or by_bookmark)
     bookmark = start_bookmark
     pages = 0
     async with AsyncExitStack() as reading:
@@ -182,7 +194,7 @@ async def run_bounded_sync(
             if connector is not None:
                 await connector.check()
         if watermark:
-            await run.use_watermark(last_token, start_bookmark)
+            await run.use_watermark(last_token, start_bookmark, by_bookmark=by_bookmark)
         if not replacing:
             await run.read_destination()
         if stream is None:
@@ -253,6 +265,8 @@ class _Run:
     watermark: bool = False
     by_position: bool = False
     """Watermark mode: tokens are the source's positions (else they count rows)."""
+    bookmarked: bool = False
+    """Watermark mode: each page's bookmark is committed with its token (and resumed from)."""
     position: int = 0
     """Watermark mode: the token after the rows read so far (by count: the last run's token plus this
     run's rows; by position: the last position at the sink or read)."""
@@ -266,10 +280,22 @@ class _Run:
     def token(self) -> CommitToken | None:
         return CommitToken(self.position) if self.position else None
 
-    async def use_watermark(self, last_token: CommitToken | None, start_bookmark: JsonValue | None) -> None:
+    async def use_watermark(
+        self, last_token: CommitToken | None, start_bookmark: JsonValue | None, *, by_bookmark: bool = False
+    ) -> None:
         """Switch to idempotent writes, continuing from ``last_token`` and lining up with the sink."""
         self.watermark = True
         self.position = last_token.sequence if last_token is not None else 0
+        if by_bookmark:
+            self.bookmarked = True
+            held = await self.sink.last_committed_bookmark()
+            self.committed = 0 if held is None else held[0].sequence
+            if held is not None and held[1] is not None and self.committed > self.position:
+                # The sink holds pages the caller never recorded (a run died after their commit):
+                # resume from the bookmark it holds, which names what was read, not from a count.
+                self.source.apply_start_bookmark(held[1])
+                self.position = self.committed
+            return
         sink_token = await self.sink.last_committed_token()
         self.committed = sink_token.sequence if sink_token is not None else 0
         if not self.source.watermark_by_position:
@@ -306,7 +332,7 @@ class _Run:
             if self.by_position:
                 written, skipped = await self._write_at_position(batch, page.bookmark, number)
             elif self.watermark:
-                written, skipped = await self._write_idempotent(batch)
+                written, skipped = await self._write_idempotent(batch, page.bookmark, number)
             elif self.dead_letter is not None:
                 written, refused = await self._write_partial(batch, origin)
                 rejected.extend(refused)
@@ -426,8 +452,15 @@ class _Run:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    async def _write_idempotent(self, batch: pa.RecordBatch) -> tuple[int, int]:
-        """Write with the row-counting token; skip the rows the sink already committed."""
+    async def _write_idempotent(
+        self, batch: pa.RecordBatch, bookmark: JsonValue | None, number: int
+    ) -> tuple[int, int]:
+        """Write with the row-counting token (and the page's bookmark); skip the rows the sink
+        already committed."""
+        if self.bookmarked and bookmark is None:
+            raise IntegrityError(
+                "a source whose pages carry bookmarks sent a page without one", where=self._where(number)
+            )
         start = self.position
         self.position += batch.num_rows
         if self.position <= self.committed:
@@ -435,11 +468,17 @@ class _Run:
         skipped = max(0, self.committed - start)
         if skipped:
             batch = batch.slice(skipped)
-        return await self._commit(batch, CommitToken(self.position)), skipped
+        return await self._commit(batch, CommitToken(self.position), bookmark), skipped
 
-    async def _commit(self, batch: pa.RecordBatch, token: CommitToken) -> int:
-        """Write ``batch`` and ``token`` in one sink transaction; return the rows written."""
-        written = await self.sink.write_batch_idempotent(batch, token)
+    async def _commit(
+        self, batch: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
+        """Write ``batch`` and ``token`` (with the page's bookmark when the sink keeps it) in one sink
+        transaction; return the rows written."""
+        if self.bookmarked:
+            written = await self.sink.write_batch_idempotent(batch, token, bookmark)
+        else:
+            written = await self.sink.write_batch_idempotent(batch, token)
         if written == 0:
             raise IntegrityError(
                 f"the sink refused token {token} as not newer than its watermark: another writer "
