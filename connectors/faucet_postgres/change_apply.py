@@ -176,8 +176,10 @@ async def apply_stage(
     if staged.layout.multiset:
         if staged.unchanged:
             raise DataError("a change row of a table without a key left a column out", where=where)
+        layout = staged.layout
+        narrowing = layout.key if set(layout.key) != set(layout.columns) else ()
         statement = multiset_statement(
-            target, staged.identifier, staged.layout.columns, STAGE_POSITION, STAGE_ORDINAL
+            target, staged.identifier, layout.columns, STAGE_POSITION, STAGE_ORDINAL, narrowing
         )
         cursor = await conn.execute(statement)
         counted = await cursor.fetchone()

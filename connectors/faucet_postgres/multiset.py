@@ -43,10 +43,12 @@ def multiset_statement(
     columns: Sequence[str],
     position: str,
     ordinal: str,
+    key: Sequence[str] = (),
 ) -> sql.Composed:
     """One statement applying ``stage`` (change rows with ``position`` and ``ordinal``) to ``target``
     as a multiset; its one row: rows inserted, rows deleted, and deletes that found no row (a row's
-    values are never returned: without a key, they are the whole row)."""
+    values are never returned: without a key, they are the whole row). With ``key`` (columns that
+    an index of ``target`` covers) only the destination rows of the stage's keys are looked at."""
     names = sql.SQL(", ").join(map(sql.Identifier, columns))
     op = sql.Identifier(OPERATION_COLUMN)
     step = sql.SQL("CASE s.{op} WHEN {insert} THEN 1 WHEN {delete} THEN -1 ELSE 0 END").format(
@@ -59,14 +61,14 @@ def multiset_statement(
         "net AS (SELECT DISTINCT ON ({v}) {v}, {names}, sum({d}) OVER w AS {delta}, "
         "least(0, min({run}) OVER w) AS {low} FROM running WINDOW w AS (PARTITION BY {v})), "
         "held AS (SELECT {target_value} AS {v}, count(*) AS {held} FROM {target} AS t "
-        "WHERE {target_value} IN (SELECT {v} FROM net) GROUP BY 1), "
+        "WHERE {narrow}{target_value} IN (SELECT {v} FROM net) GROUP BY 1), "
         # A delete that would take the count below zero found no row: it removes nothing, so the
         # value's net change is its delta plus those deletes.
         "judged AS MATERIALIZED (SELECT net.*, greatest(0, -(coalesce(held.{held}, 0) + net.{low})) "
         "AS {missed} FROM net LEFT JOIN held USING ({v})), "
         "doomed AS (SELECT x.ctid FROM (SELECT t.ctid, {target_value} AS {v}, "
         "row_number() OVER (PARTITION BY {target_value}) AS {rank} FROM {target} AS t "
-        "WHERE {target_value} IN (SELECT {v} FROM judged WHERE {delta} + {missed} < 0)) AS x "
+        "WHERE {narrow}{target_value} IN (SELECT {v} FROM judged WHERE {delta} + {missed} < 0)) AS x "
         "JOIN judged AS j USING ({v}) WHERE x.{rank} <= -(j.{delta} + j.{missed})), "
         "deleted AS (DELETE FROM {target} AS t WHERE t.ctid = ANY (ARRAY(SELECT ctid FROM doomed)) "
         "RETURNING 1), "
@@ -86,6 +88,15 @@ def multiset_statement(
         target_value=_value(columns, "t"),
         target=target,
         judged_names=sql.SQL(", ").join(sql.Identifier("j", name) for name in columns),
+        narrow=(
+            sql.SQL("({}) IN (SELECT {} FROM {}) AND ").format(
+                sql.SQL(", ").join(sql.Identifier("t", name) for name in key),
+                sql.SQL(", ").join(map(sql.Identifier, key)),
+                stage,
+            )
+            if key
+            else sql.SQL("")
+        ),
         **{name: sql.Identifier(f"__faucet_{name}") for name in _INTERNAL},
     )
 

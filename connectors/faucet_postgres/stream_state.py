@@ -39,6 +39,8 @@ class Target:
     stage: sql.Identifier | None = None
     from_changes: bool = False
     """APPLY_CHANGES created the table (its column types follow the change rows' Arrow types)."""
+    reconciled: pa.Schema | None = None
+    """APPLY_CHANGES: the change rows' schema (with its metadata) the table was last reconciled with."""
 
     @property
     def identifier(self) -> sql.Identifier:

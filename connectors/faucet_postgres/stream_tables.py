@@ -72,7 +72,14 @@ class Tables:
         (APPLY_CHANGES, ``schema`` without the operation columns) it is created, evolved and checked
         through :mod:`faucet_postgres.change_schema`."""
         target = self._targets.get(table)
-        if target is None or not set(schema.names) <= set(target.columns):
+        if (
+            target is None
+            or not set(schema.names) <= set(target.columns)
+            or (
+                change_rows
+                and (target.reconciled is None or not schema.equals(target.reconciled, check_metadata=True))
+            )
+        ):
             self._savepoints.spoil()
             where = f"{self._where} table {table}"
             columns = await table_columns(conn, self.schema, table)
@@ -84,6 +91,9 @@ class Tables:
                 columns = await make(conn, self.schema, table, schema, key)
                 from_changes = change_rows
             elif change_rows:
+                # The source's columns, by attribute number: renamed, dropped, added again, added.
+                evolution = self._config.schema_evolution
+                columns = await change_schema.reconcile(conn, self.schema, table, schema, evolution, where)
                 from_changes = await change_schema.created_from_changes(conn, self.schema, table)
             missing = [item for item in schema if item.name not in columns]
             if missing:
@@ -93,11 +103,8 @@ class Tables:
                         f"{', '.join(item.name for item in missing)} (schema_evolution is off)",
                         where=self._where,
                     )
-                if change_rows:
-                    columns = await change_schema.evolve(conn, self.schema, table, missing, where)
-                else:
-                    columns = await add_columns(conn, self.schema, table, missing)
-            target = Target(self.schema, table, columns, from_changes=from_changes)
+                columns = await add_columns(conn, self.schema, table, missing)
+            target = Target(self.schema, table, columns, from_changes=from_changes, reconciled=schema)
             self._targets[table] = target
         if change_rows:
             change_schema.check_types(
