@@ -92,7 +92,8 @@ CREATE OR REPLACE FUNCTION {columns}(rel oid) RETURNS jsonb LANGUAGE sql STABLE 
         'attnum', a.attnum, 'name', a.attname, 'type', format_type(a.atttypid, a.atttypmod),
         'type_oid', a.atttypid, 'typmod', a.atttypmod, 'generated', a.attgenerated,
         'expression', CASE WHEN a.attgenerated <> '' THEN pg_get_expr(d.adbin, d.adrelid) END,
-        'not_null', a.attnotnull,
+        'not_null', a.attnotnull, 'has_default', a.atthasdef,
+        'missing', CASE WHEN a.atthasmissing THEN (a.attmissingval::text::text[])[1] END,
         'key', c.relreplident = 'f' OR coalesce(a.attnum = ANY(i.indkey::int2[]), false)
     ) ORDER BY a.attnum), '[]'::jsonb)
     FROM pg_attribute AS a JOIN pg_class AS c ON c.oid = a.attrelid
@@ -109,12 +110,18 @@ $f$;
 
 CREATE OR REPLACE FUNCTION {record}(rel oid, kind text, name text, pub text, why text DEFAULT NULL)
 RETURNS void LANGUAGE plpgsql AS $f$
+DECLARE
+    recorded bigint;
 BEGIN
     INSERT INTO {history} (relid, at_lsn, event, table_name, publication, statement, columns)
     VALUES (rel, pg_current_wal_insert_lsn(), kind, name, pub, coalesce(why, current_query(), ''),
-        CASE WHEN kind IN ('drop_table', 'publication_drop') THEN NULL ELSE {columns}(rel) END);
+        CASE WHEN kind IN ('drop_table', 'publication_drop') THEN NULL ELSE {columns}(rel) END)
+    RETURNING id INTO recorded;
+    IF kind = 'columns' THEN
+        RETURN;  -- read from the history when a Relation message comes
+    END IF;
     PERFORM pg_logical_emit_message(true, {prefix}, jsonb_build_object(
-        'event', kind, 'relid', rel, 'table', name, 'publication', pub,
+        'event', kind, 'id', recorded, 'relid', rel, 'table', name, 'publication', pub,
         'statement', coalesce(why, current_query(), ''),
         'columns', CASE WHEN kind IN ('drop_table', 'publication_drop') THEN NULL ELSE {columns}(rel) END
     )::text);
@@ -270,6 +277,9 @@ class SourceColumn:
     """``s`` for a stored generated column, ``v`` virtual, ``""`` otherwise."""
     expression: str | None
     key: bool
+    has_default: bool = False
+    missing: str | None = None
+    """The value rows older than the column hold (its constant default's text, ``attmissingval``)."""
 
 
 def parse_columns(raw: Any) -> tuple[SourceColumn, ...]:
@@ -287,6 +297,8 @@ def parse_columns(raw: Any) -> tuple[SourceColumn, ...]:
             str(item.get("generated") or ""),
             item.get("expression"),
             bool(item.get("key")),
+            bool(item.get("has_default")),
+            item.get("missing"),
         )
         for item in items
     )
@@ -318,15 +330,18 @@ async def columns_at(conn: Connection, schema: str, relid: int, commit_lsn: int)
 
 
 async def publication_added_after(
-    conn: Connection, schema: str, table: str, publication: str, lsn: int
+    conn: Connection, schema: str, table: str, publication: str, *, lsn: int | None = None, event: int = 0
 ) -> bool:
-    """Whether ``table`` joined ``publication`` again after ``lsn`` (its rows then come with it)."""
+    """Whether ``table`` joined ``publication`` (again) after the point ``lsn`` of the stream, or after
+    the history row ``event`` (its rows then come with it)."""
+    after = sql.SQL("at_lsn > %s::pg_lsn") if lsn is not None else sql.SQL("id > %s")
+    point = event if lsn is None else f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
     cursor = await conn.execute(
         sql.SQL(
             "SELECT 1 FROM {} WHERE event = 'publication_add' AND table_name = %s AND publication = %s "
-            "AND at_lsn > %s::pg_lsn LIMIT 1"
-        ).format(sql.Identifier(schema, HISTORY_TABLE)),
-        (table, publication, f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"),
+            "AND {} LIMIT 1"
+        ).format(sql.Identifier(schema, HISTORY_TABLE), after),
+        (table, publication, point),
     )
     return await cursor.fetchone() is not None
 
@@ -336,7 +351,9 @@ class DdlMessage:
     """One logical message of the DDL capture."""
 
     event: str
-    """``columns``, ``publication_add``, ``rows``, ``publication_drop`` or ``drop_table``."""
+    """``publication_add``, ``rows``, ``publication_drop`` or ``drop_table``."""
+    id: int
+    """The history row it was written with (0 for rows)."""
     relid: int
     table: str
     publication: str | None
@@ -351,6 +368,7 @@ def parse_message(content: bytes, where: str) -> DdlMessage:
         raw: Mapping[str, Any] = json.loads(content)
         return DdlMessage(
             str(raw["event"]),
+            int(raw.get("id") or 0),
             int(raw.get("relid") or 0),
             str(raw["table"]),
             None if raw.get("publication") is None else str(raw["publication"]),

@@ -342,7 +342,7 @@ class PostgresCdcSession(SlotSession):
                     self.config.metadata_schema,
                     ddl.table,
                     self.config.publication,
-                    writer.position,
+                    event=ddl.id,
                 )
             except psycopg.Error as exc:
                 raise pg_error(exc, doing="reading the DDL history", where=self._where) from exc
@@ -404,8 +404,16 @@ class PostgresCdcSession(SlotSession):
             # an insert), which a key holding two rows within a transaction (a DEFERRABLE key, UPDATE
             # t SET id = id + 1) needs.
             keys = await self._primary_key(relation) or keys
-        older = await self._older_rows(relation) if selected else {}
         history = await self._history(relation.oid, writer.position) if selected else None
+        if history is not None:
+            # What rows older than each column hold, as of this transaction (the catalog holds now's).
+            older = {
+                column.name: column.missing
+                for column in history.columns
+                if column.missing is not None or column.has_default
+            }
+        else:
+            older = await self._older_rows(relation) if selected else {}
         table = self._tables[relation.oid] = Table(relation, selected, keys, older, history)
         return table
 

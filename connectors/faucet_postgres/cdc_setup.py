@@ -77,7 +77,7 @@ async def setup_replication(config: PostgresCdcConfig, tables: Sequence[str] = (
             )
             # The tables a stream of the slot selected up to its certified position (see cdc_slot).
             await conn.execute(
-                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS selected text[]").format(marker_table)
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS selected_relids oid[]").format(marker_table)
             )
             cursor = await conn.execute(
                 sql.SQL("SELECT incarnation::text, created_lsn::text FROM {} WHERE slot_name = %s").format(

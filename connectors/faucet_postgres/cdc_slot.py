@@ -26,7 +26,7 @@ from faucet_dagster.protocol import (
     StreamSession,
 )
 from faucet_postgres.cdc_config import MARKER_TABLE, PostgresCdcConfig
-from faucet_postgres.cdc_ddl import check_capture, publication_added_after
+from faucet_postgres.cdc_ddl import HISTORY_TABLE, check_capture, publication_added_after
 from faucet_postgres.cdc_rows import Table
 from faucet_postgres.cdc_server import (
     CODEC,
@@ -165,16 +165,17 @@ class SlotSession(StreamSession):
             await self._advance(conn, self.config.slot, target)
 
     async def _record_selection(self, conn: Connection) -> None:
-        """Record, in the slot's marker, the tables this stream reads (``NULL``: all of the
+        """Record, in the slot's marker, the tables this stream reads, by OID (``NULL``: all of the
         publication): a later session that selects another table checks it was resynced
-        (:meth:`_check_selection`)."""
+        (:meth:`_check_selection`); a table renamed keeps its OID."""
         if not self._has_selection_column:
             return
-        selected = None if self._selected_names is None else sorted(self._selected_names)
+        selected = None if self._selected is None else sorted({*self._selected, *self._joining})
         try:
             await conn.execute(
                 sql.SQL(
-                    "UPDATE {} SET selected = %s WHERE slot_name = %s AND selected IS DISTINCT FROM %s"
+                    "UPDATE {} SET selected_relids = %s::oid[] WHERE slot_name = %s "
+                    "AND selected_relids IS DISTINCT FROM %s::oid[]"
                 ).format(sql.Identifier(self.config.metadata_schema, MARKER_TABLE)),
                 (selected, self.config.slot, selected),
             )
@@ -188,7 +189,7 @@ class SlotSession(StreamSession):
         after that point (it joined the publication again, arriving with its rows)."""
         try:
             cursor = await conn.execute(
-                sql.SQL("SELECT selected FROM {} WHERE slot_name = %s").format(
+                sql.SQL("SELECT selected_relids::int8[] FROM {} WHERE slot_name = %s").format(
                     sql.Identifier(self.config.metadata_schema, MARKER_TABLE)
                 ),
                 (self.config.slot,),
@@ -197,13 +198,13 @@ class SlotSession(StreamSession):
             before = None if row is None or row[0] is None else set(row[0])
             if before is None:
                 return
-            now = {published.name for published in self._published.values()}
-            added = sorted((now if self._selected_names is None else set(self._selected_names)) - before)
+            now = self._selected or {oid: published.name for oid, published in self._published.items()}
+            added = sorted(name for oid, name in now.items() if oid not in before)
             schema, publication = self.config.metadata_schema, self.config.publication
             missed = [
                 name
                 for name in added
-                if not await publication_added_after(conn, schema, name, publication, resume)
+                if not await publication_added_after(conn, schema, name, publication, lsn=resume)
             ]
         except psycopg.Error as exc:
             raise pg_error(exc, doing="reading the stream's tables", where=self._where) from exc
@@ -445,6 +446,9 @@ class SlotSession(StreamSession):
             self._selected_names = None
             return
         by_name = {published.name: oid for oid, published in self._published.items()}
+        for name in resources:
+            if name not in by_name and (earlier := await self._named_until_later(conn, name)) is not None:
+                by_name[name] = earlier
         missing = [name for name in resources if name not in by_name]
         if missing:
             raise ConfigError(
@@ -452,14 +456,38 @@ class SlotSession(StreamSession):
                 f"(it has: {', '.join(sorted(by_name)) or 'none'})",
                 where=self._where,
             )
-        self._selected = {by_name[name]: name for name in resources}
+        self._selected = {by_name[name]: name for name in resources if name in by_name}
         self._selected_names = frozenset(resources)
+
+    async def _named_until_later(self, conn: Connection, name: str) -> int | None:
+        """The OID of the table that had ``name`` at the certified position and, after it, left the
+        publication or was renamed (None: no such table): the session reads up to that point and
+        stops there naming the statement (``_ddl``, ``_remember``)."""
+        if self._position is None:
+            return None
+        history = sql.Identifier(self.config.metadata_schema, HISTORY_TABLE)
+        position = CODEC.canonicalize(self._position)
+        try:
+            cursor = await conn.execute(
+                sql.SQL(
+                    "SELECT h.relid::int8 FROM {history} AS h WHERE h.table_name = %s "
+                    "AND h.at_lsn <= %s::pg_lsn AND h.event IN ('columns', 'publication_add') "
+                    "AND EXISTS (SELECT 1 FROM {history} AS l WHERE l.relid = h.relid "
+                    "AND l.at_lsn > %s::pg_lsn AND (l.table_name <> %s OR "
+                    "(l.event = 'publication_drop' AND l.publication = %s))) ORDER BY h.id DESC LIMIT 1"
+                ).format(history=history),
+                (name, position, position, name, self.config.publication),
+            )
+            row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading the DDL history", where=self._where) from exc
+        return None if row is None else int(row[0])
 
     async def _selection_column(self, conn: Connection) -> bool:
         """Whether the marker table records selections (a setup by this version made it)."""
         try:
             cursor = await conn.execute(
-                "SELECT 1 FROM pg_attribute WHERE attname = 'selected' AND NOT attisdropped "
+                "SELECT 1 FROM pg_attribute WHERE attname = 'selected_relids' AND NOT attisdropped "
                 "AND attrelid = to_regclass(format('%%I.%%I', %s::text, %s::text))",
                 (self.config.metadata_schema, MARKER_TABLE),
             )

@@ -137,7 +137,10 @@ def change_layout(schema: pa.Schema, key: Sequence[str], where: str) -> ChangeLa
 
 def data_schema(schema: pa.Schema) -> pa.Schema:
     """``schema`` without the operation and unchanged columns: the destination table's columns."""
-    return pa.schema([item for item in schema if item.name not in (OPERATION_COLUMN, UNCHANGED_COLUMN)])
+    return pa.schema(
+        [item for item in schema if item.name not in (OPERATION_COLUMN, UNCHANGED_COLUMN)],
+        metadata=schema.metadata,
+    )
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ class RowConverter:
         """
         if self.spec.schema is None:
             rows, _ = split_missing(batch)
-            if self.schema is None or not _nullable(rows.schema).equals(self.schema):
+            # Metadata too: a source's schema metadata (a table's DDL) changes its meaning.
+            if self.schema is None or not _nullable(rows.schema).equals(self.schema, check_metadata=True):
                 self.schema = _nullable(rows.schema)
         assert self.schema is not None  # declared, or adopted just above
         return self._finish(conform_batch(batch, self.schema), batch.num_rows)
@@ -226,7 +227,7 @@ class RowConverter:
 
 
 def _nullable(schema: pa.Schema) -> pa.Schema:
-    return pa.schema([item.with_nullable(True) for item in schema])
+    return pa.schema([item.with_nullable(True) for item in schema], metadata=schema.metadata)
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

@@ -385,6 +385,8 @@ def conform_batch(batch: pa.RecordBatch, schema: pa.Schema) -> Conformed:
     fit. The batch's :data:`~faucet_dagster.protocol.records.MISSING_COLUMN`, when it has one, names
     more rows lacking fields (a declared JSON payload's)."""
     batch, missing = split_missing(batch)
+    if batch.schema.equals(schema):
+        return Conformed(batch, None, {}, missing)  # as it is, with its metadata
     count = batch.num_rows
     bad: dict[int, str] = {}
     extra = [name for name in batch.schema.names if schema.get_field_index(name) < 0]
@@ -406,7 +408,17 @@ def conform_batch(batch: pa.RecordBatch, schema: pa.Schema) -> Conformed:
         for row, reason in unfit.items():
             bad.setdefault(row, reason)
         columns.append(landed)
-    conformed = pa.RecordBatch.from_arrays(columns, schema=schema)
+    # The schema's types, with the metadata the batch's fields and schema carry (a source's own).
+    carried = pa.schema(
+        [
+            item.with_metadata(batch.schema.field(item.name).metadata)
+            if batch.schema.get_field_index(item.name) >= 0 and batch.schema.field(item.name).metadata
+            else item
+            for item in schema
+        ],
+        metadata=batch.schema.metadata or schema.metadata,
+    )
+    conformed = pa.RecordBatch.from_arrays(columns, schema=carried)
     if not bad:
         return Conformed(conformed, None, {}, missing)
     kept = [index for index in range(count) if index not in bad]
