@@ -54,6 +54,7 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
+from psycopg import sql
 
 from faucet_dagster.protocol import (
     DEFAULT_POLICY_OPERATIONS,
@@ -80,7 +81,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
 )
 from faucet_postgres import changes, stream_zombies
-from faucet_postgres.common import connect, current_schema, pg_error
+from faucet_postgres.common import connect, current_schema, error_text, pg_error
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_changes import ChangeApplier
 from faucet_postgres.stream_fence import StreamRows, fenced_out, is_fence_refusal
@@ -445,8 +446,28 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
 
     async def _commit_refused(self, exc: psycopg.Error, epoch: EpochId) -> FaucetError:
         """The error for a commit the server refused (the epoch is failed; its transaction is rolled
-        back here): OwnershipLost when it was the fence, naming the token that holds the stream."""
+        back here): OwnershipLost when it was the fence, naming the token that holds the stream.
+
+        A deferred constraint refusing the COMMIT (SQLSTATE class 23) names no row: it is checked at
+        each batch from the epoch's next attempt on (:attr:`Tables.located`), where the rows it
+        refuses are found by bisection, then routed to the dead-letter route or named."""
         if not is_fence_refusal(exc):
+            constraint = getattr(exc.diag, "constraint_name", None)
+            deferred = (exc.sqlstate or "").startswith("23") and self._policy is not WritePolicy.APPLY_CHANGES
+            if deferred and constraint:
+                schema = getattr(exc.diag, "schema_name", None) or self._tables.schema
+                name = sql.Identifier(schema, constraint).as_string()
+                if name not in self._tables.located:
+                    self._tables.located.add(name)
+                    await self._rollback_quietly()
+                    return FaucetError(
+                        f"committing epoch {epoch} failed: {error_text(exc)}; constraint {constraint} is "
+                        "deferred to COMMIT, which names no row: the epoch is to be aborted and retried, "
+                        "checking it at each batch, where the rows it refuses are found (routed to the "
+                        "dead-letter route, or named)",
+                        where=self._where,
+                        retryable=True,
+                    )
             return await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}")
         await self._rollback_quietly()
         holder: int | None = None
