@@ -40,7 +40,7 @@ from kafka_topics import create_topic, produce
 
 from faucet_dagster.declarations.resources import FaucetConnection
 from faucet_dagster.pipeline import ResourceSchema, RowConverter
-from faucet_dagster.pipeline.schema import BadRowPolicy
+from faucet_dagster.pipeline.schema import BadRowPolicy, row_payload
 from faucet_dagster.protocol import DataError, ReadLimits, conform_batch, get_connector
 from faucet_dagster.protocol.json_rows import JsonRows
 from faucet_dagster.runner.bounded import run_bounded_sync
@@ -833,3 +833,37 @@ def test_a_float_in_a_column_inferred_int64_stops_the_stream_naming_its_position
     assert ("@1#" if source == "kafka" else "@2#") in where, where  # offset 1, sequence 2
     assert "float 1.5 does not fit int64" in stopped.value.message, stopped.value.message
     assert read_back(postgres_url, table) == {0: {"id": 0, "v": 1}}, "nothing past the first epoch"
+
+
+@pytest.mark.parametrize("columns", [None, {"id": "int64", "v": "string"}], ids=["inferred", "declared"])
+def test_a_lone_surrogate_is_dead_lettered_under_its_offset_and_the_stream_goes_on(
+    kafka_bootstrap: str, postgres_url: str, unique_name: Callable[..., str], tmp_path: Path, columns: Any
+) -> None:
+    """``"\\ud800"`` (a JSON escape) and the bytes ED A0 80 are no Unicode text: on both paths the record
+    cannot be a row, is dead-lettered under its offset (a raw UnicodeEncodeError escaped before and
+    the stream stayed stuck), and the records after it land."""
+    topic, table = unique_name("t"), unique_name("tbl")
+    create_topic(kafka_bootstrap, topic, 1)
+    payloads = [
+        b'{"id": 1, "v": "a"}',
+        b'{"id": 2, "v": "\\ud800"}',
+        b'{"id": 3, "v": "\xed\xa0\x80"}',
+        b'{"id": 4, "v": "b"}',
+    ]
+    produce(kafka_bootstrap, topic, payloads, partitions=1)
+    kafka = FaucetConnection(
+        connector="kafka", config={"bootstrap_servers": kafka_bootstrap, "group_id": topic}
+    )
+    source = {"topics": [topic], "on_malformed": "dead_letter", **({"columns": columns} if columns else {})}
+    schema = ResourceSchema(on_bad_row=BadRowPolicy.DEAD_LETTER)
+    stream = stream_of(unique_name("s"), kafka, source, postgres_url, table, tmp_path, schema, topic)
+    certificates, letters = run_stream(stream)
+    assert certificates
+    assert sorted(read_back(postgres_url, table)) == [1, 4]
+    by_offset = {int(re.search(r"@(\d+)#", letter["event"]).group(1)): letter for letter in letters}  # type: ignore[union-attr]
+    assert sorted(by_offset) == [1, 2]
+    assert "surrogate" in by_offset[1]["reason"], by_offset[1]["reason"]
+    assert "UTF-8" in by_offset[2]["reason"], by_offset[2]["reason"]
+    assert bytes(by_offset[2]["payload"]) == payloads[2], "the dead letter holds the record's own bytes"
+    # A row holding one (from a source of Python objects) is dead-lettered as JSON that reads it back.
+    assert json.loads(row_payload({"v": "\ud800"})) == {"v": "\ud800"}
