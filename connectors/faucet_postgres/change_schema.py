@@ -94,7 +94,7 @@ async def create_table(
     tracked (:data:`TRACKED_PREFIX`)."""
     target = table_name(schema, table)
     names = column_identifiers(list(data), where=f"{schema}.{table}")
-    columns = [
+    columns: list[sql.Composable] = [
         sql.SQL("{} {}").format(name, _column_type(item)) for name, item in zip(names, data, strict=True)
     ]
     columns.extend(_generated_definition(item) for item in _generated(data))
@@ -216,7 +216,7 @@ async def reconcile(
     replica = await _replica_columns(conn, schema, table)
     known = json.loads((data.metadata or {}).get(ATTNUMS_METADATA) or b"null")
     alive = None if known is None else set(known)
-    steps: list[tuple[str, sql.Composable]] = []
+    steps: list[tuple[str, sql.Composed]] = []
 
     def by_number(attnum: int) -> _Replica | None:
         return next((c for c in replica.values() if c.relid == relid and c.attnum == attnum), None)
@@ -274,16 +274,16 @@ async def reconcile(
                 added.append(item)
         elif item.name not in replica:
             added.append(item)
-        held = replica.get(item.name)
+        current = replica.get(item.name)
         exact = (item.metadata or {}).get(TYPE_METADATA)
         if (
-            held is not None
-            and held.type is not None
+            current is not None
+            and current.type is not None
             and exact is not None
-            and exact.decode() not in (held.type, held.current)
+            and exact.decode() not in (current.type, current.current)
         ):
             raise SchemaError(
-                f"column {item.name} changed type at the source from {held.type} to {exact.decode()}"
+                f"column {item.name} changed type at the source from {current.type} to {exact.decode()}"
                 f"{because}: the rows the ALTER rewrote at the source are not in the change stream. Alter "
                 f"the replica's column the same way (ALTER TABLE {schema}.{table} ALTER COLUMN {item.name} "
                 f"TYPE {exact.decode()} USING the source's conversion), and the stream resumes",
@@ -291,8 +291,8 @@ async def reconcile(
             )
     generated = [item for item in _generated(data) if item["name"] not in replica]
     for item in _generated(data):
-        held = replica.get(item["name"])
-        if held is not None and not held.generated:
+        plain = replica.get(item["name"])
+        if plain is not None and not plain.generated:
             raise SchemaError(
                 f"column {item['name']} is generated at the source (GENERATED ALWAYS AS "
                 f"({item['expression']}) STORED), and the change stream carries no generated values: "

@@ -235,10 +235,10 @@ class SqlSource(KeysetSource):
             array, unfit = conform_values(values, field.type, field.name)
             if unfit:
                 index = min(unfit)
-                at = ", ".join(f"{name}={rows[index][names.index(name)]!r}" for name in plan.order_names)
+                row = ", ".join(f"{name}={rows[index][names.index(name)]!r}" for name in plan.order_names)
                 raise DataError(
-                    f"{self.db.qualified()!r} row ({at}): {unfit[index]}",
-                    where=f"{self.dataset_uri()} @ {at}",
+                    f"{self.db.qualified()!r} row ({row}): {unfit[index]}",
+                    where=f"{self.dataset_uri()} @ {row}",
                 )
             arrays.append(array)
         return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last, fetched

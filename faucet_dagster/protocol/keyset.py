@@ -151,7 +151,7 @@ def tie_start(batch: pa.RecordBatch, order: Sequence[str]) -> int:
     """In ``batch`` (sorted by ``order``), the index of the first row whose ``order`` values equal the
     last row's: a page that ends before it ends between two positions, so its bookmark (the position
     of its last row, resumed with ``>``) skips no row sharing it, even when the key is not unique."""
-    count = batch.num_rows
+    count: int = batch.num_rows
     if count == 0:
         return 0
     mask: Any = None
@@ -159,7 +159,8 @@ def tie_start(batch: pa.RecordBatch, order: Sequence[str]) -> int:
         column = batch.column(name)
         same = pc.equal(column, column[count - 1])
         mask = same if mask is None else pc.and_(mask, same)
-    return count - int(pc.sum(mask).as_py() or 0)
+    same_count: int = pc.sum(mask).as_py() or 0
+    return count - same_count
 
 
 class KeysetPages:
@@ -210,7 +211,8 @@ def _position_end(rows: pa.RecordBatch, order: Sequence[str], start: int) -> int
     for name in order:
         same = pc.equal(rows.column(name), anchor.column(name)[0])
         mask = same if mask is None else pc.and_(mask, same)
-    return int(pc.indices_nonzero(mask)[-1].as_py()) + 1
+    last: int = pc.indices_nonzero(mask)[-1].as_py()
+    return last + 1
 
 
 def encode_scalar(value: Any) -> JsonValue:
