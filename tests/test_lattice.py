@@ -237,6 +237,17 @@ def same(left: Any, right: Any) -> bool:
     return bool(left == right)
 
 
+TYPING: dict[str, Any] = {
+    "int64": 1,
+    "float64": 1.5,
+    "bool": True,
+    "string": "s",
+    "struct": {"a": 1, "b": "x"},
+    "list": [1],
+}
+"""A first value per column type an inferred schema can have: the type it infers."""
+
+
 def through_objects(value: Any, column: str) -> Any:
     """The pipeline's path: a JSON object converted to a declared schema (``RowConverter``)."""
     converter = RowConverter("r", ResourceSchema(pa.schema([pa.field("v", COLUMN_TYPES[column])])))
@@ -369,14 +380,7 @@ def test_the_inferred_path_gives_the_declared_paths_answer(
 ) -> None:
     """A schema inferred from a first row types a column as a declared schema would: a later value then
     lands, or is refused, alike."""
-    first = {
-        "int64": 1,
-        "float64": 1.5,
-        "bool": True,
-        "string": "s",
-        "struct": {"a": 1, "b": "x"},
-        "list": [1],
-    }[typed]
+    first = TYPING[typed]
     value = data.draw(KINDS[kind])
     inferred = RowConverter("r", ResourceSchema(on_bad_row=BadRowPolicy.DEAD_LETTER))
     inferred.convert_rows([{"v": first}])
@@ -616,14 +620,7 @@ def test_a_nats_stream_with_an_inferred_schema_lands_each_value_by_the_rule(
 ) -> None:
     """Inferred: the first payload types each column (int64, float64, bool, string, struct, list); the
     later values land in those types, or are dead-lettered under their stream sequence."""
-    typed = {
-        "int64": 1,
-        "float64": 1.5,
-        "bool": True,
-        "string": "s",
-        "struct": {"a": 1, "b": "x"},
-        "list": [1],
-    }
+    typed = TYPING
     records = [(column, value) for column, value in e2e_records() if column in typed]
     stream_name = unique_name("S")
 

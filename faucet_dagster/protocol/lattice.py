@@ -468,8 +468,8 @@ def infer_type(values: Sequence[Any]) -> pa.DataType | None:
         return pa.string()
     if isinstance(first, bytes | bytearray):
         return pa.binary()
-    if isinstance(first, dict):
-        objects = [value for value in values if isinstance(value, dict)]
+    if isinstance(first, Mapping):
+        objects = [value for value in values if isinstance(value, Mapping)]
         names = list(dict.fromkeys(name for value in objects for name in value))
         fields = []
         for name in names:
@@ -496,15 +496,12 @@ def infer_type(values: Sequence[Any]) -> pa.DataType | None:
 
 def infer_schema(rows: Sequence[Mapping[str, Any]]) -> pa.Schema | None:
     """The schema the lattice infers from ``rows``: every field seen, in order of first appearance,
-    nullable; None when a field's first value has no column type."""
-    names = list(dict.fromkeys(name for row in rows for name in row))
-    fields = []
-    for name in names:
-        kind = infer_type([row.get(name) for row in rows])
-        if kind is None:
-            return None
-        fields.append(pa.field(name, kind))
-    return pa.schema(fields)
+    nullable (the fields of the struct :func:`infer_type` gives the rows); None when a field's first
+    value has no column type."""
+    if not rows:
+        return pa.schema([])
+    inferred = infer_type(rows)
+    return None if inferred is None else pa.schema(list(inferred))
 
 
 __all__ = [
