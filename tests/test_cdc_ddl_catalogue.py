@@ -53,8 +53,8 @@ class Catalogue(Replication):
     """A stream whose resources change with the remedies, run by ``run_epochs`` calls."""
 
     def stream_of(self, tables: Sequence[str], mapping: dict[str, str]) -> FaucetStream:
-        resources = tuple(f"public.{table}" for table in tables)
-        source = {**self.source_config(tables), "replica_identity_full": True}
+        resources = tuple(table if "." in table else f"public.{table}" for table in tables)
+        source = {**self.source_config(tables), "replica_identity_full": True, "tables": list(resources)}
         sink = {"url": self.target_url, "tables": mapping, "schema_evolution": True}
         return FaucetStream(
             name=self.name,
@@ -291,3 +291,9 @@ def test_every_ddl_statement_on_a_published_table_is_followed_exactly_or_stops_n
     c.assert_exact("goods", "items")
     for table in ("pairs", "bag", "extra"):
         c.assert_exact(table)
+    c.execute("CREATE SCHEMA shop", "ALTER TABLE goods SET SCHEMA shop")
+    c.execute("UPDATE shop.goods SET qty = 51 WHERE id = 50")
+    c.stops(renamed, SchemaError, "renamed to shop.goods", "ALTER TABLE goods SET SCHEMA shop")
+    moved = ["shop.goods", "pairs", "bag", "extra"]
+    assert c.catch_up(moved, {**mapping, "shop.goods": "items"})
+    c.assert_exact("shop.goods", "items")
