@@ -16,10 +16,10 @@ continues strictly after it. This is an incremental read: a row changed later mu
 cursor (``updated_at``, a sequence) to be read again, and a row inserted with a cursor value below the
 bookmark is never read.
 
-Determinism. Re-reading from a bookmark returns the same rows in the same order while the rows up to
-the previous read's end are unchanged (append-only tables with a growing cursor); rows added after
-them extend the read at its end. ``capabilities().deterministic`` is True on that documented
-assumption, which the atomic watermark relies on.
+Determinism. Not claimed (``capabilities().deterministic`` is False, :class:`KeysetSource`): a table
+changes between reads (an update moves a row past the others, a delete removes it). Every page
+carries its bookmark (``page_bookmarks``), which a sink keeping it with its watermark resumes from
+exactly: a rerun then reads each row after the committed position once.
 
 Memory and blocking. One page at a time: each page is one query run in a worker thread, converted to
 an Arrow record batch with the column types reflected from the table (stable across pages).
