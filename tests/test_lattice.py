@@ -412,6 +412,28 @@ def test_a_missing_field_is_counted_and_refused_by_a_strict_schema() -> None:
     assert [row.index for row in strict.convert_batch(run.rows).bad] == [1]
 
 
+BEYOND_FLOAT64 = [b'{"v": 1e400}', b'{"v": 2e308}', b'{"v": -1' + b"0" * 309 + b".5}", b'{"v": [1.0, 2e308]}']
+"""Numbers beyond float64's range, which ``json.loads`` reads as an infinity and Arrow's JSON reader
+refuses (``1e400``) or also reads as one (``2e308``, 309 digits, inside a list)."""
+
+
+@pytest.mark.parametrize("payload", BEYOND_FLOAT64, ids=["1e400", "2e308", "309 digits", "in a list"])
+@pytest.mark.parametrize("declared", [False, True], ids=["objects", "declared"])
+def test_a_number_beyond_float64s_range_is_not_a_row_and_an_infinity_token_is(
+    payload: bytes, declared: bool
+) -> None:
+    kind = pa.list_(pa.float64()) if b"[" in payload else pa.float64()
+    reader = JsonRows(pa.schema([pa.field("v", kind)]) if declared else None)
+    infinity = b'{"v": [Infinity]}' if b"[" in payload else b'{"v": -Infinity}'
+    runs = reader.decode([b'{"v": null}', payload, infinity])
+    refused = [(run.start, run.reason) for run in runs if run.rows is None]
+    assert [start for start, _ in refused] == [1], runs
+    assert "beyond float64's range" in refused[0][1], refused[0][1]
+    (last,) = [run for run in runs if run.rows is not None and run.stop == 3]
+    rows = last.rows.to_pylist() if isinstance(last.rows, pa.RecordBatch) else list(last.rows or [])
+    assert rows[-1] in ({"v": [math.inf]}, {"v": -math.inf}), rows
+
+
 # -- end to end -----------------------------------------------------------------------------------
 
 E2E_COLUMNS = [

@@ -43,36 +43,36 @@ _JSON_SPACE = b" \t\r\n"
 _BLOCK = 1 << 22
 
 
-class JsonInfinity(float):
-    """``Infinity`` or ``-Infinity`` as written in a payload (the token Python's ``json.dumps`` writes
-    and Arrow's JSON reader reads): an infinity the payload meant, told apart from the infinity
-    ``json.loads`` makes of a number beyond float64's range (``1e400``), which is refused."""
+class BeyondFloat64(ValueError):
+    """A JSON number beyond float64's range (``1e400``, ``2e308``, 309 digits): ``json.loads`` and
+    Arrow's JSON reader would read it as an infinity, which the payload did not mean."""
 
 
-def _constant(token: str) -> float:
-    return float(token) if token == "NaN" else JsonInfinity(token)
+def _float(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise BeyondFloat64(f"the number {text[:40]} is beyond float64's range")
+    return number
 
 
-_DECODER = json.JSONDecoder(parse_constant=_constant)
+# ``NaN`` and ``Infinity`` tokens (what ``json.dumps`` writes, what Arrow's JSON reader reads) decode
+# as floats; a number beyond float64's range is refused as it is read (a call per number with a
+# fraction or an exponent, cheaper than searching every payload's bytes for one).
+_DECODER = json.JSONDecoder(parse_float=_float)
 # What json.loads ends in (the C scanner of the decoder); typeshed types it wrongly.
 _SCAN = cast(Callable[[str, int], tuple[Any, int]], make_scanner(cast(Any, _DECODER)))
-_SUSPECT = re.compile(rb"[eE]\+?[0-9]{3}|[0-9]{309}|\\u[dD][89a-fA-F]")
-"""Bytes without a match hold neither a number beyond float64's range (an exponent of three digits or
-309 digits in a row) nor a surrogate escape: only payloads with one are searched for them."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_BEYOND = "it holds a number beyond float64's range (such as 1e400), which no column holds"
 
 
 def unrepresentable(value: Any) -> str:
-    """Why a decoded JSON value holds what no row can hold (``""``: nothing): an infinity that was a
-    number beyond float64's range, or a lone surrogate in a string or key."""
+    """Why a decoded JSON value holds what no row can hold (``""``: nothing): a lone surrogate in a
+    string or key (``json.loads`` decodes the escape ``"\\ud800"`` to one)."""
     stack = [value]
     while stack:
         item = stack.pop()
         kind = type(item)
-        if kind is float:
-            if math.isinf(item):
-                return "it holds a number beyond float64's range (such as 1e400), which no column holds"
-        elif kind is str:
+        if kind is str:
             if _SURROGATE.search(item):
                 return f"it holds a lone surrogate ({_surrogate(item)}), which is not Unicode text"
         elif kind is dict:
@@ -91,8 +91,9 @@ def _surrogate(text: str) -> str:
 
 
 def decode_json(payload: bytes | str) -> Any:
-    """``json.loads`` by the one rule: ``Infinity`` tokens as :class:`JsonInfinity`. Raises
-    ``ValueError`` (or ``UnicodeDecodeError``, ``RecursionError``) as ``json.loads`` does."""
+    """``json.loads`` by the one rule: a number beyond float64's range raises :class:`BeyondFloat64`
+    (a ``ValueError``) rather than becoming an infinity. Raises ``ValueError`` (or
+    ``UnicodeDecodeError``, ``RecursionError``) as ``json.loads`` does."""
     text = payload.decode() if isinstance(payload, bytes) else payload
     return _DECODER.decode(text)
 
@@ -172,13 +173,15 @@ class JsonRows:
             value = decode_json(payload)
         except UnicodeDecodeError as exc:
             return None, f"the {noun} is not UTF-8: {exc.reason} at byte {exc.start}"
+        except BeyondFloat64:
+            return None, f"the {noun} cannot be a row: {_BEYOND}"
         except ValueError as exc:
             return None, f"the {noun} is not JSON: {exc}"
         except RecursionError:
             return None, f"the {noun} is JSON nested too deeply to decode"
         if type(value) is not dict:
             return None, f"the {noun} is JSON {type(value).__name__}, not an object"
-        if _SUSPECT.search(payload):
+        if b"\\u" in payload:
             problem = unrepresentable(value)
             if problem:
                 return None, f"the {noun} cannot be a row: {problem}"
@@ -255,14 +258,14 @@ class JsonRows:
             return str(exc)
         if table.num_rows != len(payloads):
             return f"{table.num_rows} JSON objects in {len(payloads)} {self._noun}(s): one object per message"
-        if _SUSPECT.search(data):
-            # Arrow reads a lone surrogate escape as U+FFFD: what json.loads refuses, it refuses too.
-            for payload in payloads:
-                if payload is not None and _SUSPECT.search(payload):
-                    _, reason = self._load(payload)
-                    if reason:
-                        return reason
         columns = [column.combine_chunks() for column in table.columns]
+        if any(map(_holds_infinity, columns)):
+            # Arrow refuses a lone surrogate escape and 1e400, but reads 2e308 (or 309 digits) as an
+            # infinity: an infinity is kept only where the payload wrote the token.
+            for payload in payloads:
+                _, reason = self._load(payload)
+                if reason:
+                    return reason
         if self._finishes:
             finished = finish_read(columns, self.schema)
             if isinstance(finished, str):
@@ -299,9 +302,12 @@ class JsonRows:
         runs: list[JsonRun] = []
         rows: list[dict[str, Any]] = []
         start = 0
-        scan, suspect = _SCAN, _SUSPECT.search
+        scan = _SCAN
+        # A lone surrogate is written as an escape (its raw bytes are not UTF-8): only payloads that
+        # hold an escape go through _load, which looks for one.
+        escapes = b"\\u" in b"".join(payload for payload in payloads if payload is not None)
         for index, payload in enumerate(payloads):
-            if payload is not None and payload[:1] == b"{" and not suspect(payload):
+            if payload is not None and payload[:1] == b"{" and not (escapes and b"\\u" in payload):
                 try:
                     text = payload.decode()
                     value, end = scan(text, 0)
@@ -322,6 +328,18 @@ class JsonRows:
         if rows:
             runs.append(JsonRun(start, len(payloads), rows))
         return runs
+
+
+def _holds_infinity(column: pa.Array) -> bool:
+    """True when a floating leaf of ``column`` (as Arrow's JSON reader read it) holds an infinity."""
+    kind = column.type
+    if pa.types.is_floating(kind):
+        return bool(pc.any(pc.is_inf(column)).as_py())
+    if pa.types.is_struct(kind):
+        return any(_holds_infinity(column.field(index)) for index in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _holds_infinity(column.flatten())
+    return False
 
 
 def _lacks(payload: bytes, name: str, key: bytes) -> bool:

@@ -43,9 +43,9 @@ first non-null value gave, like any later row.
 
 How the rule is kept on every path: for the common case, a column whose values are all of a kind
 Arrow's conversion lands exactly (integers into an integer column, floats into a float64 column,
-strings into a string column...) is converted by one Arrow call; any other value is written as JSON
-text and parsed by the same :class:`JsonRows` reader as a declared payload, so both paths share one
-parser; what Arrow's conversions would coerce (a float truncated into an integer, a number read as
+strings into a string column, objects holding only a struct's fields with such values...) is
+converted by one Arrow call; any other value is written as JSON text and parsed by the same
+:class:`JsonRows` reader as a declared payload, so both paths share one parser; what Arrow's conversions would coerce (a float truncated into an integer, a number read as
 days or microseconds since 1970, a struct field dropped, a datetime truncated) never reaches them.
 """
 
@@ -53,7 +53,7 @@ import datetime as dt
 import json
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from itertools import repeat
@@ -105,9 +105,35 @@ def _safe_kinds(kind: pa.DataType) -> frozenset[type]:
 
 def lands_as_is(values: Sequence[Any], kind: pa.DataType) -> bool:
     """True when every one of ``values`` is of a Python type ``pa.array(values, kind)`` lands exactly
-    or refuses, never coerces (an ``int`` into an integer column, a ``float`` into float64...): then
-    one Arrow call converts them by the lattice's rule. Otherwise use :func:`conform_values`."""
+    or refuses, never coerces (an ``int`` into an integer column, a ``float`` into float64, an object
+    with only the struct's fields whose values are so too...): then one Arrow call converts them by the
+    lattice's rule. Otherwise use :func:`conform_values`."""
+    if pa.types.is_struct(kind):
+        return _objects_land_as_is(values, kind)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        items: list[Any] = []
+        for value in values:
+            if value is None:
+                continue
+            if type(value) is not list:
+                return False
+            items.extend(value)
+        return lands_as_is(items, kind.value_type)
     return set(map(type, values)) <= _safe_kinds(kind)
+
+
+def _objects_land_as_is(values: Sequence[Any], kind: pa.StructType) -> bool:
+    objects = [value for value in values if value is not None]
+    if set(map(type, objects)) - {dict}:
+        return False
+    fields = [kind.field(index) for index in range(kind.num_fields)]
+    names = [item.name for item in fields]
+    table = _whole_columns(objects, names)
+    if table is None:
+        if not all(map(frozenset(names).issuperset, objects)):
+            return False  # Arrow would drop a field the struct lacks
+        table = [list(map(operator.methodcaller("get", name), objects)) for name in names]
+    return all(lands_as_is(column, item.type) for item, column in zip(fields, table, strict=True))
 
 
 def kind_name(value: Any) -> str:
@@ -259,10 +285,11 @@ def conform_values(values: Sequence[Any], kind: pa.DataType, label: str) -> tupl
     bad: dict[int, str] = {}
     through_json: list[int] = []
     safe = _safe_kinds(kind)
+    nested = pa.types.is_nested(kind)
     for index, value in enumerate(values):
         if value is None:
             continue
-        if type(value) in safe:
+        if type(value) in safe or (nested and lands_as_is([value], kind)):
             try:
                 pa.array([value], kind)
             except _ARROW_ERRORS as exc:
@@ -345,21 +372,23 @@ def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> Confor
     count = len(rows)
     names = schema.names
     bad: dict[int, str] = {}
-    allowed = frozenset(names)
-    if not all(map(allowed.issuperset, rows)):
+    missing: dict[str, list[int]] = {}
+    table = _whole_columns(rows, names)
+    if table is None:
+        allowed = frozenset(names)
         for index, row in enumerate(rows):
             extra = set(row) - allowed
             if extra:
                 bad[index] = f"field(s) {', '.join(sorted(extra))} are not in the schema"
-    missing: dict[str, list[int]] = {}
+        table = []
+        for name in names:
+            present = list(map(operator.contains, rows, repeat(name)))
+            if not all(present):
+                missing[name] = [index for index, here in enumerate(present) if not here]
+            table.append(list(map(operator.methodcaller("get", name), rows)))
     columns: list[pa.Array] = []
-    for item in schema:
-        name = item.name
-        present = list(map(operator.contains, rows, repeat(name)))
-        if not all(present):
-            missing[name] = [index for index, here in enumerate(present) if not here]
-        values = list(map(_getter(name), rows))
-        column, unfit = conform_values(values, item.type, name)
+    for item, values in zip(schema, table, strict=True):
+        column, unfit = conform_values(values, item.type, item.name)
         for index, reason in unfit.items():
             bad.setdefault(index, reason)
         columns.append(column)
@@ -370,8 +399,15 @@ def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> Confor
     return Conformed(batch.take(pa.array(kept, pa.int64())), kept, bad, missing)
 
 
-def _getter(name: str) -> Callable[[Mapping[str, Any]], Any]:
-    return operator.methodcaller("get", name)
+def _whole_columns(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[list[Any]] | None:
+    """Each field's values, when every row has exactly the fields ``names`` (the common case: as many
+    fields as the schema, each found); None otherwise."""
+    if set(map(len, rows)) - {len(names)}:
+        return None
+    try:
+        return [list(map(operator.itemgetter(name), rows)) for name in names]
+    except KeyError:
+        return None
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

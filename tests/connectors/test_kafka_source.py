@@ -314,7 +314,7 @@ def test_an_old_worker_cannot_commit_after_losing_its_lease(
 
 @pytest.mark.parametrize(
     ("payload", "reason"),
-    [(b"{not json", "is not JSON"), (b"[1, 2]", "JSON list, not an object"), (b"\xff\xfe", "is not JSON")],
+    [(b"{not json", "is not JSON"), (b"[1, 2]", "JSON list, not an object"), (b"\xff\xfe", "is not UTF-8")],
 )
 def test_malformed_payload_halts_naming_topic_partition_offset(
     kafka_bootstrap: str, topic: str, unique_name: Any, payload: bytes, reason: str
