@@ -214,7 +214,9 @@ class SyncModel(dg.Model, _Located):
 
 class StreamSchemaModel(dg.Model, _Located):
     """A resource's declared schema: ``columns`` maps names to Arrow types (``int64 not null``);
-    without ``columns`` the schema is inferred. ``on_bad_row``: ``halt`` or ``dead_letter``."""
+    without ``columns`` the schema is inferred. ``on_bad_row``: ``halt`` or ``dead_letter``.
+    ``on_missing_field``: a record lacking a field lands with null there (``null``, counted in the
+    certificate) or does not fit (``refuse``: a strict schema)."""
 
     columns: Annotated[
         dict[str, str] | None, _field("Column name to Arrow type (`int64 not null`); none: inferred.")
@@ -223,6 +225,9 @@ class StreamSchemaModel(dg.Model, _Located):
     on_bad_row: Annotated[
         Literal["halt", "dead_letter"], _field("A row that does not fit: halt the stream or dead-letter it.")
     ] = "halt"
+    on_missing_field: Annotated[
+        Literal["null", "refuse"], _field("A record lacking a field: null there (counted), or a bad row.")
+    ] = "null"
 
 
 class StreamEpochModel(dg.Model, _Located):
@@ -527,7 +532,9 @@ def _stream(model: StreamModel, connections: Mapping[str, FaucetConnection]) -> 
         key=tuple(model.key),
         delivery=None if model.delivery is None else Delivery(model.delivery),
         schemas={
-            resource: ResourceSchema.from_columns(schema.columns, schema.key or model.key, schema.on_bad_row)
+            resource: ResourceSchema.from_columns(
+                schema.columns, schema.key or model.key, schema.on_bad_row, schema.on_missing_field
+            )
             for resource, schema in model.schemas.items()
         },
         limits=ReadLimits(

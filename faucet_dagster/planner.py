@@ -57,7 +57,11 @@ class Plan:
     """An accepted pair: what will run and the delivery guarantee it can honestly promise.
 
     ``mechanisms`` lists every mechanism that holds (empty for at-least-once); ``reasons`` explains
-    the guarantee in words a user reads in the Dagster UI and in ``faucet plan``.
+    the guarantee in words a user reads in the Dagster UI and in ``faucet plan``. ``dead_letters`` is
+    the delivery of the records routed to a dead-letter route (``None``: no route): a stream's route
+    stores them by event identity, so a replayed epoch stores none twice (effectively-once); a
+    bounded sync appends them to its dead-letter sink, so a replayed page appends them again
+    (at-least-once), whatever ``delivery`` promises for the destination's rows.
     """
 
     mode: Mode
@@ -67,6 +71,7 @@ class Plan:
     mechanisms: tuple[Mechanism, ...]
     reasons: tuple[str, ...]
     dedup_window: timedelta | None = None
+    dead_letters: Delivery | None = None
 
     def summary(self) -> str:
         head = f"{self.mode.value} {self.policy.value}"
@@ -85,6 +90,7 @@ class Plan:
             "mechanisms": [mechanism.value for mechanism in self.mechanisms],
             "reasons": list(self.reasons),
             "dedup_window_seconds": None if self.dedup_window is None else self.dedup_window.total_seconds(),
+            "dead_letters": None if self.dead_letters is None else self.dead_letters.value,
         }
 
 
@@ -103,9 +109,11 @@ def plan(
 
     ``delivery`` is the guarantee asked for (``None``: the best one reachable). ``durable_state``
     says whether bookmarks and certificates survive a crash; ``dead_letter`` whether a dead-letter
-    route is configured (it rules out the atomic watermark, as the FCP says).
+    route is configured for rows that do not fit (it rules out the atomic watermark, as the FCP says);
+    a route the source declares (``source.dead_letters``) counts the same.
     """
     key = tuple(key)
+    dead_letter = dead_letter or source.dead_letters
     violations = [
         *_check_source_mode(source, mode),
         *_check_policy_supported(sink, mode, policy),
@@ -137,7 +145,11 @@ def plan(
             *reasons,
         )
     window = sink.dedup_window if Mechanism.EVENT_IDENTITY_DEDUP in mechanisms else None
-    return Plan(mode, policy, key, promised, mechanisms, tuple(reasons), window)
+    routed = None
+    if dead_letter:
+        routed = Delivery.EFFECTIVELY_ONCE if mode is Mode.CONTINUOUS else Delivery.AT_LEAST_ONCE
+        reasons = (*reasons, _DEAD_LETTER_TEXT[mode])
+    return Plan(mode, policy, key, promised, mechanisms, tuple(reasons), window, routed)
 
 
 def _check_source_mode(source: SourceCapabilities, mode: Mode) -> list[Violation]:
@@ -290,7 +302,14 @@ def _mechanisms(
         for failed, text in (
             # Continuous mode never re-reads a non-deterministic source into an atomic watermark: the
             # runner certifies a commit the sink holds without a certificate from the sink's watermark.
-            (mode is Mode.BOUNDED and not source.deterministic, "the source is not deterministic"),
+            # A bounded rerun re-reads the source: it must give the same rows again, unless it resumes
+            # from the bookmark the sink keeps with the token (every page carries one).
+            (
+                mode is Mode.BOUNDED
+                and not source.deterministic
+                and not (source.page_bookmarks and sink.watermark_bookmark),
+                "the source is not deterministic",
+            ),
             (not sink.atomic_watermark, "the sink has no atomic watermark"),
             (not durable_state, "the state is not durable"),
             (dead_letter, "a dead-letter route is configured"),
@@ -333,10 +352,26 @@ def _window_text(sink: SinkCapabilities) -> str:
     )
 
 
+_DEAD_LETTER_TEXT: dict[Mode, str] = {
+    Mode.CONTINUOUS: (
+        "dead letters: effectively-once (the stream's route stores each by its event identity, so a "
+        "replayed epoch stores none twice)"
+    ),
+    Mode.BOUNDED: (
+        "dead letters: at-least-once (the dead-letter sink appends them, so a page read again after a "
+        "failed run appends its refused rows again)"
+    ),
+}
+
 _MECHANISM_TEXT: dict[Mechanism, Callable[[SinkCapabilities], str]] = {
     Mechanism.ATOMIC_WATERMARK: lambda sink: (
         "atomic watermark: records and a monotonic commit token commit in one destination "
         "transaction, so a replayed page or epoch at or below the watermark is skipped"
+        + (
+            " (the page's bookmark is kept with the token: a rerun resumes from what the destination holds)"
+            if sink.watermark_bookmark
+            else ""
+        )
     ),
     Mechanism.KEYED_UPSERT: lambda sink: (
         "keyed upsert: re-applying a record converges on the same row instead of duplicating it"

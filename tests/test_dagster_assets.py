@@ -152,9 +152,11 @@ def test_crash_between_the_sink_commit_and_the_dagster_event_leaves_no_duplicate
     assert last_sync_state(instance, dg.AssetKey("orders"), None).commit_token == CommitToken(400)
     monkeypatch.undo()
 
+    # The sink keeps the bookmark of its last page with the token: the rerun resumes from it (every
+    # file read), with nothing to read again.
     rerun = materialization(dg.materialize(assets, instance=instance), "orders")
-    assert value(rerun, "faucet/rows_read") == 500
-    assert value(rerun, "faucet/rows_skipped") == 500
+    assert value(rerun, "faucet/rows_read") == 0
+    assert value(rerun, "faucet/rows_skipped") == 0
     assert value(rerun, "faucet/rows_written") == 0
     assert value(rerun, "faucet/commit_token") == str(CommitToken(900))
     assert postgres_ids(postgres_url, "orders") == list(range(1, 901))

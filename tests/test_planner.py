@@ -4,6 +4,8 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
+from faucet_kafka import KafkaSourceConfig
+from faucet_kafka.source import capabilities as kafka_capabilities
 
 from faucet_dagster.planner import Code, Mechanism, plan
 from faucet_dagster.protocol import (
@@ -202,6 +204,48 @@ def test_rule7_keyed_upsert_holds_with_a_dead_letter_route() -> None:
         dead_letter=True,
     )
     assert accepted.mechanisms == (Mechanism.KEYED_UPSERT,)
+
+
+def test_rule7_a_dead_letter_route_the_source_declares_rules_out_the_watermark_too() -> None:
+    """FCP 3.1: the atomic watermark needs no dead-letter route. A source that dead-letters records it
+    cannot decode (Kafka's ``on_malformed: dead_letter``) has one, as a resource whose bad rows do:
+    both are planned alike, never certified effectively-once by the watermark."""
+    config = KafkaSourceConfig(
+        bootstrap_servers="k:9092", topics=("t",), group_id="g", on_malformed="dead_letter"
+    )
+    routing = kafka_capabilities(config, continuous=True)
+    assert routing.dead_letters
+    assert not kafka_capabilities(replace_config(config, on_malformed="halt"), continuous=True).dead_letters
+    for source, kwargs in ((routing, {}), (replace(routing, dead_letters=False), {"dead_letter": True})):
+        assert refused(
+            source,
+            TABLE_SINK,
+            Mode.CONTINUOUS,
+            WritePolicy.APPEND,
+            delivery=Delivery.EFFECTIVELY_ONCE,
+            **kwargs,
+        ) == (Code.EFFECTIVELY_ONCE_UNREACHABLE,)
+        accepted = plan(source, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.APPEND, **kwargs)
+        assert accepted.delivery is Delivery.AT_LEAST_ONCE
+        assert "a dead-letter route is configured" in accepted.summary()
+
+
+def test_rule7_the_plan_says_how_dead_letters_are_delivered() -> None:
+    """A bounded sync's dead-letter sink appends, so a keyed upsert, effectively-once for its rows,
+    says its dead letters are at-least-once; a stream's route stores them by event identity."""
+    bounded = plan(TABLE_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT, ("id",), dead_letter=True)
+    assert (bounded.delivery, bounded.dead_letters) == (Delivery.EFFECTIVELY_ONCE, Delivery.AT_LEAST_ONCE)
+    assert "dead letters: at-least-once" in bounded.summary()
+    assert bounded.to_dict()["dead_letters"] == "at_least_once"
+    stream = plan(
+        LOG_SOURCE, TABLE_SINK, Mode.CONTINUOUS, WritePolicy.VERSIONED_UPSERT, ("id",), dead_letter=True
+    )
+    assert stream.dead_letters is Delivery.EFFECTIVELY_ONCE
+    assert plan(TABLE_SOURCE, TABLE_SINK, Mode.BOUNDED, WritePolicy.UPSERT, ("id",)).dead_letters is None
+
+
+def replace_config(config: KafkaSourceConfig, **changes: object) -> KafkaSourceConfig:
+    return KafkaSourceConfig(**{**config.model_dump(), **changes})
 
 
 def test_rule7_event_identity_dedup_states_its_window() -> None:

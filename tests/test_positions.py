@@ -25,8 +25,8 @@ REGISTRY = default_codec_registry()
 CODEC_NAMES = REGISTRY.names()
 
 NATIVE_POSITIONS: dict[str, st.SearchStrategy[Any]] = {
-    "nats.stream_sequence": st.integers(min_value=1, max_value=2**63),
-    "kafka.offset": st.integers(min_value=0, max_value=2**63),
+    "nats.stream_sequence": st.integers(min_value=1, max_value=2**63 - 1),
+    "kafka.offset": st.integers(min_value=0, max_value=2**63 - 1),
     "postgres.lsn": st.one_of(
         st.integers(min_value=0, max_value=2**64 - 1),
         st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)).map(
@@ -99,6 +99,27 @@ def test_integer_codecs_reject_below_their_minimum() -> None:
     with pytest.raises(DataError):
         codec("nats.stream_sequence").validate(0)
     assert codec("kafka.offset").validate(0) == 0
+
+
+PAST_THE_RANGE: dict[str, st.SearchStrategy[Any]] = {
+    "nats.stream_sequence": st.integers(min_value=2**63, max_value=2**80),
+    "kafka.offset": st.integers(min_value=2**63, max_value=2**80),
+    "postgres.lsn": st.one_of(
+        st.integers(min_value=2**64, max_value=2**80),
+        st.integers(min_value=2**32, max_value=2**40).map(lambda high: f"{high:X}/0"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@given(data=st.data())
+def test_codecs_refuse_positions_past_their_types_range(name: str, data: st.DataObject) -> None:
+    """A Kafka offset and a JetStream sequence are int64 (what every store keeps a position as), an
+    LSN uint64: one past that range is refused where it enters, as a native value and as text."""
+    raw = data.draw(PAST_THE_RANGE[name])
+    for form in (raw, str(raw)) if isinstance(raw, int) and name != "postgres.lsn" else (raw,):
+        with pytest.raises(DataError, match=name):
+            codec(name).validate(form)
 
 
 def test_lsn_canonical_form_is_what_postgres_prints() -> None:

@@ -7,7 +7,7 @@ database on the same server, changes through the real connectors and the continu
 * a column added with a constant default reaches the replica with the value the source's existing
   rows hold; a default the WAL does not carry (volatile) stops the stream with a SchemaError naming
   the column, and adding the column to the replica with the source's values lets it resume; a dropped
-  column stays in the replica (null in later rows); a type change stops the stream naming the column,
+  column is dropped from the replica; a type change stops the stream naming the column,
   and altering the replica's column the same way lets it resume;
 * a TRUNCATE empties the replica's table in the epoch's transaction, a key change of a row whose
   TOASTed value the update left out keeps that value, and ``infinity`` timestamps round-trip; none of
@@ -148,19 +148,14 @@ def test_source_ddl_mid_stream_keeps_the_replica_equal_or_stops_naming_the_colum
     assert replication.catch_up(tables)
     replication.assert_identical(tables)
 
-    # A dropped column stays in the replica, null in the rows written after the drop.
+    # A dropped column is dropped from the replica too (the DDL capture tells it from a rename).
     replication.execute("ALTER TABLE orders DROP COLUMN note")
     replication.execute(
         "INSERT INTO orders (id, qty) VALUES (53, 53)", "UPDATE orders SET qty = 5 WHERE id = 3"
     )
     assert replication.catch_up(tables)
     replication.assert_equal_on_source_columns("orders", "id")
-    assert replication.execute(
-        "SELECT note FROM orders WHERE id IN (4, 53) ORDER BY id", url=replication.target_url
-    ) == [
-        ("n4",),
-        (None,),
-    ]
+    assert "note" not in replication.columns("orders", replication.target_url)
 
     # A type change rewrote every row at the source, outside the change stream: the stream stops,
     # naming the column, until the replica's column is altered the same way.

@@ -3,13 +3,12 @@
 Only pydantic and the protocol are imported here, so the connector's entry point stays cheap.
 """
 
-import re
 from typing import Literal
 
 import pyarrow as pa
 from pydantic import Field, field_validator
 
-from faucet_dagster.protocol import ConnectorConfig
+from faucet_dagster.protocol import ConnectorConfig, arrow_type_from_name, lattice_type_problem
 
 FileFormat = Literal["csv", "jsonl", "parquet"]
 
@@ -73,19 +72,15 @@ class FilesSourceConfig(ConnectorConfig):
         return paths
 
 
-_TIMESTAMP = re.compile(r"timestamp\[(s|ms|us|ns)(?:,\s*tz=([^\]]+))?\]")
-_DECIMAL = re.compile(r"decimal(?:128)?\((\d+),\s*(\d+)\)")
-
-
 def arrow_type(text: str) -> pa.DataType:
-    """The Arrow type named by ``text``: a pyarrow alias, ``timestamp[us, tz=UTC]`` or
-    ``decimal128(12, 2)``. Raises ValueError for anything else."""
-    text = text.strip()
-    if match := _TIMESTAMP.fullmatch(text):
-        return pa.timestamp(match.group(1), tz=match.group(2))
-    if match := _DECIMAL.fullmatch(text):
-        return pa.decimal128(int(match.group(1)), int(match.group(2)))
+    """The Arrow type named by ``text`` (:func:`~faucet_dagster.protocol.arrow_type_from_name`: a pyarrow
+    alias, ``timestamp[us, tz=UTC]`` or ``decimal128(12, 2)``), one of the type lattice's column types.
+    Raises ValueError for anything else."""
     try:
-        return pa.type_for_alias(text)
-    except ValueError:
-        raise ValueError(f"unknown Arrow type {text!r}") from None
+        kind = arrow_type_from_name(text)
+    except (ValueError, pa.ArrowInvalid):
+        raise ValueError(f"unknown Arrow type {text.strip()!r}") from None
+    problem = lattice_type_problem(kind)
+    if problem:
+        raise ValueError(problem)
+    return kind

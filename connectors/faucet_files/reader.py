@@ -1,6 +1,8 @@
-"""Reading one matched file: pyarrow's streaming CSV, JSON Lines and Parquet readers, the checks
-pyarrow does not make itself (text encoding, an unclosed quote, UTF-8 in JSON, a leading ``null``),
-the configured column selection and types, and the pages cut from the batches.
+"""Reading one matched file: pyarrow's streaming CSV and Parquet readers, JSON Lines through the
+protocol's :class:`~faucet_dagster.protocol.json_rows.JsonRows` (the decoder of the Kafka and NATS
+sources, so a JSON value lands in a column by the same rule whatever its source), the checks pyarrow
+does not make itself (text encoding, an unclosed quote), the configured column selection and types
+(values of another type conformed by the type lattice's rule), and the pages cut from the batches.
 
 Everything here blocks; the source runs it in a worker thread.
 """
@@ -11,10 +13,19 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
-import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from faucet_dagster.protocol import ConfigError, DataError, PageBuilder, SchemaError
+from faucet_dagster.protocol import (
+    MISSING_COLUMN,
+    ConfigError,
+    DataError,
+    PageBuilder,
+    SchemaError,
+    conform_batch,
+    conform_rows,
+    infer_schema,
+)
+from faucet_dagster.protocol.json_rows import JsonRows
 from faucet_files.bookmark import FileEntry
 from faucet_files.config import FilesSourceConfig
 
@@ -72,15 +83,13 @@ class FileReader:
                 if entry.format == "csv":
                     self._check_text(batch, entry, seen)
                     last = batch if rows else last
-                elif entry.format == "jsonl":
-                    _check_utf8(batch)
                 if seen + rows <= start_row:
                     seen += rows
                     continue
                 if seen < start_row:
                     batch = batch.slice(start_row - seen)
                 seen += rows
-                yield self._shape(batch, entry)
+                yield self._shape(batch, entry, seen - rows)
             if last is not None:
                 # Checked before the file's last page is handed over (pages are read one ahead).
                 self._check_closed_quote(last, entry, seen)
@@ -140,6 +149,9 @@ class FileReader:
             )
 
     def _raw_batches(self, entry: FileEntry) -> Iterator[pa.RecordBatch]:
+        if entry.format == "jsonl":
+            yield from self._json_lines(entry)
+            return
         if entry.format == "parquet":
             parquet = pq.ParquetFile(entry.path)
             for batch in parquet.iter_batches(batch_size=64 * 1024, use_threads=True):
@@ -154,16 +166,74 @@ class FileReader:
                     return
                 yield batch
 
+    def _json_lines(self, entry: FileEntry) -> Iterator[pa.RecordBatch]:
+        """The rows of a JSON Lines file, one batch per block of whole lines. Each non-blank line is a
+        payload of :class:`JsonRows` (a JSON object, or a DataError naming the file and the line);
+        its columns are typed by ``column_types``, the others by the first block's values (the type
+        lattice's inference), and a value that does not land in its column is a DataError naming the
+        file and the line."""
+        declared = pa.schema(list(self._types.items())) if self._types else None
+        schema: pa.Schema | None = None
+        lines_before = 0
+        with pa.input_stream(entry.path, compression="detect") as stream:
+            tail = b""
+            while True:
+                chunk = stream.read(self.config.block_size)
+                data = tail + chunk
+                cut = data.rfind(b"\n") if chunk else len(data)
+                if cut < 0:
+                    tail = data
+                    continue
+                block, tail = data[:cut], data[cut + 1 :]
+                lines = block.split(b"\n") if block or chunk else []
+                numbers = [lines_before + index + 1 for index, line in enumerate(lines) if line.strip()]
+                payloads = [line for line in lines if line.strip()]
+                lines_before += len(lines)
+                if payloads:
+                    batch, schema = self._objects(payloads, numbers, schema, declared, entry)
+                    yield batch
+                if not chunk:
+                    return
+
+    def _objects(
+        self,
+        payloads: list[bytes],
+        numbers: list[int],
+        schema: pa.Schema | None,
+        declared: pa.Schema | None,
+        entry: FileEntry,
+    ) -> tuple[pa.RecordBatch, pa.Schema]:
+        """Lines decoded as JSON objects, typed by ``schema`` (the first block's, inferred now when
+        None, the declared ``column_types`` taking precedence), conformed by the lattice's rule."""
+        rows: list[Any] = []
+        for run in JsonRows(None, noun="line").decode(payloads):
+            if run.rows is None:
+                raise _line_error(entry, numbers[run.start], run.reason)
+            rows.extend(run.rows)
+        if schema is None:
+            inferred = infer_schema(rows)
+            if inferred is None:
+                raise _line_error(entry, numbers[0], "no column type can be inferred from its values")
+            kinds = dict(zip(inferred.names, inferred.types, strict=True))
+            kinds.update(self._types)
+            names = list(dict.fromkeys([*inferred.names, *(declared.names if declared is not None else [])]))
+            schema = pa.schema([pa.field(name, kinds[name]) for name in names])
+        conformed = conform_rows(rows, schema)
+        if conformed.bad:
+            index = min(conformed.bad)
+            raise _line_error(entry, numbers[index], conformed.bad[index])
+        batch = conformed.batch
+        if conformed.missing:
+            lacking: dict[int, list[str]] = {}
+            for name, indices in conformed.missing.items():
+                for index in indices:
+                    lacking.setdefault(index, []).append(name)
+            column = pa.array([lacking.get(index) for index in range(len(rows))], pa.list_(pa.string()))
+            batch = batch.append_column(MISSING_COLUMN, column)
+        return batch, schema
+
     def _open_text(self, entry: FileEntry, stream: Any) -> Any:
-        """A pyarrow streaming reader (CSV or JSON Lines) over an open input stream."""
-        if entry.format == "jsonl":
-            schema = pa.schema(list(self._types.items())) if self._types else None
-            _check_first_value(entry.path)
-            return pa_json.open_json(
-                stream,
-                read_options=pa_json.ReadOptions(block_size=self.config.block_size),
-                parse_options=pa_json.ParseOptions(explicit_schema=schema),
-            )
+        """A pyarrow streaming CSV reader over an open input stream."""
         csv = self.config.csv
         # A .tsv file is tab-separated unless a delimiter was configured.
         delimiter = "\t" if file_suffix(entry.path) == ".tsv" and csv.delimiter == "," else csv.delimiter
@@ -190,7 +260,7 @@ class FileReader:
             ),
         )
 
-    def _shape(self, batch: pa.RecordBatch, entry: FileEntry) -> pa.RecordBatch:
+    def _shape(self, batch: pa.RecordBatch, entry: FileEntry, before: int) -> pa.RecordBatch:
         """Select the configured columns and cast to the configured types."""
         if self.config.columns is not None:
             missing = [name for name in self.config.columns if name not in batch.schema.names]
@@ -201,15 +271,20 @@ class FileReader:
                     where=entry.path,
                 )
             batch = batch.select(self.config.columns)
-        casts = {
-            name: kind
-            for name, kind in self._types.items()
-            if name in batch.schema.names and batch.schema.field(name).type != kind
-        }
-        if casts:
-            schema = pa.schema([pa.field(f.name, casts.get(f.name, f.type)) for f in batch.schema])
-            batch = batch.cast(schema)
-        return batch
+        fields = [item for item in batch.schema if item.name != MISSING_COLUMN]
+        if not any(item.name in self._types and item.type != self._types[item.name] for item in fields):
+            return batch
+        target = pa.schema([pa.field(item.name, self._types.get(item.name, item.type)) for item in fields])
+        conformed = conform_batch(batch, target)
+        if conformed.bad:
+            index = min(conformed.bad)
+            row = before + index + 1
+            raise DataError(
+                f"{entry.path!r} row {row}: a value does not land in its column: {conformed.bad[index]}",
+                where=f"{entry.path} @ row {row}",
+                details={"file": entry.path, "row": str(row)},
+            )
+        return conformed.batch
 
 
 def combine_files(batches: list[pa.RecordBatch], where: str) -> pa.RecordBatch:
@@ -225,59 +300,6 @@ def combine_files(batches: list[pa.RecordBatch], where: str) -> pa.RecordBatch:
             f"the files have schemas that do not combine into one page: {exc}", where=where
         ) from exc
     return table.combine_chunks().to_batches()[0]
-
-
-_VALIDATED_DEPTH = 64
-"""Columns nested deeper are not checked: Arrow's full validation recurses (and crashes near 10,000)."""
-
-
-def _check_utf8(batch: pa.RecordBatch) -> None:
-    """ArrowInvalid (a DataError naming the file and row, for the caller) when a string in ``batch``
-    is not UTF-8: Arrow's JSON reader copies string bytes without checking them, so they would reach
-    the sink."""
-    for column in batch.columns:
-        if _has_text(column.type, _VALIDATED_DEPTH):
-            column.validate(full=True)
-
-
-def _has_text(kind: pa.DataType, depth: int) -> bool:
-    """True when ``kind`` holds strings at most ``depth`` levels down."""
-    while depth > 0:
-        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-            return True
-        if pa.types.is_struct(kind):
-            return any(_has_text(kind.field(i).type, depth - 1) for i in range(kind.num_fields))
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
-            return False
-        kind, depth = kind.value_type, depth - 1
-    return False
-
-
-def _check_first_value(path: str) -> None:
-    """DataError when the first value of a JSON Lines file starts with ``null`` (``null``, ``null,``,
-    ``nullx``...): pyarrow's JSON reader crashes the process on one (pyarrow 26). (A later bare
-    ``null`` line reads as an empty object.)"""
-    text = b""
-    with pa.input_stream(path, compression="detect") as stream:
-        while True:
-            chunk = stream.read(1 << 16)
-            text += chunk
-            start = len(text) - len(text.lstrip(_JSON_SPACE))
-            if chunk and len(text) - start < 4:
-                # Only whitespace so far (or too little to tell): read on, keeping its newlines.
-                text = b"\n" * text.count(b"\n", 0, start) + text[start:]
-                continue
-            break
-    if text[start : start + 4] == b"null":
-        line = text.count(b"\n", 0, start) + 1
-        raise DataError(
-            f"{path!r} line {line} starts with null: not a JSON object",
-            where=f"{path} @ line {line}",
-            details={"file": path, "line": str(line)},
-        )
-
-
-_JSON_SPACE = b" \t\r\n"
 
 
 def _tail(path: str, size: int) -> bytes:
@@ -299,3 +321,11 @@ def file_suffix(path: str) -> str:
     for suffix in _COMPRESSION_SUFFIXES:
         name = name.removesuffix(suffix)
     return os.path.splitext(name)[1]
+
+
+def _line_error(entry: FileEntry, line: int, reason: str) -> DataError:
+    return DataError(
+        f"{entry.path!r} line {line}: {reason}",
+        where=f"{entry.path} @ line {line}",
+        details={"file": entry.path, "line": str(line)},
+    )

@@ -26,9 +26,13 @@ content changed, so the run delivers it again (at-least-once for that file) rath
 rows that may be new. Paths are stored as matched (as written in the config), so the same config
 resumes from any working directory only when its paths are absolute.
 
-Determinism. Re-reading from a bookmark yields the same rows in the same order as long as the files
-read are not modified and files that appear later sort after them (date-stamped names do);
-``capabilities().deterministic`` is True on that documented assumption.
+Resumes by identity. The bookmark names what was read (each file's path, size and modification time),
+never a count of rows: a file that appears before, between or after the files already read is read
+once, by the next run. ``capabilities().deterministic`` is False (re-reading from a bookmark after a
+file that sorts earlier appeared yields other rows first), and ``page_bookmarks`` True: with a sink
+that keeps each page's bookmark with its commit token (the PostgreSQL and SQL sinks), a rerun after a
+crash resumes from the bookmark the sink holds, so the atomic watermark holds (effectively-once);
+with a sink that counts rows only, the pair is at-least-once.
 
 Errors. A path that does not exist or a glob that matches no file raises ConfigError naming it; a file
 that cannot be parsed (corrupt Parquet, malformed CSV or JSON, a value that does not fit its column
@@ -109,7 +113,11 @@ class FilesSource(Source):
             replay=Replay.REPLAYABLE_AT_LEAST_ONCE,
             bounded=True,
             continuous=False,
-            deterministic=True,
+            # Not deterministic: a file that sorts before the files read changes what a re-read
+            # yields first. Every page's bookmark names what was read (by identity), which is what
+            # a sink keeping it with its watermark resumes from.
+            deterministic=False,
+            page_bookmarks=True,
             discover=True,
             shardable=self.config.shard_by_file,
             columns=None if self.config.columns is None else tuple(self.config.columns),

@@ -4,6 +4,7 @@ watermarks captured when the read starts (positions and identity as in :mod:`fau
 
 import bisect
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import cast
 
 import pyarrow as pa
 from confluent_kafka.admin import AdminClient
@@ -13,6 +14,7 @@ from faucet_dagster.protocol import (
     DataError,
     DiscoveredDataset,
     FetchContext,
+    IntegrityError,
     JsonValue,
     OrderingDomain,
     Page,
@@ -69,10 +71,16 @@ class KafkaSource(Source):
         return key if self._shard is None else f"{key}/{self._shard[0]}/{self._shard[1]}"
 
     def apply_start_bookmark(self, bookmark: JsonValue) -> None:
+        # Checked with if, never assert: a bookmark is runtime input, and ``python -O`` drops asserts.
+        wrong = ConfigError(
+            "the bookmark is not one this source wrote ({'positions': [{topic, partition, "
+            "incarnation, offset}]})",
+            where=self.dataset_uri(),
+        )
+        items = bookmark.get("positions") if isinstance(bookmark, dict) else None
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise wrong
         try:
-            assert isinstance(bookmark, dict)
-            items = bookmark["positions"]
-            assert isinstance(items, list)
             self._start = [
                 Position(
                     OrderingDomain(
@@ -84,16 +92,10 @@ class KafkaSource(Source):
                     ),
                     CODEC.canonicalize(CODEC.validate(item["offset"])),
                 )
-                for item in items
-                if isinstance(item, dict)
+                for item in cast(list[dict[str, JsonValue]], items)
             ]
-            assert len(self._start) == len(items)
-        except (AssertionError, KeyError, TypeError, ValueError, DataError):
-            raise ConfigError(
-                "the bookmark is not one this source wrote ({'positions': [{topic, partition, "
-                "incarnation, offset}]})",
-                where=self.dataset_uri(),
-            ) from None
+        except (KeyError, TypeError, ValueError, DataError):
+            raise wrong from None
 
     def bookmark(self) -> JsonValue | None:
         return self._reached
@@ -208,8 +210,10 @@ class KafkaSource(Source):
                     continue
                 tracker.observe(key, offsets)
                 for run in deliverer.decode(reader.parts[key], batch):
-                    # dead_letter is refused above: under halt, every run has rows.
-                    assert run.rows is not None
+                    if (
+                        run.rows is None
+                    ):  # dead_letter is refused above: under halt, a run without rows raised
+                        raise IntegrityError("a malformed record reached the page", where=self.dataset_uri())
                     page.append(run.rows)
                     rows += run.stop - run.start
             positions = await reader.positions(remaining)

@@ -76,6 +76,8 @@ def capabilities(config: KafkaSourceConfig, *, continuous: bool) -> SourceCapabi
         discover=not continuous,
         shardable=not continuous,
         columns=row_columns(config),
+        # A bounded read has no dead-letter route for source records (a malformed one raises DataError).
+        dead_letters=continuous and config.on_malformed == "dead_letter",
     )
 
 

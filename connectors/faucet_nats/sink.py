@@ -24,7 +24,9 @@ still unanswered after ``republish_after`` while the connection is up, with the 
 :data:`~faucet_nats.publisher.WINDOW_SAFETY` of the duplicate window counted from the message's first
 publish (:mod:`faucet_nats.publisher` does this): the stream then stores it at most once, and a
 ``duplicate`` answer proves the first publish was stored. So a restart mid-epoch costs a re-publish,
-not a halted stream: the commit succeeds with every message stored exactly once. Receipts stay
+not a halted stream: the commit succeeds with every message stored once (the stream drops a
+re-published copy by its ``Nats-Msg-Id``, within the duplicate window: the plan's effectively-once,
+not a consensus exactly-once). Receipts stay
 truthful: a re-published message answered ``duplicate`` of a sequence after the stream's last sequence
 at ``begin_epoch`` was stored by this epoch's first publish and counts as stored; otherwise as a
 duplicate; ``republished`` counts the messages re-published. UncertainOutcome remains for what cannot

@@ -99,6 +99,8 @@ def capabilities(config: NatsSourceConfig, *, continuous: bool) -> SourceCapabil
         discover=False,
         shardable=False,
         columns=None if schema is None else tuple(schema.names),
+        # A bounded read has no dead-letter route for source records (a malformed one raises DataError).
+        dead_letters=continuous and config.on_malformed == "dead_letter",
     )
 
 

@@ -17,6 +17,7 @@ from faucet_dagster.protocol import (
     TransactionEnd,
 )
 from faucet_postgres import pgoutput as pg
+from faucet_postgres.cdc_ddl import DdlMessage, TableHistory
 from faucet_postgres.cdc_server import CODEC
 
 INSERT, UPDATE, DELETE = Operation.INSERT.value, Operation.UPDATE.value, Operation.DELETE.value
@@ -36,6 +37,7 @@ class Table:
         selected: bool,
         key_indexes: tuple[int, ...],
         older_rows: Mapping[str, str | None] | None = None,
+        history: TableHistory | None = None,
     ) -> None:
         self.relation = relation
         self.selected = selected
@@ -43,7 +45,7 @@ class Table:
         self.key_indexes = key_indexes
         """The columns whose change makes an update a delete and an insert (see :func:`change_rows`);
         the change rows mark them ``faucet.key`` (under REPLICA IDENTITY FULL: the primary key)."""
-        self.schema = pg.relation_schema(relation, key_indexes, older_rows)
+        self.schema = pg.relation_schema(relation, key_indexes, older_rows, history)
         self.where = f"table {self.resource}"
         self.width = len(relation.columns)
 
@@ -262,6 +264,21 @@ def _transaction_id(transaction_id: str | int, position: int) -> str:
     return transaction_id
 
 
+def joining_relation(ddl: DdlMessage) -> pg.Relation:
+    """The Relation message pgoutput would send for a table joining the publication, from the DDL
+    capture's record of its columns (the published ones: not generated)."""
+    schema, _, name = ddl.table.rpartition(".")
+    columns = [column for column in ddl.columns if not column.generated]
+    identity = "f" if columns and all(column.key for column in columns) else "d"
+    return pg.Relation(
+        ddl.relid,
+        schema.strip('"') or "public",
+        name.strip('"'),
+        identity,
+        tuple(pg.Column(column.name, column.type_oid, column.typmod, column.key) for column in columns),
+    )
+
+
 def change_rows(
     message: pg.Update | pg.Delete, table: Table
 ) -> list[tuple[Sequence[str | None], str, list[str] | None]]:
@@ -276,6 +293,12 @@ def change_rows(
         for index in missing:
             filled[index] = old.values[index]
         values, missing = tuple(filled), ()
+    if message.old_kind == "O" and old is not None:
+        # REPLICA IDENTITY FULL: the whole old row is known, so the update is the delete of that row
+        # and the insert of the new one, which the sink applies as a multiset: a key may hold two rows
+        # within a transaction (a DEFERRABLE key: UPDATE t SET id = id + 1), and the delete removes
+        # the row it names, never the one inserted before it under the same key.
+        return [(old.values, DELETE, None), (values, INSERT, None)]
     if old is not None and any(
         old.values[index] != values[index] and index not in missing for index in table.key_indexes
     ):

@@ -132,7 +132,8 @@ def slot_where(config: PostgresCdcConfig) -> str:
 
 async def unkeyed_tables(conn: Connection, tables: Sequence[str]) -> list[str]:
     """The tables of ``tables`` (``schema.table``) whose rows have no replica identity: no primary key
-    under the default identity, an identity index that is gone, or ``REPLICA IDENTITY NOTHING``.
+    under the default identity, a ``DEFERRABLE`` primary key (PostgreSQL cannot use a non-immediate
+    index as the identity), an identity index that is gone, or ``REPLICA IDENTITY NOTHING``.
 
     Published, their UPDATE and DELETE fail at the source ("does not have a replica identity and
     publishes updates") and their changes carry no key to apply by. psycopg errors propagate.
@@ -142,9 +143,9 @@ async def unkeyed_tables(conn: Connection, tables: Sequence[str]) -> list[str]:
         "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
         "WHERE n.nspname || '.' || c.relname = ANY(%s) AND (c.relreplident = 'n' "
         "OR (c.relreplident = 'd' AND NOT EXISTS (SELECT 1 FROM pg_index AS i "
-        "WHERE i.indrelid = c.oid AND i.indisprimary)) "
+        "WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate)) "
         "OR (c.relreplident = 'i' AND NOT EXISTS (SELECT 1 FROM pg_index AS i "
-        "WHERE i.indrelid = c.oid AND i.indisreplident))) ORDER BY 1",
+        "WHERE i.indrelid = c.oid AND i.indisreplident AND i.indimmediate))) ORDER BY 1",
         (list(tables),),
     )
     return [row[0] for row in await cursor.fetchall()]
@@ -153,8 +154,8 @@ async def unkeyed_tables(conn: Connection, tables: Sequence[str]) -> list[str]:
 def unkeyed_error(tables: Sequence[str], where: str) -> ConfigError:
     """The error naming tables without a replica identity and the ways out."""
     return ConfigError(
-        f"table(s) {', '.join(tables)} have no replica identity (no primary key, or REPLICA IDENTITY "
-        "NOTHING): published, the "
+        f"table(s) {', '.join(tables)} have no replica identity (no primary key, a DEFERRABLE primary "
+        "key, which PostgreSQL cannot use as one, or REPLICA IDENTITY NOTHING): published, the "
         "application's own UPDATE and DELETE on them fail, and their changes have no key to apply by. "
         "Add a primary key, or set REPLICA IDENTITY FULL on them (faucet cdc setup "
         "--replica-identity-full does; rows are then replicated as a multiset, identical rows included)",

@@ -18,6 +18,14 @@ from faucet_dagster.protocol import (
 )
 from faucet_postgres import pgoutput as pg
 from faucet_postgres.cdc_config import HEARTBEAT_PREFIX
+from faucet_postgres.cdc_ddl import (
+    DDL_PREFIX,
+    DdlMessage,
+    TableHistory,
+    columns_at,
+    parse_message,
+    publication_added_after,
+)
 from faucet_postgres.cdc_rows import (
     GROUP_TRANSACTIONS,
     INSERT,
@@ -25,6 +33,7 @@ from faucet_postgres.cdc_rows import (
     Table,
     TransactionWriter,
     change_rows,
+    joining_relation,
 )
 from faucet_postgres.cdc_server import CODEC, Connection, Interrupted, interruptible
 from faucet_postgres.cdc_slot import Published, SlotSession
@@ -296,7 +305,57 @@ class PostgresCdcSession(SlotSession):
                 table = self._table(oid)
                 if table.selected and writer.add(table, (None,) * table.width, TRUNCATE, None):
                     await writer.flush()
-        # Type, Origin and logical messages (heartbeats) carry no rows.
+        elif isinstance(message, pg.LogicalMessage) and message.prefix == DDL_PREFIX:
+            await self._ddl(parse_message(message.content, self._where), writer)
+        # Type, Origin and other logical messages (heartbeats) carry no rows.
+
+    async def _ddl(self, ddl: DdlMessage, writer: TransactionWriter) -> None:
+        """A message of the DDL capture (:mod:`faucet_postgres.cdc_ddl`), where it happened in the
+        stream: a selected table joining the publication arrives as a truncate and its rows (what it
+        held then); one dropped as a truncate (the next table of its name starts from its own rows);
+        one leaving the publication stops the stream, unless it joins it again later."""
+        ours = ddl.publication == self.config.publication
+        if not self.is_selected(ddl.table) or (ddl.event != "drop_table" and not ours):
+            return
+        if ddl.event == "publication_add":
+            table = await self._remember(joining_relation(ddl), writer)
+            self._joining[ddl.relid] = table
+            if writer.add(table, (None,) * table.width, TRUNCATE, None):
+                await writer.flush()
+        elif ddl.event == "rows":
+            table = self._joining.get(ddl.relid) or self._table(ddl.relid)
+            for row in ddl.rows:
+                if writer.add(table, row, INSERT, None):
+                    await writer.flush()
+        elif ddl.event == "drop_table":
+            known = self._tables.get(ddl.relid)
+            if (
+                known is not None
+                and known.selected
+                and writer.add(known, (None,) * known.width, TRUNCATE, None)
+            ):
+                await writer.flush()
+        elif ddl.event == "publication_drop":
+            try:
+                again = await publication_added_after(
+                    self._connection(),
+                    self.config.metadata_schema,
+                    ddl.table,
+                    self.config.publication,
+                    event=ddl.id,
+                )
+            except psycopg.Error as exc:
+                raise pg_error(exc, doing="reading the DDL history", where=self._where) from exc
+            if not again:
+                publication = self.config.publication
+                raise SchemaError(
+                    f"table {ddl.table} left publication {publication} ({_statement(ddl.statement)}): "
+                    "its later changes do not reach the replica. Remove it from the stream's resources (the "
+                    "replica keeps its rows as of this point), or add it to the publication again (ALTER "
+                    f"PUBLICATION {self.config.publication} ADD TABLE {ddl.table}: it then arrives with "
+                    "its rows), and the stream resumes",
+                    where=self._where,
+                )
 
     def _begin(self, message: pg.Begin, writer: TransactionWriter) -> None:
         last = writer.position if writer.grouped else self._position
@@ -317,31 +376,52 @@ class PostgresCdcSession(SlotSession):
         return table
 
     async def _remember(self, relation: pg.Relation, writer: TransactionWriter) -> Table:
-        """Keep ``relation``'s description (a new :class:`Table` when it changed). Rows ``writer``
-        buffered under the older one stay with the older Table and are written before the newer
-        ones (the writer keeps them in arrival order), each batch with the schema it was read under."""
+        """Keep ``relation``'s description (a new :class:`Table` when it changed), with what the DDL
+        history says of its columns for the open transaction (attribute numbers, exact types,
+        generated columns: :func:`faucet_postgres.cdc_ddl.columns_at`). Rows ``writer`` buffered
+        under the older one stay with the older Table and are written before the newer ones (the
+        writer keeps them in arrival order), each batch with the schema it was read under."""
         known = self._tables.get(relation.oid)
         if known is not None and known.relation == relation:
             return known
-        selected = self._selected is None or relation.oid in self._selected
-        if (
-            self._selected is not None
-            and selected
-            and self._selected[relation.oid] != relation.qualified_name
-        ):
+        selected = self.is_selected(relation.qualified_name)
+        named = None if self._selected is None else self._selected.get(relation.oid)
+        if named is not None and named != relation.qualified_name:
+            history = await self._history(relation.oid, writer.position)
+            statement = "" if history is None else _statement(history.statement)
             raise SchemaError(
-                f"table {self._selected[relation.oid]} was renamed to {relation.qualified_name}: "
-                "name the new table in the stream's resources",
+                f"table {named} was renamed to {relation.qualified_name}"
+                + (f" ({statement})" if statement else "")
+                + ": its changes now come under the new name. Rename the stream's resource to "
+                f"{relation.qualified_name} (and map it to the replica table in the sink's tables), and "
+                "the stream resumes",
                 where=self._where,
             )
         keys = tuple(index for index, column in enumerate(relation.columns) if column.key)
         if relation.replica_identity == "f" and selected:
-            # FULL flags every column; the primary key (read from the catalog now) tells a key change
-            # from an update of other columns. Without one, any change counts.
+            # FULL flags every column; the primary key (read from the catalog now) is the replica's
+            # key. The rows are applied as a multiset (every update a delete of the whole old row and
+            # an insert), which a key holding two rows within a transaction (a DEFERRABLE key, UPDATE
+            # t SET id = id + 1) needs.
             keys = await self._primary_key(relation) or keys
-        older = await self._older_rows(relation) if selected else {}
-        table = self._tables[relation.oid] = Table(relation, selected, keys, older)
+        history = await self._history(relation.oid, writer.position) if selected else None
+        if history is not None:
+            # What rows older than each column hold, as of this transaction (the catalog holds now's).
+            older = {
+                column.name: column.missing
+                for column in history.columns
+                if column.missing is not None or column.has_default
+            }
+        else:
+            older = await self._older_rows(relation) if selected else {}
+        table = self._tables[relation.oid] = Table(relation, selected, keys, older, history)
         return table
+
+    async def _history(self, relid: int, position: int) -> TableHistory | None:
+        try:
+            return await columns_at(self._connection(), self.config.metadata_schema, relid, position)
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading the DDL history", where=self._where) from exc
 
     async def _older_rows(self, relation: pg.Relation) -> dict[str, str | None]:
         """Per column with a default: what rows older than the column hold at the source.
@@ -421,6 +501,12 @@ class PostgresCdcSession(SlotSession):
     def _snapshot_tables(self) -> list[Published]:
         oids = self._published if self._selected is None else self._selected
         return sorted((self._published[oid] for oid in oids), key=lambda published: published.name)
+
+
+def _statement(text: str) -> str:
+    """A DDL statement's text for a message: one line, at most 200 characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _quiet_budget(limits: ReadLimits) -> float:

@@ -9,6 +9,7 @@ from psycopg import sql
 
 from faucet_dagster.protocol import ConfigError
 from faucet_postgres.cdc_config import MARKER_TABLE, PostgresCdcConfig, qualified_name
+from faucet_postgres.cdc_ddl import install_capture
 from faucet_postgres.cdc_server import (
     CODEC,
     Connection,
@@ -37,7 +38,8 @@ class ReplicationSetup:
 
 
 async def setup_replication(config: PostgresCdcConfig, tables: Sequence[str] = ()) -> ReplicationSetup:
-    """Create (or complete) the publication, the incarnation marker and the slot of ``config``.
+    """Create (or complete) the publication, the incarnation marker and the slot of ``config``, and
+    install the DDL capture (:mod:`faucet_postgres.cdc_ddl`; needs a superuser).
 
     Idempotent: an existing publication gets the tables it lacks (none is removed); an existing slot
     is kept, and given a marker if it has none (its current position becomes its beginning). A new
@@ -72,6 +74,10 @@ async def setup_replication(config: PostgresCdcConfig, tables: Sequence[str] = (
                     "created_lsn pg_lsn NOT NULL, publication text NOT NULL, "
                     "created_at timestamptz NOT NULL DEFAULT now())"
                 ).format(marker_table)
+            )
+            # The tables a stream of the slot selected up to its certified position (see cdc_slot).
+            await conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS selected_relids oid[]").format(marker_table)
             )
             cursor = await conn.execute(
                 sql.SQL("SELECT incarnation::text, created_lsn::text FROM {} WHERE slot_name = %s").format(
@@ -135,8 +141,11 @@ async def setup_replication(config: PostgresCdcConfig, tables: Sequence[str] = (
 async def _ensure_publication(
     conn: Connection, config: PostgresCdcConfig, tables: Sequence[str], exists: bool
 ) -> bool:
-    """Create the publication for ``tables``, or add the ones it lacks; True when it was created."""
+    """Create the publication for ``tables``, or add the ones it lacks; True when it was created. The
+    DDL capture is installed first (once the tables are checked), so a table added to a running
+    stream's publication arrives with its rows."""
     if not tables:
+        await install_capture(conn, config.metadata_schema, ())
         return False
     where = f"publication {config.publication}"
     cursor = await conn.execute(
@@ -152,6 +161,7 @@ async def _ensure_publication(
     unkeyed = await unkeyed_tables(conn, tables)
     if unkeyed and not config.replica_identity_full:
         raise unkeyed_error(unkeyed, where)
+    await install_capture(conn, config.metadata_schema, tables)
     for table in unkeyed:
         # Asked for: FULL makes the application's UPDATE and DELETE work and logs whole old rows.
         await conn.execute(

@@ -26,6 +26,7 @@ from faucet_dagster.protocol import (
     StreamSession,
 )
 from faucet_postgres.cdc_config import MARKER_TABLE, PostgresCdcConfig
+from faucet_postgres.cdc_ddl import HISTORY_TABLE, check_capture, publication_added_after
 from faucet_postgres.cdc_rows import Table
 from faucet_postgres.cdc_server import (
     CODEC,
@@ -76,8 +77,15 @@ class SlotSession(StreamSession):
         self._exhausted = False
         self._closed = False
         self._selected: dict[int, str] | None = None
+        """The selected tables known by OID (None: every table of the publication), as at open."""
+        self._has_selection_column = False
+        self._selected_names: frozenset[str] | None = None
+        """The selected tables by name (None: all): a table that joins the publication later, or is
+        created again under a selected name, is selected by its name."""
         self._published: dict[int, Published] = {}
         self._tables: dict[int, Table] = {}
+        self._joining: dict[int, Table] = {}
+        """Tables that joined the publication in this session, by OID: their rows' messages follow."""
         self._last_boundary_at = self._last_heartbeat_at = time.monotonic()
 
     @property
@@ -145,6 +153,7 @@ class SlotSession(StreamSession):
                 "the slot was created again since this session opened; nothing is acknowledged",
                 where=self._where,
             )
+        await self._record_selection(conn)
         order = CODEC.compare(CODEC.validate(confirmed), target)
         if order > 0:
             raise PositionUnavailable(
@@ -154,6 +163,61 @@ class SlotSession(StreamSession):
             )
         if order < 0:
             await self._advance(conn, self.config.slot, target)
+
+    async def _record_selection(self, conn: Connection) -> None:
+        """Record, in the slot's marker, the tables this stream reads, by OID (``NULL``: all of the
+        publication): a later session that selects another table checks it was resynced
+        (:meth:`_check_selection`); a table renamed keeps its OID."""
+        if not self._has_selection_column:
+            return
+        selected = None if self._selected is None else sorted({*self._selected, *self._joining})
+        try:
+            await conn.execute(
+                sql.SQL(
+                    "UPDATE {} SET selected_relids = %s::oid[] WHERE slot_name = %s "
+                    "AND selected_relids IS DISTINCT FROM %s::oid[]"
+                ).format(sql.Identifier(self.config.metadata_schema, MARKER_TABLE)),
+                (selected, self.config.slot, selected),
+            )
+        except psycopg.Error as exc:
+            await self._detach()
+            raise pg_error(exc, doing="recording the stream's tables", where=self._where) from exc
+
+    async def _check_selection(self, conn: Connection, resume: int) -> None:
+        """A table this session selects that the stream did not select up to the certified position
+        ``resume`` had its changes up to there read and not delivered: refused, unless it was resynced
+        after that point (it joined the publication again, arriving with its rows)."""
+        try:
+            cursor = await conn.execute(
+                sql.SQL("SELECT selected_relids::int8[] FROM {} WHERE slot_name = %s").format(
+                    sql.Identifier(self.config.metadata_schema, MARKER_TABLE)
+                ),
+                (self.config.slot,),
+            )
+            row = await cursor.fetchone()
+            before = None if row is None or row[0] is None else set(row[0])
+            if before is None:
+                return
+            now = self._selected or {oid: published.name for oid, published in self._published.items()}
+            added = sorted(name for oid, name in now.items() if oid not in before)
+            schema, publication = self.config.metadata_schema, self.config.publication
+            missed = [
+                name
+                for name in added
+                if not await publication_added_after(conn, schema, name, publication, lsn=resume)
+            ]
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading the stream's tables", where=self._where) from exc
+        if missed:
+            names = ", ".join(missed)
+            raise ConfigError(
+                f"table(s) {names} were not read by this stream up to its certified position "
+                f"{CODEC.canonicalize(resume)}: their changes until then are not in it. Resync them: in "
+                f"one transaction, ALTER PUBLICATION {publication} DROP TABLE {names}; ALTER PUBLICATION "
+                f"{publication} ADD TABLE {names} (each then arrives with its rows at that point), and "
+                "the stream resumes",
+                where=self._where,
+            )
 
     async def _advance(self, conn: Connection, slot: str, target: int) -> None:
         """``pg_replication_slot_advance(slot, target)``, checked to have reached ``target``."""
@@ -261,6 +325,9 @@ class SlotSession(StreamSession):
             if config.stop_at_open:
                 self._end = facts.flush_lsn
             await self._select(conn, resources)
+            self._has_selection_column = await self._selection_column(conn)
+            if self._position is not None and self._has_selection_column:
+                await self._check_selection(conn, self._position)
         elif domain != self._domain:
             raise IncarnationChanged(f"the slot is now incarnation {domain.incarnation!r}", where=self._where)
         self._temp_slot = f"{config.slot[:40]}_r{uuid.uuid4().hex[:12]}"
@@ -373,10 +440,15 @@ class SlotSession(StreamSession):
             raise pg_error(exc, doing="reading the tables' replica identities", where=self._where) from exc
         if unkeyed:
             raise unkeyed_error(unkeyed, self._where)
+        await check_capture(conn, self.config.metadata_schema, self._where)
         if not resources:
             self._selected = None
+            self._selected_names = None
             return
         by_name = {published.name: oid for oid, published in self._published.items()}
+        for name in resources:
+            if name not in by_name and (earlier := await self._named_until_later(conn, name)) is not None:
+                by_name[name] = earlier
         missing = [name for name in resources if name not in by_name]
         if missing:
             raise ConfigError(
@@ -384,4 +456,45 @@ class SlotSession(StreamSession):
                 f"(it has: {', '.join(sorted(by_name)) or 'none'})",
                 where=self._where,
             )
-        self._selected = {by_name[name]: name for name in resources}
+        self._selected = {by_name[name]: name for name in resources if name in by_name}
+        self._selected_names = frozenset(resources)
+
+    async def _named_until_later(self, conn: Connection, name: str) -> int | None:
+        """The OID of the table that had ``name`` at the certified position and, after it, left the
+        publication or was renamed (None: no such table): the session reads up to that point and
+        stops there naming the statement (``_ddl``, ``_remember``)."""
+        if self._position is None:
+            return None
+        history = sql.Identifier(self.config.metadata_schema, HISTORY_TABLE)
+        position = CODEC.canonicalize(self._position)
+        try:
+            cursor = await conn.execute(
+                sql.SQL(
+                    "SELECT h.relid::int8 FROM {history} AS h WHERE h.table_name = %s "
+                    "AND h.at_lsn <= %s::pg_lsn AND h.event IN ('columns', 'publication_add') "
+                    "AND EXISTS (SELECT 1 FROM {history} AS l WHERE l.relid = h.relid "
+                    "AND l.at_lsn > %s::pg_lsn AND (l.table_name <> %s OR "
+                    "(l.event = 'publication_drop' AND l.publication = %s))) ORDER BY h.id DESC LIMIT 1"
+                ).format(history=history),
+                (name, position, position, name, self.config.publication),
+            )
+            row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading the DDL history", where=self._where) from exc
+        return None if row is None else int(row[0])
+
+    async def _selection_column(self, conn: Connection) -> bool:
+        """Whether the marker table records selections (a setup by this version made it)."""
+        try:
+            cursor = await conn.execute(
+                "SELECT 1 FROM pg_attribute WHERE attname = 'selected_relids' AND NOT attisdropped "
+                "AND attrelid = to_regclass(format('%%I.%%I', %s::text, %s::text))",
+                (self.config.metadata_schema, MARKER_TABLE),
+            )
+            return await cursor.fetchone() is not None
+        except psycopg.Error as exc:
+            raise pg_error(exc, doing="reading the slot's marker", where=self._where) from exc
+
+    def is_selected(self, name: str) -> bool:
+        """Whether the stream reads the table named ``name`` (``schema.table``)."""
+        return self._selected_names is None or name in self._selected_names

@@ -32,7 +32,7 @@ from faucet_postgres.changes import (
     column_list,
     copy_held,
 )
-from faucet_postgres.multiset import multiset_statement
+from faucet_postgres.multiset import multiset_statements
 from faucet_postgres.refusals import apply_finding_refusals
 
 _FIRST = "__faucet_first_op"
@@ -176,13 +176,19 @@ async def apply_stage(
     if staged.layout.multiset:
         if staged.unchanged:
             raise DataError("a change row of a table without a key left a column out", where=where)
-        statement = multiset_statement(
-            target, staged.identifier, staged.layout.columns, STAGE_POSITION, STAGE_ORDINAL
+        layout = staged.layout
+        narrowing = layout.key if set(layout.key) != set(layout.columns) else ()
+        judged = sql.Identifier(f"_faucet_judged_{uuid.uuid4().hex[:12]}")
+        judge, delete, insert, missed = multiset_statements(
+            target, staged.identifier, judged, layout.columns, STAGE_POSITION, STAGE_ORDINAL, narrowing
         )
-        cursor = await conn.execute(statement)
-        counted = await cursor.fetchone()
-        assert counted is not None  # the statement returns one row
-        return ChangeCounts(int(counted[0]), 0, int(counted[1]), 0, int(counted[2]), truncated)
+        await conn.execute(judge)
+        deleted = max((await conn.execute(delete)).rowcount, 0)
+        inserted = max((await conn.execute(insert)).rowcount, 0)
+        counted = await (await conn.execute(missed)).fetchone()
+        assert counted is not None  # an aggregate returns one row
+        await conn.execute(sql.SQL("DROP TABLE {}").format(judged))
+        return ChangeCounts(inserted, 0, deleted, 0, int(counted[0]), truncated)
     if staged.unchanged:
         await _carry_key_changes(conn, target, staged)
     last: sql.Composable = _last_changes(staged)

@@ -76,20 +76,29 @@ COPY_ROWS = 32_768
 
 @dataclass(frozen=True)
 class ChangeLayout:
-    """The shape of one table's change rows: its data columns (batch order) and its key."""
+    """The shape of one table's change rows: its data columns (batch order) and its key.
+
+    ``whole_rows``: the change rows carry whole old rows (a source table under REPLICA IDENTITY FULL,
+    schema metadata ``faucet.replica_identity`` ``f``), every update as a delete and an insert: they
+    are applied as a multiset, each delete removing the row it names, since a key may hold two rows
+    within a source transaction (a DEFERRABLE key: ``UPDATE t SET id = id + 1``); the key (the
+    primary key) only narrows the rows looked at, through its index.
+    """
 
     columns: tuple[str, ...]
     key: tuple[str, ...]
+    whole_rows: bool = False
 
     @property
     def multiset(self) -> bool:
-        """True when every column is in the key: the rows are a multiset (see the module docstring)."""
-        return set(self.key) == set(self.columns)
+        """True when the rows are applied as a multiset (see the module docstring): every column is in
+        the key, or the rows are whole (``whole_rows``)."""
+        return self.whole_rows or set(self.key) == set(self.columns)
 
     @property
     def created_key(self) -> tuple[str, ...]:
-        """The primary key of a table created for these rows: none for a multiset."""
-        return () if self.multiset else self.key
+        """The primary key of a table created for these rows: none when every column is the key."""
+        return () if set(self.key) == set(self.columns) else self.key
 
     @property
     def others(self) -> tuple[str, ...]:
@@ -122,12 +131,16 @@ def change_layout(schema: pa.Schema, key: Sequence[str], where: str) -> ChangeLa
     missing = [column for column in chosen if column not in columns]
     if missing:
         raise SchemaError(f"the change rows have no key column(s) {', '.join(missing)}", where=where)
-    return ChangeLayout(columns, chosen)
+    whole = (schema.metadata or {}).get(b"faucet.replica_identity") == b"f"
+    return ChangeLayout(columns, chosen, whole_rows=whole)
 
 
 def data_schema(schema: pa.Schema) -> pa.Schema:
     """``schema`` without the operation and unchanged columns: the destination table's columns."""
-    return pa.schema([item for item in schema if item.name not in (OPERATION_COLUMN, UNCHANGED_COLUMN)])
+    return pa.schema(
+        [item for item in schema if item.name not in (OPERATION_COLUMN, UNCHANGED_COLUMN)],
+        metadata=schema.metadata,
+    )
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,8 @@ equal) is its identity, and each value has a count:
   every column changes nothing; one that changes a column arrives as a delete and an insert);
 * in ``(position, ordinal)`` order a value's count never goes below zero: a delete of a value the
   replica does not hold (at that point) removes nothing and is counted in ``unexpected_changes``;
-* a value's net result is computed once per epoch and applied with one statement: the surplus rows
-  are deleted by ``ctid`` (any of the identical rows, they cannot be told apart), the missing ones
-  inserted.
+* a value's net result is computed once per epoch and applied: the surplus rows are deleted by
+  ``ctid`` (any of the identical rows, they cannot be told apart), then the missing ones inserted.
 
 Values are compared by their row text (``ROW(...)::text``), which is equal exactly when every column is
 ``IS NOT DISTINCT FROM`` equal for the columns' types (the stage has the destination's types), and
@@ -37,57 +36,77 @@ def _value(columns: Sequence[str], alias: str) -> sql.Composable:
     )
 
 
-def multiset_statement(
+def multiset_statements(
     target: sql.Composable,
     stage: sql.Composable,
+    judged: sql.Identifier,
     columns: Sequence[str],
     position: str,
     ordinal: str,
-) -> sql.Composed:
-    """One statement applying ``stage`` (change rows with ``position`` and ``ordinal``) to ``target``
-    as a multiset; its one row: rows inserted, rows deleted, and deletes that found no row (a row's
-    values are never returned: without a key, they are the whole row)."""
+    key: Sequence[str] = (),
+) -> tuple[sql.Composed, sql.Composed, sql.Composed, sql.Composed]:
+    """The statements applying ``stage`` (change rows with ``position`` and ``ordinal``) to ``target``
+    as a multiset, to run in this order: judge each value's net change into the temporary table
+    ``judged``; delete the surplus rows; insert the missing ones (deletes first: a value that takes
+    another's key, ``UPDATE t SET id = id + 1``, lands once the row holding it is gone); the one row
+    of the last: deletes that found no row (a row's values are never returned: without a key, they
+    are the whole row). With ``key`` (columns an index of ``target`` covers) only the destination
+    rows of the stage's keys are looked at."""
     names = sql.SQL(", ").join(map(sql.Identifier, columns))
     op = sql.Identifier(OPERATION_COLUMN)
     step = sql.SQL("CASE s.{op} WHEN {insert} THEN 1 WHEN {delete} THEN -1 ELSE 0 END").format(
         op=op, insert=sql.Literal(Operation.INSERT.value), delete=sql.Literal(Operation.DELETE.value)
     )
-    return sql.SQL(
+    narrow = (
+        sql.SQL("({}) IN (SELECT {} FROM {}) AND ").format(
+            sql.SQL(", ").join(sql.Identifier("t", name) for name in key),
+            sql.SQL(", ").join(map(sql.Identifier, key)),
+            stage,
+        )
+        if key
+        else sql.SQL("")
+    )
+    parts = {
+        "stage_value": _value(columns, "s"),
+        "stage_names": sql.SQL(", ").join(sql.Identifier("s", name) for name in columns),
+        "step": step,
+        "position": sql.Identifier(position),
+        "ordinal": sql.Identifier(ordinal),
+        "stage": stage,
+        "names": names,
+        "target_value": _value(columns, "t"),
+        "target": target,
+        "judged": judged,
+        "judged_names": sql.SQL(", ").join(sql.Identifier("j", name) for name in columns),
+        "narrow": narrow,
+        **{name: sql.Identifier(f"__faucet_{name}") for name in _INTERNAL},
+    }
+    judge = sql.SQL(
+        "CREATE TEMP TABLE {judged} ON COMMIT DROP AS "
         "WITH running AS (SELECT {stage_value} AS {v}, {stage_names}, {step} AS {d}, "
         "sum({step}) OVER (PARTITION BY {stage_value} ORDER BY s.{position}, s.{ordinal} "
         "ROWS UNBOUNDED PRECEDING) AS {run} FROM {stage} AS s), "
         "net AS (SELECT DISTINCT ON ({v}) {v}, {names}, sum({d}) OVER w AS {delta}, "
         "least(0, min({run}) OVER w) AS {low} FROM running WINDOW w AS (PARTITION BY {v})), "
         "held AS (SELECT {target_value} AS {v}, count(*) AS {held} FROM {target} AS t "
-        "WHERE {target_value} IN (SELECT {v} FROM net) GROUP BY 1), "
+        "WHERE {narrow}{target_value} IN (SELECT {v} FROM net) GROUP BY 1) "
         # A delete that would take the count below zero found no row: it removes nothing, so the
         # value's net change is its delta plus those deletes.
-        "judged AS MATERIALIZED (SELECT net.*, greatest(0, -(coalesce(held.{held}, 0) + net.{low})) "
-        "AS {missed} FROM net LEFT JOIN held USING ({v})), "
-        "doomed AS (SELECT x.ctid FROM (SELECT t.ctid, {target_value} AS {v}, "
-        "row_number() OVER (PARTITION BY {target_value}) AS {rank} FROM {target} AS t "
-        "WHERE {target_value} IN (SELECT {v} FROM judged WHERE {delta} + {missed} < 0)) AS x "
-        "JOIN judged AS j USING ({v}) WHERE x.{rank} <= -(j.{delta} + j.{missed})), "
-        "deleted AS (DELETE FROM {target} AS t WHERE t.ctid = ANY (ARRAY(SELECT ctid FROM doomed)) "
-        "RETURNING 1), "
-        "inserted AS (INSERT INTO {target} ({names}) SELECT {judged_names} FROM judged AS j "
-        "CROSS JOIN LATERAL generate_series(1, j.{delta} + j.{missed}) WHERE j.{delta} + j.{missed} > 0 "
-        "RETURNING 1) "
-        "SELECT (SELECT count(*) FROM inserted), (SELECT count(*) FROM deleted), "
-        "(SELECT coalesce(sum({missed}), 0) FROM judged)"
-    ).format(
-        stage_value=_value(columns, "s"),
-        stage_names=sql.SQL(", ").join(sql.Identifier("s", name) for name in columns),
-        step=step,
-        position=sql.Identifier(position),
-        ordinal=sql.Identifier(ordinal),
-        stage=stage,
-        names=names,
-        target_value=_value(columns, "t"),
-        target=target,
-        judged_names=sql.SQL(", ").join(sql.Identifier("j", name) for name in columns),
-        **{name: sql.Identifier(f"__faucet_{name}") for name in _INTERNAL},
-    )
+        "SELECT net.*, greatest(0, -(coalesce(held.{held}, 0) + net.{low})) AS {missed} "
+        "FROM net LEFT JOIN held USING ({v})"
+    ).format(**parts)
+    delete = sql.SQL(
+        "DELETE FROM {target} AS t WHERE t.ctid = ANY (ARRAY(SELECT x.ctid FROM (SELECT t.ctid, "
+        "{target_value} AS {v}, row_number() OVER (PARTITION BY {target_value}) AS {rank} FROM {target} AS t "
+        "WHERE {narrow}{target_value} IN (SELECT {v} FROM {judged} WHERE {delta} + {missed} < 0)) AS x "
+        "JOIN {judged} AS j USING ({v}) WHERE x.{rank} <= -(j.{delta} + j.{missed})))"
+    ).format(**parts)
+    insert = sql.SQL(
+        "INSERT INTO {target} ({names}) SELECT {judged_names} FROM {judged} AS j "
+        "CROSS JOIN LATERAL generate_series(1, j.{delta} + j.{missed}) WHERE j.{delta} + j.{missed} > 0"
+    ).format(**parts)
+    missed = sql.SQL("SELECT coalesce(sum({missed}), 0) FROM {judged}").format(**parts)
+    return judge, delete, insert, missed
 
 
-__all__ = ["multiset_statement"]
+__all__ = ["multiset_statements"]

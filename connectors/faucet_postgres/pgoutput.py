@@ -17,6 +17,7 @@ This module does no I/O. A message it cannot decode raises :class:`IntegrityErro
 skip source input without proof, so decoding stops instead.
 """
 
+import json
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,17 @@ import pyarrow.compute as pc
 
 from faucet_dagster.protocol import OPERATION_COLUMN, UNCHANGED_COLUMN, DataError, IntegrityError
 from faucet_postgres import common
-from faucet_postgres.change_schema import MISSING_METADATA, UNLOGGED_DEFAULT_METADATA
+from faucet_postgres.cdc_ddl import SourceColumn, TableHistory
+from faucet_postgres.change_schema import (
+    ATTNUM_METADATA,
+    ATTNUMS_METADATA,
+    DDL_METADATA,
+    GENERATED_METADATA,
+    MISSING_METADATA,
+    RELID_METADATA,
+    TYPE_METADATA,
+    UNLOGGED_DEFAULT_METADATA,
+)
 from faucet_postgres.changes import KEY_METADATA
 from faucet_postgres.common import PgColumn
 from faucet_postgres.copy_arrow import INFINITE, INFINITE_DATES
@@ -354,7 +365,10 @@ def arrow_type(column: Column) -> pa.DataType:
 
 
 def relation_schema(
-    relation: Relation, keys: Sequence[int] | None = None, older_rows: Mapping[str, str | None] | None = None
+    relation: Relation,
+    keys: Sequence[int] | None = None,
+    older_rows: Mapping[str, str | None] | None = None,
+    history: TableHistory | None = None,
 ) -> pa.Schema:
     """The Arrow schema of a table's change rows: its columns, then the operation and unchanged columns.
 
@@ -363,33 +377,59 @@ def relation_schema(
     ``keys``, by default the replica identity columns. ``older_rows`` tells, per column with a
     default, what rows older than the column hold: the missing value's text (``faucet.missing``), or
     ``None`` when that is not known (``faucet.unlogged_default``; see :mod:`faucet_postgres.change_schema`).
+    With the DDL capture's ``history`` of the table, each field also carries its attribute number
+    (``faucet.attnum``: what tells a renamed column from a new one) and exact type (``faucet.type``),
+    and the schema the generated columns the change rows do not carry (``faucet.generated``), the
+    table's OID and the statement that last changed its columns (``faucet.ddl``).
     The schema metadata names the table and its replica identity setting.
     """
     older = older_rows or {}
     identifying = (
         {index for index, column in enumerate(relation.columns) if column.key} if keys is None else set(keys)
     )
+    recorded = {} if history is None else {column.name: column for column in history.columns}
     fields = [
         pa.field(
             column.name,
             arrow_type(column),
-            metadata=_field_metadata(column, index in identifying, older),
+            metadata=_field_metadata(column, index in identifying, older, recorded.get(column.name)),
         )
         for index, column in enumerate(relation.columns)
     ]
     fields.append(pa.field(OPERATION_COLUMN, pa.string()))
     fields.append(pa.field(UNCHANGED_COLUMN, pa.list_(pa.string())))
-    return pa.schema(
-        fields,
-        metadata={
-            "faucet.table": relation.qualified_name,
-            "faucet.replica_identity": relation.replica_identity,
-        },
-    )
+    metadata = {
+        "faucet.table": relation.qualified_name,
+        "faucet.replica_identity": relation.replica_identity,
+    }
+    if history is not None:
+        names = {column.name for column in relation.columns}
+        generated = [
+            {
+                "name": column.name,
+                "attnum": column.attnum,
+                "type": column.type,
+                "expression": column.expression,
+            }
+            for column in history.columns
+            if column.generated == "s" and column.name not in names
+        ]
+        metadata |= {
+            ATTNUMS_METADATA.decode(): json.dumps([column.attnum for column in history.columns]),
+            GENERATED_METADATA.decode(): json.dumps(generated),
+            RELID_METADATA.decode(): str(relation.oid),
+            DDL_METADATA.decode(): history.statement,
+        }
+    return pa.schema(fields, metadata=metadata)
 
 
-def _field_metadata(column: Column, key: bool, older: Mapping[str, str | None]) -> dict[bytes, bytes]:
+def _field_metadata(
+    column: Column, key: bool, older: Mapping[str, str | None], recorded: SourceColumn | None
+) -> dict[bytes, bytes]:
     metadata = {b"faucet.pg_type": type_name(column).encode(), KEY_METADATA: b"true" if key else b"false"}
+    if recorded is not None and recorded.type_oid == column.type_oid:
+        metadata[ATTNUM_METADATA] = str(recorded.attnum).encode()
+        metadata[TYPE_METADATA] = recorded.type.encode()
     if column.name in older:
         missing = older[column.name]
         if missing is None:

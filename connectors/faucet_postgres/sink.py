@@ -26,11 +26,13 @@ Every write is one transaction, committed before the method returns (durability 
 batch column the table lacks is added with ``ADD COLUMN IF NOT EXISTS`` when ``schema_evolution`` is on
 and refused with SchemaError when it is off. Every identifier goes through ``psycopg.sql``.
 
-Watermark. ``write_batch_idempotent(records, token)`` runs ``INSERT ... ON CONFLICT (sync_id) DO UPDATE
-... WHERE stored token < token`` on ``watermark_table`` first, in the same transaction as the rows: a
-token not newer than the stored one writes nothing and returns 0, and two writers of one ``sync_id``
-serialize on its row. Not in replace mode: a replace run rewrites the whole snapshot, which is its own
-protection against replays.
+Watermark. ``write_batch_idempotent(records, token, bookmark)`` runs ``INSERT ... ON CONFLICT (sync_id) DO
+UPDATE ... WHERE stored token < token`` on ``watermark_table`` first, in the same transaction as the
+rows: a token not newer than the stored one writes nothing and returns 0, and two writers of one
+``sync_id`` serialize on its row. The page's bookmark (JSON) is stored with the token, so a rerun after
+a crash between this commit and the caller's record of it resumes from what the table holds
+(``last_committed_bookmark``). Not in replace mode: a replace run rewrites the whole snapshot, which is
+its own protection against replays.
 
 Per-row results. ``write_batch_partial`` applies the batch under a savepoint; when the server refuses
 rows (SQLSTATE class 22 or 23) it bisects under savepoints down to the refused rows and reports each
@@ -38,6 +40,7 @@ with the server's SQLSTATE and message; the other rows commit in one transaction
 """
 
 import hashlib
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -52,6 +55,7 @@ from faucet_dagster.protocol import (
     ConfigError,
     DataError,
     Durability,
+    JsonValue,
     PartialResult,
     SchemaError,
     Sink,
@@ -128,6 +132,7 @@ class PostgresSink(Sink):
             requires_key=frozenset({WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.DELETE}),
             durability=Durability.TRANSACTIONAL,
             atomic_watermark=self.mode is not WritePolicy.REPLACE,
+            watermark_bookmark=self.mode is not WritePolicy.REPLACE,
             schema_evolution=self.config.schema_evolution,
             partial_results=True,
         )
@@ -160,13 +165,15 @@ class PostgresSink(Sink):
 
         return await self._in_transaction("writing", write)
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
         if self.mode is WritePolicy.REPLACE:
             raise UnsupportedOperation("replace has no atomic watermark", where=self.dataset_uri())
 
         async def write(conn: Connection) -> int:
             columns = await self._prepare(conn, records.schema)
-            if not await self._claim(conn, token):
+            if not await self._claim(conn, token, bookmark):
                 raise _Stale
             await self._apply(conn, columns, records)
             return int(records.num_rows)
@@ -177,23 +184,32 @@ class PostgresSink(Sink):
             return 0
 
     async def last_committed_token(self) -> CommitToken | None:
+        committed = await self.last_committed_bookmark()
+        return None if committed is None else committed[0]
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
         if self.mode is WritePolicy.REPLACE:
             raise UnsupportedOperation("replace has no atomic watermark", where=self.dataset_uri())
 
-        async def read(conn: Connection) -> CommitToken | None:
+        async def read(conn: Connection) -> tuple[CommitToken, JsonValue | None] | None:
             schema = await self._resolved_schema(conn)
-            if await table_columns(conn, schema, self.config.watermark_table) is None:
+            columns = await table_columns(conn, schema, self.config.watermark_table)
+            if columns is None:
                 return None
-            # The first write need not create it (CREATE TABLE IF NOT EXISTS costs 2-3.5 ms).
-            self._pending["_watermark_ready"] = True
+            # The first write need not create it (CREATE TABLE IF NOT EXISTS costs 2-3.5 ms), only add
+            # the bookmark column to a table an older version made.
+            self._pending["_watermark_ready"] = "bookmark" in columns
             cursor = await conn.execute(
-                sql.SQL("SELECT token FROM {} WHERE sync_id = %s").format(
-                    table_name(schema, self.config.watermark_table)
+                sql.SQL("SELECT token, {} FROM {} WHERE sync_id = %s").format(
+                    sql.SQL("bookmark" if "bookmark" in columns else "NULL::text"),
+                    table_name(schema, self.config.watermark_table),
                 ),
                 (self._sync_id(schema),),
             )
             row = await cursor.fetchone()
-            return None if row is None else CommitToken.parse(str(row[0]))
+            if row is None:
+                return None
+            return CommitToken.parse(str(row[0])), None if row[1] is None else json.loads(row[1])
 
         return await self._in_transaction("reading the watermark", read)
 
@@ -520,26 +536,32 @@ class PostgresSink(Sink):
                 )
             )
 
-    async def _claim(self, conn: Connection, token: CommitToken) -> bool:
-        """Advance this sync's watermark to ``token`` in the current transaction; False when the stored
-        token is not older (a replayed page). The row lock serializes writers of one sync_id."""
+    async def _claim(self, conn: Connection, token: CommitToken, bookmark: JsonValue | None) -> bool:
+        """Advance this sync's watermark to ``token`` (with the page's ``bookmark``) in the current
+        transaction; False when the stored token is not older (a replayed page). The row lock
+        serializes writers of one sync_id."""
         schema = await self._resolved_schema(conn)
         watermark = table_name(schema, self.config.watermark_table)
         if not self._watermark_ready:
             await conn.execute(
                 sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (sync_id varchar(200) PRIMARY KEY, "
-                    "token varchar(20) NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
+                    "CREATE TABLE IF NOT EXISTS {} (sync_id varchar(200) PRIMARY KEY, token varchar(20) "
+                    "NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(), bookmark text)"
                 ).format(watermark)
+            )
+            # A table an older version made has no bookmark column.
+            await conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS bookmark text").format(watermark)
             )
             self._pending["_watermark_ready"] = True
         cursor = await conn.execute(
             sql.SQL(
-                "INSERT INTO {} AS w (sync_id, token, updated_at) VALUES (%s, %s, now()) "
-                "ON CONFLICT (sync_id) DO UPDATE SET token = EXCLUDED.token, updated_at = now() "
-                'WHERE w.token COLLATE "C" < EXCLUDED.token COLLATE "C" RETURNING true'
+                "INSERT INTO {} AS w (sync_id, token, updated_at, bookmark) VALUES (%s, %s, now(), %s) "
+                "ON CONFLICT (sync_id) DO UPDATE SET token = EXCLUDED.token, updated_at = now(), "
+                'bookmark = EXCLUDED.bookmark WHERE w.token COLLATE "C" < EXCLUDED.token COLLATE "C" '
+                "RETURNING true"
             ).format(watermark),
-            (self._sync_id(schema), str(token)),
+            (self._sync_id(schema), str(token), None if bookmark is None else json.dumps(bookmark)),
         )
         return await cursor.fetchone() is not None
 

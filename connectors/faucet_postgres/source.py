@@ -35,6 +35,7 @@ from faucet_dagster.protocol import (
     DataError,
     DiscoveredDataset,
     FetchContext,
+    KeysetPages,
     KeysetSource,
     Page,
     PageBuilder,
@@ -121,7 +122,8 @@ class PostgresSource(KeysetSource):
         try:
             plan = await self._plan(conn)
             after = self.start_after(plan.order)
-            builder = PageBuilder(batch_size)
+            # A configured key may not be unique: pages then end between positions only.
+            builder = KeysetPages(batch_size, plan.order) if self.config.key else PageBuilder(batch_size)
             async with conn.cursor(name="faucet_read", binary=True) as cursor:
                 await cursor.execute(self._query(plan, after))
                 while rows := await cursor.fetchmany(self.config.fetch_rows):

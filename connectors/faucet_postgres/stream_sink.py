@@ -17,18 +17,9 @@ Epoch lifecycle on one connection (psycopg 3, asyncio):
   the pipeline dead-letters them, the others stay applied) or named in a DataError by their event
   identity (``apply``). APPLY_CHANGES judges the destination at commit: a refused change is found by bisection
   over the stage's keys and named by its position, key and constraint, never dead-lettered;
-* ``commit_epoch`` checks the owner fence first (the stream's row in the epochs table: the commit
-  fails with :class:`OwnershipLost` if a higher fencing token claimed the stream, or if the row's
-  commit id is no longer the one the epoch's watermarks came with: another session committed
-  since), then applies the staged changes (APPLY_CHANGES, :mod:`faucet_postgres.stream_changes`),
-  records the epoch and moves the watermarks, all in the same transaction, then commits. Fence,
-  watermarks and ``COMMIT`` go in one pipeline, one round trip: the fence refuses by raising an
-  error in its own statement, so the ``COMMIT`` behind it is never executed (APPLY_CHANGES with
-  staged changes waits for the fence's answer before it applies them). A commit whose answer is lost
-  (the connection dropped) is resolved: the old backend is made to exit (``pg_terminate_backend``)
-  so its transaction can no longer finish, and the epoch row is read back, compared by a random
-  commit id (stored with the transaction id, for the receipts). Unresolvable means
-  :class:`UncertainOutcome`;
+* ``commit_epoch`` checks the owner fence, applies staged changes, records the epoch and moves the
+  watermarks in the epoch's transaction, and commits in one round trip; a commit whose answer was
+  lost is resolved (:mod:`faucet_postgres.stream_commit`);
 * ``abort_epoch`` rolls back. Everything of an epoch is tentative until its commit: abort undoes all
   of it, and nothing of earlier committed epochs.
 
@@ -48,9 +39,7 @@ sets, what a lock wait that timed out means) are described with their code,
 
 import asyncio
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import psycopg
 import pyarrow as pa
@@ -58,8 +47,6 @@ import pyarrow as pa
 from faucet_dagster.protocol import (
     DEFAULT_POLICY_OPERATIONS,
     ConfigError,
-    ConnectionFailed,
-    Coverage,
     DataError,
     Durability,
     EpochId,
@@ -68,47 +55,30 @@ from faucet_dagster.protocol import (
     LifecycleError,
     OwnershipLost,
     PartialResult,
-    Receipt,
     RejectedRow,
     SinkBatch,
     SinkCapabilities,
     SinkCommitState,
     StreamingSink,
-    StreamingSinkSession,
-    UncertainOutcome,
     WorkerIdentity,
     WritePolicy,
 )
-from faucet_postgres import changes, stream_zombies
-from faucet_postgres.common import connect, current_schema, pg_error
+from faucet_postgres import changes
+from faucet_postgres.common import connect, current_schema
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_changes import ChangeApplier
-from faucet_postgres.stream_fence import StreamRows, fenced_out, is_fence_refusal
+from faucet_postgres.stream_commit import CommittingSession, Connection
+from faucet_postgres.stream_fence import StreamRows
 from faucet_postgres.stream_state import Committed, Epoch, Tally
 from faucet_postgres.stream_tables import Tables
-from faucet_postgres.stream_zombies import Backend, backend_of, ensure_exited
+from faucet_postgres.stream_zombies import Backend, backend_of
 
-Connection = psycopg.AsyncConnection[Any]
 Connect = Callable[..., Awaitable[Connection]]
 """How the sink opens connections: :func:`faucet_postgres.common.connect`'s signature."""
 
 POLICIES = frozenset(
     {WritePolicy.APPEND, WritePolicy.UPSERT, WritePolicy.VERSIONED_UPSERT, WritePolicy.APPLY_CHANGES}
 )
-
-
-def _answered(exc: psycopg.Error, conn: Connection) -> bool:
-    """Whether the server's answer to a commit shows that nothing of it took effect: an error answered
-    on a live connection (the statement and everything after it, the COMMIT included, did not run),
-    or the end of a transaction that sat idle too long (the server ended it before reading more)."""
-    return bool(exc.sqlstate) and (
-        not conn.broken or exc.sqlstate == stream_zombies.IDLE_IN_TRANSACTION_TIMEOUT
-    )
-
-
-def _first(row: tuple[Any, ...] | None) -> str:
-    assert row is not None  # an aggregate returns one row
-    return str(row[0])
 
 
 def _capabilities(config: PostgresStreamingSinkConfig) -> SinkCapabilities:
@@ -176,7 +146,7 @@ class PostgresStreamingSink(StreamingSink):
         return session
 
 
-class PostgresStreamingSinkSession(StreamingSinkSession):
+class PostgresStreamingSinkSession(CommittingSession):
     """One session of one stream on one connection. Calls are serialized by the runner."""
 
     def __init__(
@@ -246,12 +216,6 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             return (await self._read_state(probe, doing="reading the last committed epoch")).state()
         finally:
             await probe.close()
-
-    async def _read_state(self, conn: Connection, *, doing: str) -> Committed:
-        try:
-            return await self._stream_rows().read(conn)
-        except psycopg.Error as exc:
-            raise pg_error(exc, where=self._where, doing=doing) from exc
 
     # -- the epoch lifecycle ----------------------------------------------------------------------
 
@@ -356,109 +320,6 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
             ),
         )
 
-    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
-        """Fence check, epoch row, watermarks and rows in one transaction, committed in the same round
-        trip (APPLY_CHANGES with staged changes: the fence first, then the changes, then the rest);
-        see the module docstring."""
-        state = self._active_epoch(epoch, "commit")
-        if state.failed:
-            raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
-        conn = self._live()
-        try:
-            await self._prepared()
-        except psycopg.Error as exc:
-            state.failed = True
-            raise await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}") from exc
-        commit_id = uuid.uuid4().hex
-        marks = state.next_watermarks(coverage)
-        # Until this commit is known to have taken effect, the next epoch reads the state again.
-        self._committed = None
-        fence = self._stream_rows().fence(epoch, commit_id, state.begun)
-        fenced: str | None = None
-        if state.changes or self._idle_long():
-            # The fence on its own first. APPLY_CHANGES: after the fence, a zombie's epoch is refused
-            # as fenced, never judged against rows its successor already applied (which would look
-            # like divergence). An epoch idle long enough for the server to have ended its session:
-            # the server's reason is read as the answer to one statement (a pipeline loses it).
-            try:
-                alone = await conn.execute(*fence)
-                fenced = _first(await alone.fetchone())
-                await self._changes.apply_all(conn, state)
-            except psycopg.Error as exc:
-                state.failed = True
-                raise await self._commit_refused(exc, epoch) from exc
-        self._pending_commit = commit_id
-        refused: psycopg.Error | None = None
-        try:
-            try:
-                async with conn.pipeline():
-                    cursor = None if fenced is not None else await conn.execute(*fence)
-                    if marks:
-                        # Not closed before the pipeline's sync, which hands it its (empty) results.
-                        many = conn.cursor()
-                        await many.executemany(*self._stream_rows().watermarks(epoch, marks))
-                    # The COMMIT syncs the pipeline: one round trip. A statement refused before it
-                    # leaves it unexecuted (the transaction in error). Raised after the block.
-                    try:
-                        await conn.commit()
-                    except psycopg.Error as exc:
-                        if not _answered(exc, conn):
-                            raise
-                        refused = exc
-            except psycopg.errors.PipelineAborted:
-                # The answers to the statements the refused one left unexecuted came after its own
-                # (separate reads, on a loaded machine): the block's exit reports them. The refusal
-                # is the answer.
-                if refused is None:
-                    raise
-            if refused is not None:
-                raise refused
-            if cursor is not None:
-                fenced = _first(await cursor.fetchone())
-        except BaseException as exc:
-            if isinstance(exc, psycopg.Error) and _answered(exc, conn):
-                # The server answered: a statement was refused (the fence, a deferred constraint, a
-                # serialization failure) and the transaction rolled back or is in error, or the
-                # server had ended the idle transaction before any of it ran. Nothing of the epoch
-                # remains.
-                self._pending_commit = None
-                state.failed = True
-                raise await self._commit_refused(exc, epoch) from exc
-            # No answer (connection lost, or the caller gave up waiting): the epoch may have committed.
-            self._uncertain = state
-            if not isinstance(exc, psycopg.Error):
-                raise
-            committed = await self._resolve(cause=exc)
-            if committed is None:
-                state.failed = True
-                raise ConnectionFailed(
-                    f"the connection was lost during the commit of epoch {epoch}, which did not take "
-                    "effect (read back after its server process exited)",
-                    where=self._where,
-                ) from exc
-            fenced = committed
-        assert fenced is not None
-        self._pending_commit = None
-        self._active = None
-        self._committed = state.begun.after(epoch, marks, fenced)
-        return self._receipts(state, transaction=fenced.partition(":")[2])
-
-    async def _commit_refused(self, exc: psycopg.Error, epoch: EpochId) -> FaucetError:
-        """The error for a commit the server refused (the epoch is failed; its transaction is rolled
-        back here): OwnershipLost when it was the fence, naming the token that holds the stream."""
-        if not is_fence_refusal(exc):
-            return await self._failure(exc, where=self._where, doing=f"committing epoch {epoch}")
-        await self._rollback_quietly()
-        holder: int | None = None
-        conn = self._conn
-        if conn is not None and not conn.broken and not conn.closed:
-            try:
-                holder = await self._stream_rows().holder(conn)
-                await conn.rollback()
-            except psycopg.Error:
-                await self._rollback_quietly()
-        return fenced_out(epoch, holder, self._where)
-
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Roll the epoch's transaction back: none of its rows, watermarks or epoch row remain."""
         self._active_epoch(epoch, "abort")
@@ -490,64 +351,6 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise LifecycleError("the session is closed", where=self._where)
-        if self._uncertain is not None:
-            raise UncertainOutcome(
-                f"the commit of epoch {self._uncertain.epoch} has an unknown outcome", where=self._where
-            )
-
-    def _active_epoch(self, epoch: EpochId, doing: str) -> Epoch:
-        self._check_usable()
-        state = self._active
-        if state is None:
-            raise LifecycleError(f"{doing} of epoch {epoch} without an active epoch", where=self._where)
-        if state.epoch != epoch:
-            raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self._where)
-        return state
-
-    async def _prepared(self, *, quietly: bool = False) -> None:
-        """Wait for the savepoint begin_epoch prepares (before any other statement of the epoch); its
-        failure is raised (``quietly``: dropped, the epoch being rolled back anyway). Shielded: a
-        caller cancelled meanwhile leaves it to finish, for the abort to wait for."""
-        task = self._preparing
-        if task is None:
-            return
-        if quietly:
-            await asyncio.wait([task])
-            if not task.cancelled():
-                task.exception()  # retrieved, and dropped
-            self._preparing = None
-            return
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done():
-                self._preparing = None
-
-    def _idle_long(self) -> bool:
-        """Whether the connection sat idle, since the session's last call, for half the server's
-        ``idle_in_transaction_session_timeout`` or more (0: no timeout)."""
-        timeout = self._config.idle_in_transaction_session_timeout
-        return timeout > 0 and time.monotonic() - self._used >= timeout / 2
-
-    def _stream_rows(self) -> StreamRows:
-        if self._rows is None:
-            raise LifecycleError("the session was not prepared", where=self._where)
-        return self._rows
-
-    def _live(self) -> Connection:
-        if self._conn is None:
-            raise LifecycleError("the session is closed", where=self._where)
-        return self._conn
-
-    async def _failure(self, exc: psycopg.Error, *, where: str, doing: str) -> FaucetError:
-        """:func:`stream_zombies.failure` of this session (lock waits, idle transactions ended)."""
-        return await stream_zombies.failure(
-            exc, self._config, self._connection, self._conn, where=where, doing=doing
-        )
-
     async def _reconnect_if_broken(self) -> Connection:
         """The connection, replaced by a new one when it broke or ended between epochs (no commit
         was pending: a lost commit is resolved first)."""
@@ -562,77 +365,6 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         self._conn = conn
         self._backend = await backend_of(conn, self._where)
         return conn
-
-    async def _rollback_quietly(self) -> None:
-        """Roll back; a broken connection needs none (the server rolls back when it ends).
-
-        Tables created in the rolled back transaction are gone: the table cache is dropped with it.
-        """
-        self._tables.forget()
-        conn = self._conn
-        if conn is None or conn.broken or conn.closed:
-            return
-        if conn.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
-            # An apply cancelled while its COPY was starting (a tick's deadline) leaves the connection
-            # in COPY IN mode: no ROLLBACK can be sent on it ("another command is already in
-            # progress"). Ending the connection ends the transaction on the server; the next epoch
-            # reconnects.
-            await conn.close()
-            return
-        try:
-            await conn.rollback()
-        except psycopg.Error as exc:
-            if not conn.broken:
-                raise pg_error(exc, where=self._where, doing="rolling back") from exc
-
-    def _receipts(self, state: Epoch, *, transaction: str) -> tuple[Receipt, ...]:
-        receipts = []
-        for resource, tally in sorted(state.tallies.items()):
-            details = {
-                "database": self._database,
-                "table": tally.table,
-                "policy": self._policy.value,
-                "transaction_id": transaction,
-            }
-            if tally.first is not None and tally.last is not None:
-                details |= {"first_position": tally.first, "last_position": tally.last}
-            pending = state.changes.get(self._config.table_for(resource))
-            if pending is not None:
-                details |= pending.counts.details()
-            receipts.append(Receipt(resource, tally.written, tally.skipped, details))
-        return tuple(receipts)
-
-    async def _resolve(self, *, cause: BaseException | None) -> str | None:
-        """Decide a commit whose answer was lost: wait for (or force) the exit of the server process
-        that ran it, then read the epoch row back. Its stored commit id (``<id>:<transaction>``) when
-        it committed, else None. Raises UncertainOutcome when that cannot be established."""
-        state, commit_id = self._uncertain, self._pending_commit
-        assert state is not None and commit_id is not None
-        try:
-            probe = await self._connection(autocommit=True)
-            try:
-                if self._backend is not None:
-                    await ensure_exited(probe, self._backend, self._where)
-                found = await self._read_state(probe, doing="reading back a commit")
-            finally:
-                await probe.close()
-        except FaucetError as exc:
-            raise UncertainOutcome(
-                f"the commit of epoch {state.epoch} was sent and its outcome cannot be read back: "
-                f"{exc.message}",
-                where=self._where,
-            ) from (cause or exc)
-        self._uncertain = None
-        self._pending_commit = None
-        self._committed = None
-        # The old connection is gone either way; the next epoch opens a new one.
-        self._tables.forget()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            await conn.close()
-        if found.commit_id is None or found.commit_id.partition(":")[0] != commit_id:
-            return None
-        return found.commit_id
 
 
 __all__ = [

@@ -39,6 +39,11 @@ class Target:
     stage: sql.Identifier | None = None
     from_changes: bool = False
     """APPLY_CHANGES created the table (its column types follow the change rows' Arrow types)."""
+    reconciled: pa.Schema | None = None
+    """APPLY_CHANGES: the change rows' schema (with its metadata) the table was last reconciled with."""
+    deferred: tuple[str, ...] = ()
+    """Its DEFERRABLE unique, primary key and exclusion constraints (schema-qualified, quoted): checked
+    at each batch instead of at COMMIT, so a row they refuse is found by bisection (see Tables)."""
 
     @property
     def identifier(self) -> sql.Identifier:

@@ -41,6 +41,11 @@ class Tables:
         self.schema = ""
         self._targets: dict[str, Target] = {}
         self._savepoints = refusals.Savepoints()
+        self.located: set[str] = set()
+        """Deferred constraints (schema-qualified, quoted) a COMMIT refused: checked at each batch from
+        then on, so the rows they refuse are found (the epoch's next attempt routes or names them)."""
+        self._immediate: set[str] = set()
+        """The deferred constraints made IMMEDIATE in the current transaction."""
 
     def forget(self) -> None:
         """Tables created in a rolled back transaction are gone: the cache is dropped with it."""
@@ -48,10 +53,12 @@ class Tables:
         self._savepoints.forget()
 
     def new_transaction(self) -> None:
-        """Staging tables are dropped at the end of each transaction, and its savepoints with it."""
+        """Staging tables are dropped at the end of each transaction, and its savepoints and
+        ``SET CONSTRAINTS`` with it."""
         for target in self._targets.values():
             target.stage = None
         self._savepoints.forget()
+        self._immediate.clear()
 
     async def prepare(self, conn: Connection) -> None:
         """Create the next batch's savepoint ahead (beginning the transaction if none is open):
@@ -72,7 +79,14 @@ class Tables:
         (APPLY_CHANGES, ``schema`` without the operation columns) it is created, evolved and checked
         through :mod:`faucet_postgres.change_schema`."""
         target = self._targets.get(table)
-        if target is None or not set(schema.names) <= set(target.columns):
+        if (
+            target is None
+            or not set(schema.names) <= set(target.columns)
+            or (
+                change_rows
+                and (target.reconciled is None or not schema.equals(target.reconciled, check_metadata=True))
+            )
+        ):
             self._savepoints.spoil()
             where = f"{self._where} table {table}"
             columns = await table_columns(conn, self.schema, table)
@@ -84,6 +98,9 @@ class Tables:
                 columns = await make(conn, self.schema, table, schema, key)
                 from_changes = change_rows
             elif change_rows:
+                # The source's columns, by attribute number: renamed, dropped, added again, added.
+                evolution = self._config.schema_evolution
+                columns = await change_schema.reconcile(conn, self.schema, table, schema, evolution, where)
                 from_changes = await change_schema.created_from_changes(conn, self.schema, table)
             missing = [item for item in schema if item.name not in columns]
             if missing:
@@ -93,11 +110,11 @@ class Tables:
                         f"{', '.join(item.name for item in missing)} (schema_evolution is off)",
                         where=self._where,
                     )
-                if change_rows:
-                    columns = await change_schema.evolve(conn, self.schema, table, missing, where)
-                else:
-                    columns = await add_columns(conn, self.schema, table, missing)
-            target = Target(self.schema, table, columns, from_changes=from_changes)
+                columns = await add_columns(conn, self.schema, table, missing)
+            deferred = () if change_rows else await _deferred_constraints(conn, self.schema, table)
+            target = Target(
+                self.schema, table, columns, from_changes=from_changes, reconciled=schema, deferred=deferred
+            )
             self._targets[table] = target
         if change_rows:
             change_schema.check_types(
@@ -182,7 +199,22 @@ class Tables:
     ) -> tuple[int, tuple[RejectedRow, ...]]:
         """APPEND, UPSERT, VERSIONED_UPSERT: write ``records`` under a savepoint (released with the next
         one: :class:`~faucet_postgres.refusals.Savepoints`), bisecting down to the rows the server
-        refuses; returns the rows written and the refused ones."""
+        refuses; returns the rows written and the refused ones.
+
+        A constraint the destination would check only at COMMIT (``DEFERRABLE``) refuses nothing at a
+        statement, so its rows could not be found: the table's deferrable unique, primary key and
+        exclusion constraints (none needs deferring within an epoch: rows are only added or
+        replaced), and every deferred constraint a COMMIT already refused (:attr:`located`), are
+        made ``IMMEDIATE`` for the epoch's transaction first."""
+        immediate = [
+            name for name in (*target.deferred, *sorted(self.located)) if name not in self._immediate
+        ]
+        if immediate:
+            self._savepoints.spoil()
+            await conn.execute(
+                sql.SQL("SET CONSTRAINTS {} IMMEDIATE").format(sql.SQL(", ").join(map(sql.SQL, immediate)))
+            )
+            self._immediate.update(immediate)
         if self._policy is WritePolicy.APPEND:
 
             async def write(start: int, stop: int) -> int:
@@ -199,3 +231,16 @@ class Tables:
         return await refusals.apply_finding_refusals(
             conn, records.num_rows, write, savepoints=self._savepoints
         )
+
+
+async def _deferred_constraints(conn: Connection, schema: str, table: str) -> tuple[str, ...]:
+    """The DEFERRABLE unique, primary key and exclusion constraints of ``schema.table``, qualified and
+    quoted for ``SET CONSTRAINTS``."""
+    cursor = await conn.execute(
+        "SELECT format('%%I.%%I', n.nspname, c.conname) FROM pg_constraint AS c "
+        "JOIN pg_namespace AS n ON n.oid = c.connamespace "
+        "WHERE c.conrelid = to_regclass(format('%%I.%%I', %s::text, %s::text)) AND c.condeferrable "
+        "AND c.contype IN ('u', 'p', 'x') ORDER BY 1",
+        (schema, table),
+    )
+    return tuple(str(row[0]) for row in await cursor.fetchall())

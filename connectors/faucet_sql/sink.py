@@ -20,10 +20,11 @@ left to do). The table is created from the first batch's Arrow schema when missi
 the primary key in upsert mode). A batch column the table lacks is added (ALTER TABLE ADD COLUMN)
 when ``schema_evolution`` is on and refused with SchemaError when it is off.
 
-Watermark. ``write_batch_idempotent(records, token)`` writes the rows and advances the commit token of
-this sink's ``sync_id`` in ``watermark_table`` in the same transaction; a token not newer than the
-stored one writes nothing and returns 0. Append and upsert only: a replace run always rewrites the
-whole snapshot, which is its own protection against replays.
+Watermark. ``write_batch_idempotent(records, token, bookmark)`` writes the rows and advances the commit
+token of this sink's ``sync_id`` in ``watermark_table`` in the same transaction, with the page's
+bookmark (JSON), which ``last_committed_bookmark`` reads back so a rerun resumes from what the table
+holds; a token not newer than the stored one writes nothing and returns 0. Append and upsert only: a
+replace run always rewrites the whole snapshot, which is its own protection against replays.
 
 Per-row results. ``write_batch_partial`` applies the batch under a savepoint and, when the database
 refuses rows (a constraint, a value it cannot store), bisects under savepoints down to the refused rows,
@@ -32,6 +33,7 @@ which it reports with the database's message; the other rows commit in one trans
 
 import asyncio
 import hashlib
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -46,6 +48,7 @@ from faucet_dagster.protocol import (
     ConfigError,
     DataError,
     Durability,
+    JsonValue,
     PartialResult,
     SchemaError,
     Sink,
@@ -96,6 +99,8 @@ class SqlSink(Sink):
         """REPLACE: this run's staging table exists (leftovers of a crashed run were dropped)."""
         self._watermark_scope = config.watermark_scope()
         """The ``sync_id`` of the watermark row this sink reads and advances (see scope_watermark)."""
+        self._bookmark_column = False
+        """The watermark table is known to have its bookmark column."""
 
     # -- identity and capabilities ----------------------------------------------------------------
 
@@ -107,6 +112,7 @@ class SqlSink(Sink):
             bounded_policies=frozenset({self.mode}),
             durability=Durability.TRANSACTIONAL,
             atomic_watermark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
+            watermark_bookmark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
             schema_evolution=self.config.schema_evolution,
             partial_results=True,
         )
@@ -137,12 +143,18 @@ class SqlSink(Sink):
     async def write_batch(self, records: pa.RecordBatch) -> int:
         return await self._run(self._write, records, None)
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
         if not self.capabilities().atomic_watermark:
             raise UnsupportedOperation(f"{self.mode.value} has no atomic watermark", where=self.dataset_uri())
-        return await self._run(self._write, records, token)
+        return await self._run(self._write, records, (token, bookmark))
 
     async def last_committed_token(self) -> CommitToken | None:
+        committed = await self.last_committed_bookmark()
+        return None if committed is None else committed[0]
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
         if not self.capabilities().atomic_watermark:
             raise UnsupportedOperation(f"{self.mode.value} has no atomic watermark", where=self.dataset_uri())
         return await self._run(self._read_token)
@@ -204,11 +216,11 @@ class SqlSink(Sink):
             conn.execute(sa.select(sa.literal(1)))
             self._reflect(conn, self.config.table)
 
-    def _write(self, batch: pa.RecordBatch, token: CommitToken | None) -> int:
+    def _write(self, batch: pa.RecordBatch, watermark: tuple[CommitToken, JsonValue | None] | None) -> int:
         with self.db.engine.connect() as conn:
             with conn.begin() as transaction:
                 table = self._prepare(conn, batch.schema)
-                if token is not None and not self._claim(conn, token):
+                if watermark is not None and not self._claim(conn, *watermark):
                     transaction.rollback()
                     return 0
                 self._apply(conn, table, batch)
@@ -438,17 +450,24 @@ class SqlSink(Sink):
             sa.Column("sync_id", sa.String(_SYNC_ID_LENGTH), primary_key=True),
             sa.Column("token", sa.String(CommitToken.WIDTH), nullable=False),
             sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+            sa.Column("bookmark", sa.Text(), nullable=True),
             schema=self.config.schema_name,
         )
 
-    def _claim(self, conn: sa.Connection, token: CommitToken) -> bool:
-        """Advance this sync's watermark to ``token`` in the caller's transaction; False when the
-        stored token is not older (a replayed page). The conditional UPDATE also locks the row, so
-        two writers of one sync commit one after the other, never both past the same token."""
+    def _claim(self, conn: sa.Connection, token: CommitToken, bookmark: JsonValue | None) -> bool:
+        """Advance this sync's watermark to ``token`` (with the page's ``bookmark``) in the caller's
+        transaction; False when the stored token is not older (a replayed page). The conditional
+        UPDATE also locks the row, so two writers of one sync commit one after the other, never both
+        past the same token."""
         watermark = self._watermark_table()
         watermark.create(conn, checkfirst=True)
+        self._add_bookmark_column(conn, watermark)
         scope = self._watermark_scope
-        values = {"token": str(token), "updated_at": utc_now()}
+        values = {
+            "token": str(token),
+            "updated_at": utc_now(),
+            "bookmark": None if bookmark is None else json.dumps(bookmark),
+        }
         advanced = conn.execute(
             sa.update(watermark)
             .where(watermark.c.sync_id == scope, watermark.c.token < str(token))
@@ -462,15 +481,33 @@ class SqlSink(Sink):
         conn.execute(sa.insert(watermark).values(sync_id=scope, **values))
         return True
 
-    def _read_token(self) -> CommitToken | None:
+    def _add_bookmark_column(self, conn: sa.Connection, watermark: sa.Table) -> None:
+        """Add the bookmark column to a watermark table an older version made (once per sink)."""
+        if self._bookmark_column:
+            return
+        columns = {
+            column["name"] for column in sa.inspect(conn).get_columns(watermark.name, watermark.schema)
+        }
+        if "bookmark" not in columns:
+            target = self.db.engine.dialect.identifier_preparer.format_table(watermark)
+            conn.exec_driver_sql(f"ALTER TABLE {target} ADD COLUMN bookmark TEXT")
+        self._bookmark_column = True
+
+    def _read_token(self) -> tuple[CommitToken, JsonValue | None] | None:
         watermark = self._watermark_table()
         with self.db.engine.connect() as conn:
             if not sa.inspect(conn).has_table(watermark.name, schema=self.config.schema_name):
                 return None
+            columns = {
+                column["name"] for column in sa.inspect(conn).get_columns(watermark.name, watermark.schema)
+            }
+            bookmark = watermark.c.bookmark if "bookmark" in columns else sa.null()
             stored = conn.execute(
-                sa.select(watermark.c.token).where(watermark.c.sync_id == self._watermark_scope)
-            ).scalar_one_or_none()
-        return None if stored is None else CommitToken.parse(stored)
+                sa.select(watermark.c.token, bookmark).where(watermark.c.sync_id == self._watermark_scope)
+            ).first()
+        if stored is None:
+            return None
+        return CommitToken.parse(stored[0]), None if stored[1] is None else json.loads(stored[1])
 
 
 def _on_conflict(statement: Any, table: sa.Table, key: Sequence[str], updates: Sequence[str]) -> Any:

@@ -16,10 +16,10 @@ continues strictly after it. This is an incremental read: a row changed later mu
 cursor (``updated_at``, a sequence) to be read again, and a row inserted with a cursor value below the
 bookmark is never read.
 
-Determinism. Re-reading from a bookmark returns the same rows in the same order while the rows up to
-the previous read's end are unchanged (append-only tables with a growing cursor); rows added after
-them extend the read at its end. ``capabilities().deterministic`` is True on that documented
-assumption, which the atomic watermark relies on.
+Determinism. Not claimed (``capabilities().deterministic`` is False, :class:`KeysetSource`): a table
+changes between reads (an update moves a row past the others, a delete removes it). Every page
+carries its bookmark (``page_bookmarks``), which a sink keeping it with its watermark resumes from
+exactly: a rerun then reads each row after the committed position once.
 
 Memory and blocking. One page at a time: each page is one query run in a worker thread, converted to
 an Arrow record batch with the column types reflected from the table (stable across pages).
@@ -41,7 +41,9 @@ from faucet_dagster.protocol import (
     FetchContext,
     KeysetSource,
     Page,
+    conform_values,
 )
+from faucet_dagster.protocol.lattice import lands_as_is
 from faucet_sql.config import SqlSourceConfig
 from faucet_sql.database import ROW_VALUE_DIALECTS, Converter, Database, arrow_type, converter, db_error
 
@@ -62,6 +64,9 @@ class _ReadPlan:
     upper: tuple[Any, ...] | None
     native: bool
     plain_rows: bool
+    unique_order: bool
+    """The key is the table's primary key (so ``(cursor, key)`` is unique); a configured key may not
+    be, and pages are then cut between positions only (:meth:`SqlSource._whole_positions`)."""
     """The selected columns are the output columns, and neither SQLAlchemy nor a converter changes
     their values: pages are built from the DBAPI's tuples at once (:func:`_batch_of_rows`)."""
 
@@ -104,12 +109,12 @@ class SqlSource(KeysetSource):
         if plan.upper is None:
             return
         while True:
-            batch, last = await self._run(self._read_page, plan, position, batch_size)
+            batch, last, fetched = await self._run(self._read_page, plan, position, batch_size)
             if last is None:
                 return
             position = last
             yield Page(batch, self.reached(plan.order_names, last))
-            if batch_size == 0 or batch.num_rows < batch_size:
+            if batch_size == 0 or fetched < batch_size:
                 return
 
     # -- blocking parts, run in a worker thread ---------------------------------------------------
@@ -177,12 +182,14 @@ class SqlSource(KeysetSource):
             upper=None if upper_row is None else tuple(upper_row),
             native=native[self.config.row_values],
             plain_rows=plain,
+            unique_order=not self.config.key,
         )
 
     def _read_page(
         self, plan: _ReadPlan, after: tuple[Any, ...] | None, batch_size: int
-    ) -> tuple[pa.RecordBatch, tuple[Any, ...] | None]:
-        """One page after ``after`` (up to the plan's upper bound) and the position of its last row."""
+    ) -> tuple[pa.RecordBatch, tuple[Any, ...] | None, int]:
+        """One page after ``after`` (up to the plan's upper bound), the position of its last row, and
+        how many rows the query fetched (fewer than ``batch_size``: the read is done)."""
         assert plan.upper is not None
         query = (
             sa.select(*plan.selected)
@@ -201,28 +208,64 @@ class SqlSource(KeysetSource):
             rows: Sequence[Sequence[Any]] = result.cursor.fetchall() if plan.plain_rows else result.all()
             result.close()
         if not rows:
-            return _empty(plan.schema), None
+            return _empty(plan.schema), None, 0
         names = [column.name for column in plan.selected]
-        last = tuple(rows[-1][names.index(name)] for name in plan.order_names)
-        if plan.plain_rows:
+        at = [names.index(name) for name in plan.order_names]
+        fetched = len(rows)
+        if not plan.unique_order and batch_size and fetched == batch_size:
+            rows = self._whole_positions(plan, rows, at)
+        last = tuple(rows[-1][index] for index in at)
+        typed = self.db.dialect != "sqlite"
+        columns = None if typed else list(zip(*rows, strict=True))
+        if plan.plain_rows and (
+            # SQLite keeps any value in any column (a REAL in an INTEGER one): only values of the
+            # column's own kind go through Arrow's one-call conversion, which would truncate 1.5 to 1.
+            columns is None or all(lands_as_is(columns[names.index(f.name)], f.type) for f in plan.schema)
+        ):
             whole = _batch_of_rows(rows, plan.schema)
             if whole is not None:
-                return whole, last
-        columns = list(zip(*rows, strict=True))
+                return whole, last, fetched
+        if columns is None:
+            columns = list(zip(*rows, strict=True))
         arrays = []
         for field, convert in zip(plan.schema, plan.converters, strict=True):
             values = list(columns[names.index(field.name)])
             if convert is not None:
                 values = convert(values)
-            try:
-                arrays.append(pa.array(values, type=field.type))
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
+            array, unfit = conform_values(values, field.type, field.name)
+            if unfit:
+                index = min(unfit)
+                row = ", ".join(f"{name}={rows[index][names.index(name)]!r}" for name in plan.order_names)
                 raise DataError(
-                    f"column {field.name!r} of {self.db.qualified()!r} holds a value that is not "
-                    f"{field.type}: {exc}",
-                    where=self.dataset_uri(),
-                ) from exc
-        return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last
+                    f"{self.db.qualified()!r} row ({row}): {unfit[index]}",
+                    where=f"{self.dataset_uri()} @ {row}",
+                )
+            arrays.append(array)
+        return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last, fetched
+
+    def _whole_positions(
+        self, plan: _ReadPlan, rows: Sequence[Sequence[Any]], at: Sequence[int]
+    ) -> Sequence[Sequence[Any]]:
+        """A full page of a read whose key may not be unique, cut before the rows sharing its last
+        position (the next page, read ``> position``, reads them whole), or, when the whole page is
+        one position, every row of that position (one longer page): a page never ends between two
+        rows of one position, so no resume skips one."""
+        last = tuple(rows[-1][index] for index in at)
+        cut = len(rows)
+        while cut and tuple(rows[cut - 1][index] for index in at) == last:
+            cut -= 1
+        if cut:
+            return rows[:cut]
+        query = (
+            sa.select(*plan.selected)
+            .where(*(column == value for column, value in zip(plan.order, last, strict=True)))
+            .order_by(*plan.order)
+        )
+        with self.db.engine.connect() as conn:
+            result = conn.execute(query)
+            whole: Sequence[Sequence[Any]] = result.cursor.fetchall() if plan.plain_rows else result.all()
+            result.close()
+        return whole
 
     def _discover(self) -> list[DiscoveredDataset]:
         found = []

@@ -2,13 +2,21 @@
 Arrow batch (runs of JSON rows in one call, Arrow batches one by one).
 """
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
 
 from faucet_dagster.pipeline.schema import BadRow, Converted, RowConverter
-from faucet_dagster.protocol import Identities, IntegrityError, OrderingDomain, Records, record_count
+from faucet_dagster.protocol import (
+    Identities,
+    IntegrityError,
+    OrderingDomain,
+    Records,
+    record_count,
+    split_missing,
+)
 
 
 class Builder:
@@ -64,8 +72,11 @@ def convert_chunks(converter: RowConverter, chunks: list[Records]) -> Converted:
     if len(parts) == 1:
         return parts[0][2]
     batch = pa.concat_batches([converted.batch for _, _, converted in parts])
+    missing: Counter[str] = Counter()
+    for _, _, converted in parts:
+        missing.update(converted.missing)
     if all(converted.kept is None for _, _, converted in parts):
-        return Converted(batch)
+        return Converted(batch, missing=dict(missing))
     kept = [
         start + index
         for start, size, converted in parts
@@ -74,7 +85,7 @@ def convert_chunks(converter: RowConverter, chunks: list[Records]) -> Converted:
     bad = tuple(
         BadRow(start + row.index, row.reason) for start, _, converted in parts for row in converted.bad
     )
-    return Converted(batch, kept, bad)
+    return Converted(batch, kept, bad, dict(missing))
 
 
 def row_at(chunks: list[Records], index: int) -> Mapping[str, Any]:
@@ -83,7 +94,7 @@ def row_at(chunks: list[Records], index: int) -> Mapping[str, Any]:
         size = record_count(chunk)
         if index < size:
             if isinstance(chunk, pa.RecordBatch):
-                row: Mapping[str, Any] = chunk.slice(index, 1).to_pylist()[0]
+                row: dict[str, Any] = split_missing(chunk.slice(index, 1))[0].to_pylist()[0]
                 return row
             return chunk[index]
         index -= size

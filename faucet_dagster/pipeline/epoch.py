@@ -31,7 +31,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
@@ -112,7 +112,9 @@ class SealedEpoch:
     """An epoch the pipeline vouches for: what it covered, how many rows went where, and the digest.
 
     ``row_counts`` counts rows handed to the sink per resource (less those it refused and the
-    dead-letter route took); ``dead_lettered`` rows routed to the dead-letter route per resource.
+    dead-letter route took); ``dead_lettered`` rows routed to the dead-letter route per resource;
+    ``missing_fields`` per resource and field, the rows whose record lacked that field of the schema
+    (they landed with null there, or were refused under ``on_missing_field: refuse``).
     """
 
     epoch: EpochId
@@ -120,6 +122,7 @@ class SealedEpoch:
     row_counts: Mapping[str, int]
     dead_lettered: Mapping[str, int]
     digest: str
+    missing_fields: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -182,6 +185,7 @@ class EpochPipeline(StreamRecordSink):
         self._digest = EpochDigest()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
+        self._missing: dict[str, Counter[str]] = {}
         self._refused: list[RejectedRecord] = []
         """Dead letters of rows the destination refused, withdrawn if the epoch is discarded."""
         self._bytes = 0
@@ -355,6 +359,7 @@ class EpochPipeline(StreamRecordSink):
             dict(self._row_counts),
             dict(self._dead_lettered),
             self._digest.hexdigest(),
+            {resource: dict(fields) for resource, fields in self._missing.items()},
         )
 
     async def discard(self) -> BaseException | None:
@@ -410,6 +415,8 @@ class EpochPipeline(StreamRecordSink):
         if not chunks:
             return
         converted = convert_chunks(builder.converter, chunks)
+        if converted.missing:
+            self._missing.setdefault(builder.resource, Counter()).update(converted.missing)
         if converted.bad:
             await self._reject(builder, converted.bad, chunks, positions, ordinals)
         if converted.kept is not None:

@@ -1,13 +1,12 @@
 """How rows of one resource become Arrow: a declared (or inferred) schema, keys, and the bad-row policy.
 
 A :class:`RowConverter` turns what a source hands over (JSON objects or Arrow record batches) into one
-Arrow record batch of the resource's schema, and names every row that does not fit: a value of the
-wrong type, a field the schema does not have, a null in a non-nullable field or in a key column. The
-caller routes those rows as :class:`ResourceSchema.on_bad_row` says; a converter never drops a row
-without naming it.
-
-The fast path converts a whole chunk with one Arrow call; only a chunk that fails is converted again
-row by row to find the rows that do not fit.
+Arrow record batch of the resource's schema, by the type lattice's one rule
+(:mod:`faucet_dagster.protocol.lattice`), and names every row that does not fit: a value that does not
+land exactly in its column's type, a field the schema does not have, a null in a non-nullable field or
+in a key column, and, when the schema is strict, a field the row lacks. The caller routes those rows
+as :class:`ResourceSchema.on_bad_row` says; a converter never drops a row without naming it. It also
+counts, per field, the rows that lacked it (:attr:`Converted.missing`), for the epoch's certificate.
 """
 
 from collections.abc import Mapping, Sequence
@@ -18,20 +17,26 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.protocol import ConfigError, DataError, schema_from_columns
+from faucet_dagster.protocol import (
+    ConfigError,
+    Conformed,
+    DataError,
+    conform_batch,
+    conform_rows,
+    infer_schema,
+    schema_from_columns,
+    split_missing,
+)
 from faucet_dagster.protocol.json_values import json_record
 
-_ARROW_ERRORS = (
-    pa.ArrowInvalid,
-    pa.ArrowTypeError,
-    pa.ArrowNotImplementedError,
-    TypeError,
-    ValueError,
-    # An integer beyond int64/uint64, a value nested deeper than the interpreter's stack: a row that
-    # does not fit, named like any other (never an exception that halts the stream without a position).
-    OverflowError,
-    RecursionError,
-)
+
+class MissingFieldPolicy(StrEnum):
+    """What a row lacking a field of its resource's schema is."""
+
+    NULL = "null"
+    """It lands with null in that field (the field must be nullable), counted per field."""
+    REFUSE = "refuse"
+    """It does not fit: it goes where ``on_bad_row`` says (the strict schema)."""
 
 
 class BadRowPolicy(StrEnum):
@@ -50,12 +55,15 @@ class ResourceSchema:
     ``schema`` ``None`` means infer it from the first chunk written to the resource; the inferred
     schema then stays fixed, so a later row with another type or an unknown field does not fit.
     ``key`` columns must exist in the schema and are never null. Rows with fields outside the schema
-    do not fit it (they are not silently trimmed).
+    do not fit it (they are not silently trimmed). ``on_missing_field`` says what a row lacking a
+    field is: null there (the default; counted per field in the epoch's certificate), or a row that
+    does not fit (``refuse``: a strict schema).
     """
 
     schema: pa.Schema | None = None
     key: tuple[str, ...] = ()
     on_bad_row: BadRowPolicy = BadRowPolicy.HALT
+    on_missing_field: MissingFieldPolicy = MissingFieldPolicy.NULL
 
     def __post_init__(self) -> None:
         if self.schema is not None:
@@ -69,14 +77,16 @@ class ResourceSchema:
         columns: Mapping[str, str] | None,
         key: Sequence[str] = (),
         on_bad_row: BadRowPolicy | str = BadRowPolicy.HALT,
+        on_missing_field: MissingFieldPolicy | str = MissingFieldPolicy.NULL,
     ) -> "ResourceSchema":
-        """Build from plain data: ``{"id": "int64 not null", "name": "string"}`` (Arrow type aliases).
+        """Build from plain data: ``{"id": "int64 not null", "name": "string"}`` (Arrow type aliases
+        of the lattice's column types).
 
         ``None`` (no columns) infers the schema from the data. Key columns are made non-nullable.
         """
         policy = BadRowPolicy(on_bad_row)
         schema = None if columns is None else schema_from_columns(columns, key=key)
-        return cls(schema, tuple(key), policy)
+        return cls(schema, tuple(key), policy, MissingFieldPolicy(on_missing_field))
 
 
 @dataclass(frozen=True)
@@ -91,12 +101,14 @@ class BadRow:
 class Converted:
     """One converted chunk: the rows that fit, as one batch, and the rows that did not.
 
-    ``kept`` lists the chunk indices of the rows in ``batch`` (``None``: every row, in order).
+    ``kept`` lists the chunk indices of the rows in ``batch`` (``None``: every row, in order);
+    ``missing`` counts, per field of the schema, the chunk's rows that lacked it.
     """
 
     batch: pa.RecordBatch
     kept: list[int] | None = None
     bad: tuple[BadRow, ...] = ()
+    missing: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -118,90 +130,44 @@ class RowConverter:
         return frozenset(self.spec.key) | {item.name for item in self.schema if not item.nullable}
 
     def convert_rows(self, rows: Sequence[Mapping[str, Any]]) -> Converted:
-        """Convert JSON objects; every row that does not fit is named in ``bad``.
+        """Convert JSON objects by the lattice's rule; every row that does not fit is named in ``bad``.
 
-        Without a schema yet, the first row that converts decides it; when none does, every row is
-        named in ``bad`` and the schema stays to be inferred from a later chunk."""
+        Without a schema yet, the chunk's values decide it (:func:`~faucet_dagster.protocol.infer_schema`;
+        when a field's first value has no column type, the first row that has types decides); when no
+        row has types, every row is named in ``bad`` and the schema stays to be inferred from a later
+        chunk."""
         schema = self.schema if self.schema is not None else self._infer(rows)
         if schema is None:
-            reason = "no schema can be inferred from it (a value Arrow cannot hold)"
+            reason = "no schema can be inferred from it (a value no column type holds)"
             return Converted(
                 _empty(pa.schema([])), [], tuple(BadRow(index, reason) for index in range(len(rows)))
             )
-        names = frozenset(schema.names)
-        # One C-level pass over the rows: a field outside the schema makes a row not fit.
-        if all(map(names.issuperset, rows)):
-            try:
-                return self._check_nulls(pa.RecordBatch.from_pylist(rows, schema=schema))
-            except _ARROW_ERRORS:
-                pass  # the slow path below names the rows that fail
-        kept: list[int] = []
-        good: list[Mapping[str, Any]] = []
-        bad: list[BadRow] = []
-        for index, row in enumerate(rows):
-            extra = set(row) - names
-            if extra:
-                bad.append(BadRow(index, f"field(s) {', '.join(sorted(extra))} are not in the schema"))
-                continue
-            try:
-                pa.RecordBatch.from_pylist([row], schema=schema)
-            except _ARROW_ERRORS as exc:
-                bad.append(BadRow(index, f"does not fit the schema: {exc}"))
-                continue
-            kept.append(index)
-            good.append(row)
-        return self._then_check_nulls(pa.RecordBatch.from_pylist(good, schema=schema), kept, bad)
+        return self._finish(conform_rows(rows, schema), len(rows))
 
     def convert_batch(self, batch: pa.RecordBatch) -> Converted:
-        """Conform an Arrow batch to the schema (the same field names, safely castable types).
+        """Conform an Arrow batch to the schema by the lattice's rule (values of another type as the
+        same values in JSON objects would land).
 
         An inferred schema follows the source: a batch of another schema (a column added, dropped or
         retyped at the source) becomes the schema from then on; what it means for the destination is
         the sink's decision (schema evolution, or SchemaError).
         """
-        if self.schema is None or (
-            self.spec.schema is None and not _nullable(batch.schema).equals(self.schema)
-        ):
-            self.schema = _nullable(batch.schema)
-        schema = self.schema
-        if batch.schema.equals(schema):
-            return self._check_nulls(batch)
-        if sorted(batch.schema.names) != sorted(schema.names):
-            reason = f"columns {batch.schema.names} do not match the schema's {schema.names}"
-            return Converted(
-                _empty(schema), [], tuple(BadRow(index, reason) for index in range(batch.num_rows))
-            )
-        ordered = batch.select(schema.names)
-        try:
-            return self._check_nulls(ordered.cast(schema))
-        except _ARROW_ERRORS:
-            pass  # the slow path below names the rows that do not cast
-        kept: list[int] = []
-        parts: list[pa.RecordBatch] = []
-        bad: list[BadRow] = []
-        for index in range(ordered.num_rows):
-            try:
-                parts.append(ordered.slice(index, 1).cast(schema))
-            except _ARROW_ERRORS as exc:
-                bad.append(BadRow(index, f"does not fit the schema: {exc}"))
-                continue
-            kept.append(index)
-        return self._then_check_nulls(pa.concat_batches(parts) if parts else _empty(schema), kept, bad)
+        if self.spec.schema is None:
+            rows, _ = split_missing(batch)
+            # Metadata too: a source's schema metadata (a table's DDL) changes its meaning.
+            if self.schema is None or not _nullable(rows.schema).equals(self.schema, check_metadata=True):
+                self.schema = _nullable(rows.schema)
+        assert self.schema is not None  # declared, or adopted just above
+        return self._finish(conform_batch(batch, self.schema), batch.num_rows)
 
     def _infer(self, rows: Sequence[Mapping[str, Any]]) -> pa.Schema | None:
-        """The schema of ``rows`` (fixed from now on), or None when no row converts on its own."""
-        try:
-            inferred = pa.RecordBatch.from_pylist(list(rows)).schema
-        except _ARROW_ERRORS:
-            # The chunk disagrees with itself: the first row that converts decides, the others are
-            # checked against it (and the ones that do not fit are named as bad rows).
-            for row in rows:
-                try:
-                    inferred = pa.RecordBatch.from_pylist([dict(row)]).schema
-                    break
-                except _ARROW_ERRORS:
-                    continue
-            else:
+        """The schema of ``rows`` (fixed from now on), or None when no row has column types."""
+        inferred = infer_schema(rows)
+        if inferred is None:
+            # A field's first value has no column type: the first row that has types decides, the
+            # others are checked against it (and the ones that do not fit are named as bad rows).
+            inferred = next((found for row in rows if (found := infer_schema([row])) is not None), None)
+            if inferred is None:
                 return None
         missing = [column for column in self.spec.key if column not in inferred.names]
         if missing:
@@ -211,13 +177,35 @@ class RowConverter:
         self.schema = _nullable(inferred)
         return self.schema
 
-    def _then_check_nulls(self, batch: pa.RecordBatch, kept: list[int], bad: list[BadRow]) -> Converted:
-        """Null-check ``batch`` (whose rows are the chunk rows ``kept``) and merge both stages' bad rows."""
+    def _finish(self, conformed: Conformed, count: int) -> Converted:
+        """The strict policy, then the null checks, over what the lattice landed."""
+        bad = [BadRow(index, reason) for index, reason in conformed.bad.items()]
+        batch, kept = conformed.batch, conformed.kept
+        if self.spec.on_missing_field is MissingFieldPolicy.REFUSE and conformed.missing:
+            lacking: dict[int, list[str]] = {}
+            for name, rows in conformed.missing.items():
+                for row in rows:
+                    lacking.setdefault(row, []).append(name)
+            refused = {row for row in lacking if row not in conformed.bad}
+            if refused:
+                bad.extend(
+                    BadRow(
+                        row, f"the record lacks field(s) {', '.join(lacking[row])} (on_missing_field: refuse)"
+                    )
+                    for row in refused
+                )
+                order = range(count) if kept is None else kept
+                keep = [position for position, row in enumerate(order) if row not in refused]
+                batch = batch.take(pa.array(keep, pa.int64()))
+                kept = [row for row in order if row not in refused]
+        counts = {name: len(rows) for name, rows in conformed.missing.items()}
         checked = self._check_nulls(batch)
         if checked.kept is not None:
-            bad.extend(BadRow(kept[row.index], row.reason) for row in checked.bad)
-            kept = [kept[index] for index in checked.kept]
-        return Converted(checked.batch, kept, tuple(sorted(bad, key=lambda row: row.index)))
+            positions = range(count) if kept is None else kept
+            bad.extend(BadRow(positions[row.index], row.reason) for row in checked.bad)
+            kept = [positions[index] for index in checked.kept]
+            batch = checked.batch
+        return Converted(batch, kept, tuple(sorted(bad, key=lambda row: row.index)), counts)
 
     def _check_nulls(self, batch: pa.RecordBatch) -> Converted:
         """Name the rows with a null in a key column or a non-nullable field; keep the others."""
@@ -239,7 +227,7 @@ class RowConverter:
 
 
 def _nullable(schema: pa.Schema) -> pa.Schema:
-    return pa.schema([item.with_nullable(True) for item in schema])
+    return pa.schema([item.with_nullable(True) for item in schema], metadata=schema.metadata)
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

@@ -65,7 +65,24 @@ from faucet_dagster.protocol.identifiers import (
     identifier_too_long,
     postgres_identifier_problem,
 )
-from faucet_dagster.protocol.keyset import KeysetBookmark, KeysetSource, decode_scalar, encode_scalar
+from faucet_dagster.protocol.keyset import (
+    KeysetBookmark,
+    KeysetPages,
+    KeysetSource,
+    decode_scalar,
+    encode_scalar,
+    tie_start,
+)
+from faucet_dagster.protocol.lattice import (
+    Conformed,
+    as_record_batch,
+    check_lattice_schema,
+    conform_batch,
+    conform_rows,
+    conform_values,
+    infer_schema,
+    lattice_type_problem,
+)
 from faucet_dagster.protocol.paging import PageBuilder
 from faucet_dagster.protocol.positions import (
     CodecRegistry,
@@ -79,14 +96,15 @@ from faucet_dagster.protocol.positions import (
     default_codec_registry,
 )
 from faucet_dagster.protocol.records import (
+    MISSING_COLUMN,
     OPERATION_COLUMN,
     UNCHANGED_COLUMN,
     JsonValue,
     Records,
     arrow_type_from_name,
-    as_record_batch,
     record_count,
     schema_from_columns,
+    split_missing,
 )
 from faucet_dagster.protocol.registry import (
     ConnectorRole,
@@ -126,6 +144,7 @@ from faucet_dagster.protocol.urls import refuse_url_credentials, url_credentials
 
 __all__ = [
     "DEFAULT_POLICY_OPERATIONS",
+    "MISSING_COLUMN",
     "OPERATION_COLUMN",
     "POSTGRES_MAX_IDENTIFIER_BYTES",
     "REDACTED",
@@ -139,6 +158,7 @@ __all__ = [
     "CodecRegistry",
     "CommitToken",
     "ConfigError",
+    "Conformed",
     "ConnectionFailed",
     "Connector",
     "ConnectorConfig",
@@ -166,6 +186,7 @@ __all__ = [
     "IntegrityError",
     "JsonValue",
     "KeysetBookmark",
+    "KeysetPages",
     "KeysetSource",
     "LifecycleError",
     "Membership",
@@ -215,12 +236,18 @@ __all__ = [
     "arrow_type_from_name",
     "as_record_batch",
     "bisect_rejections",
+    "check_lattice_schema",
     "compare_positions",
+    "conform_batch",
+    "conform_rows",
+    "conform_values",
     "decode_scalar",
     "default_codec_registry",
     "encode_scalar",
     "get_connector",
     "identifier_too_long",
+    "infer_schema",
+    "lattice_type_problem",
     "load_connectors",
     "postgres_identifier_problem",
     "record_count",
@@ -228,5 +255,7 @@ __all__ = [
     "schema_from_columns",
     "sink_capabilities_from",
     "source_capabilities_from",
+    "split_missing",
+    "tie_start",
     "url_credentials",
 ]

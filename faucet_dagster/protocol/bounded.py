@@ -243,17 +243,28 @@ class Sink(Connector):
         """True only if ``write_batch_idempotent`` commits records and token atomically."""
         return self.capabilities().atomic_watermark
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
         """Write ``records`` and store ``token`` in the same destination transaction.
 
         After it returns, ``last_committed_token()`` returns ``token`` durably. If the token is not
         newer than the stored one the records are not written and 0 is returned (a replayed page).
+        A sink that declares ``watermark_bookmark`` stores ``bookmark`` (the page's) with the token, in
+        the same transaction (the runner passes it only to such a sink).
         """
         raise UnsupportedOperation(f"{self.connector_name} has no atomic watermark", where=self.dataset_uri())
 
     async def last_committed_token(self) -> CommitToken | None:
         """The token stored by the last committed ``write_batch_idempotent``, read durably."""
         raise UnsupportedOperation(f"{self.connector_name} has no atomic watermark", where=self.dataset_uri())
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
+        """The token and bookmark stored by the last committed ``write_batch_idempotent`` (None:
+        nothing committed yet), read durably. Only when ``capabilities().watermark_bookmark``."""
+        raise UnsupportedOperation(
+            f"{self.connector_name} keeps no bookmark with its watermark", where=self.dataset_uri()
+        )
 
     def dedups_by_key(self) -> bool:
         """True when the live config upserts or deletes by a non-empty key."""

@@ -129,7 +129,13 @@ class SourceCapabilities:
     ``deterministic`` means re-reading a range of positions yields the same records in the same
     pages, which the atomic-watermark mechanism needs to skip pages a sink already committed.
     ``columns`` names the source schema's columns when they are known before reading, so the
-    planner can check a key against them.
+    planner can check a key against them. ``dead_letters`` means the source itself routes records it
+    cannot turn into rows to the dead-letter route (``on_malformed: dead_letter``): the planner counts
+    that route as it counts one for rows that do not fit (it rules out the atomic watermark).
+    ``page_bookmarks`` means every page carries a bookmark naming what was read up to it: with a sink
+    that keeps each page's bookmark with its commit token (``SinkCapabilities.watermark_bookmark``),
+    a rerun resumes from the bookmark the sink holds, so the atomic watermark holds without the
+    source being deterministic (a file that sorts before the ones read is read once).
     """
 
     emits: Emits
@@ -144,6 +150,8 @@ class SourceCapabilities:
     discover: bool = False
     shardable: bool = False
     columns: tuple[str, ...] | None = None
+    dead_letters: bool = False
+    page_bookmarks: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,8 @@ class SinkCapabilities:
     it applies (defaults: :data:`DEFAULT_POLICY_OPERATIONS`). ``atomic_watermark`` means the sink
     commits records and a monotonic commit token (or per-domain position) in one transaction.
     ``owner_fencing`` means the destination checks the writer's fencing token atomically with its
-    effects; matching an epoch id in memory is not fencing.
+    effects; matching an epoch id in memory is not fencing. ``watermark_bookmark`` means the atomic
+    watermark also keeps the bookmark of the page it committed (``Sink.last_committed_bookmark``).
     """
 
     bounded_policies: frozenset[WritePolicy]
@@ -168,6 +177,7 @@ class SinkCapabilities:
     )
     durability: Durability = Durability.NONE
     atomic_watermark: bool = False
+    watermark_bookmark: bool = False
     dedup_by_event_identity: bool = False
     dedup_window: timedelta | None = None
     owner_fencing: bool = False
@@ -253,6 +263,8 @@ _SOURCE_FIELD_TYPES: Mapping[str, Callable[[object], Any]] = {
     "discover": _boolean,
     "shardable": _boolean,
     "columns": _columns,
+    "dead_letters": _boolean,
+    "page_bookmarks": _boolean,
 }
 
 _SINK_FIELD_TYPES: Mapping[str, Callable[[object], Any]] = {
@@ -262,6 +274,7 @@ _SINK_FIELD_TYPES: Mapping[str, Callable[[object], Any]] = {
     "requires_key": _enum_set(WritePolicy),
     "durability": _enum_value(Durability),
     "atomic_watermark": _boolean,
+    "watermark_bookmark": _boolean,
     "dedup_by_event_identity": _boolean,
     "dedup_window": _seconds,
     "owner_fencing": _boolean,

@@ -14,24 +14,88 @@ Every row of an Arrow parse is one payload, proven rather than assumed: the payl
 per line, a blank payload (the only kind that yields no row) and a payload holding a newline (whose
 lines Arrow could pair with another payload's) never join a run, so a run of ``n`` payloads parses to
 exactly ``n`` rows only when each payload is exactly one object.
+
+Both paths decode values by one rule (:mod:`faucet_dagster.protocol.lattice`): a payload holding what
+no row can hold (a number beyond float64's range such as ``1e400``, which ``json.loads`` would turn
+into an infinity; a lone surrogate such as ``"\ud800"``, which is not Unicode text) is not a row on
+either path. With declared columns a payload lacking a declared field is a row whose field is null,
+and the row is named in the :data:`~faucet_dagster.protocol.records.MISSING_COLUMN` of the batch, so
+the pipeline counts it (and refuses it when the resource's schema says so), as it counts a JSON
+object lacking a field.
 """
 
 import json
-from collections.abc import Callable, Sequence
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from json.scanner import make_scanner
 from typing import Any, cast
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from faucet_dagster.protocol.records import Records
+from faucet_dagster.protocol.records import MISSING_COLUMN, Records
 
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 _JSON_SPACE = b" \t\r\n"
 _BLOCK = 1 << 22
-# What json.loads ends in (the C scanner of the default decoder); typeshed types it wrongly.
-_SCAN = cast(Callable[[str, int], tuple[Any, int]], make_scanner(cast(Any, json.JSONDecoder())))
+
+
+class BeyondFloat64(ValueError):
+    """A JSON number beyond float64's range (``1e400``, ``2e308``, 309 digits): ``json.loads`` and
+    Arrow's JSON reader would read it as an infinity, which the payload did not mean."""
+
+
+def _float(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise BeyondFloat64(f"the number {text[:40]} is beyond float64's range")
+    return number
+
+
+# ``NaN`` and ``Infinity`` tokens (what ``json.dumps`` writes, what Arrow's JSON reader reads) decode
+# as floats; a number beyond float64's range is refused as it is read (a call per number with a
+# fraction or an exponent, cheaper than searching every payload's bytes for one).
+_DECODER = json.JSONDecoder(parse_float=_float)
+# What json.loads ends in (the C scanner of the decoder); typeshed types it wrongly.
+_SCAN = cast(Callable[[str, int], tuple[Any, int]], make_scanner(cast(Any, _DECODER)))
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_BEYOND = "it holds a number beyond float64's range (such as 1e400), which no column holds"
+
+
+def unrepresentable(value: Any) -> str:
+    """Why a decoded JSON value holds what no row can hold (``""``: nothing): a lone surrogate in a
+    string or key (``json.loads`` decodes the escape ``"\\ud800"`` to one)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is str:
+            if _SURROGATE.search(item):
+                return f"it holds a lone surrogate ({_surrogate(item)}), which is not Unicode text"
+        elif kind is dict:
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    return f"a key holds a lone surrogate ({_surrogate(key)}), which is not Unicode text"
+                stack.append(child)
+        elif kind is list:
+            stack.extend(item)
+    return ""
+
+
+def _surrogate(text: str) -> str:
+    found = _SURROGATE.search(text)
+    return "" if found is None else f"\\u{ord(found.group()):04x}"
+
+
+def decode_json(payload: bytes | str) -> Any:
+    """``json.loads`` by the one rule: a number beyond float64's range raises :class:`BeyondFloat64`
+    (a ``ValueError``) rather than becoming an infinity. Raises ``ValueError`` (or
+    ``UnicodeDecodeError``, ``RecursionError``) as ``json.loads`` does."""
+    text = payload.decode() if isinstance(payload, bytes) else payload
+    return _DECODER.decode(text)
 
 
 @dataclass(frozen=True)
@@ -61,10 +125,12 @@ class JsonRows:
             # runs only.
             self._read_options = pa_json.ReadOptions(block_size=_BLOCK, use_threads=False)
             self._threaded = pa_json.ReadOptions(block_size=_BLOCK, use_threads=True)
-            self._one_line = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+            read = reading_schema(schema)
+            self._one_line = pa_json.ParseOptions(explicit_schema=read, unexpected_field_behavior="error")
             self._many_lines = pa_json.ParseOptions(
-                explicit_schema=schema, unexpected_field_behavior="error", newlines_in_values=True
+                explicit_schema=read, unexpected_field_behavior="error", newlines_in_values=True
             )
+            self._finishes = not read.equals(schema)
 
     def decode(self, payloads: Sequence[bytes | None]) -> list[JsonRun]:
         """The runs of ``payloads``, in order, covering every payload exactly once."""
@@ -104,13 +170,21 @@ class JsonRows:
         if payload is None:
             return None, f"the message has no {noun} (a tombstone), not a JSON object"
         try:
-            value = json.loads(payload)
-        except (ValueError, UnicodeDecodeError) as exc:
+            value = decode_json(payload)
+        except UnicodeDecodeError as exc:
+            return None, f"the {noun} is not UTF-8: {exc.reason} at byte {exc.start}"
+        except BeyondFloat64:
+            return None, f"the {noun} cannot be a row: {_BEYOND}"
+        except ValueError as exc:
             return None, f"the {noun} is not JSON: {exc}"
         except RecursionError:
             return None, f"the {noun} is JSON nested too deeply to decode"
         if type(value) is not dict:
             return None, f"the {noun} is JSON {type(value).__name__}, not an object"
+        if b"\\u" in payload:
+            problem = unrepresentable(value)
+            if problem:
+                return None, f"the {noun} cannot be a row: {problem}"
         return value, ""
 
     def _apart(self, payloads: Sequence[bytes | None]) -> list[tuple[int, bool]]:
@@ -185,7 +259,39 @@ class JsonRows:
         if table.num_rows != len(payloads):
             return f"{table.num_rows} JSON objects in {len(payloads)} {self._noun}(s): one object per message"
         columns = [column.combine_chunks() for column in table.columns]
-        return pa.RecordBatch.from_arrays(columns, schema=self.schema)
+        if any(map(_holds_infinity, columns)):
+            # Arrow refuses a lone surrogate escape and 1e400, but reads 2e308 (or 309 digits) as an
+            # infinity: an infinity is kept only where the payload wrote the token.
+            for payload in payloads:
+                _, reason = self._load(payload)
+                if reason:
+                    return reason
+        if self._finishes:
+            finished = finish_read(columns, self.schema)
+            if isinstance(finished, str):
+                return finished
+            columns = finished
+        batch = pa.RecordBatch.from_arrays(columns, schema=self.schema)
+        return self._name_missing(batch, payloads)
+
+    def _name_missing(self, batch: pa.RecordBatch, payloads: Sequence[bytes | None]) -> pa.RecordBatch:
+        """``batch`` with a :data:`MISSING_COLUMN` naming, per row, the declared fields its payload
+        lacked (Arrow reads a lacking field as null): only rows holding a null are looked at."""
+        nulls = [index for index, column in enumerate(batch.columns) if column.null_count]
+        if not nulls:
+            return batch
+        names = self.schema.names if self.schema is not None else []
+        lacking: dict[int, list[str]] = {}
+        for index in nulls:
+            name = names[index]
+            key = json.dumps(name).encode()
+            for row in pc.indices_nonzero(pc.is_null(batch.column(index))).to_pylist():
+                if _lacks(cast(bytes, payloads[row]), name, key):
+                    lacking.setdefault(row, []).append(name)
+        if not lacking:
+            return batch
+        column = pa.array([lacking.get(row) for row in range(batch.num_rows)], pa.list_(pa.string()))
+        return batch.append_column(MISSING_COLUMN, column)
 
     def _objects(self, payloads: Sequence[bytes | None]) -> list[JsonRun]:
         """Each payload decoded on its own; runs of objects become rows, anything else a malformed run.
@@ -197,8 +303,11 @@ class JsonRows:
         rows: list[dict[str, Any]] = []
         start = 0
         scan = _SCAN
+        # A lone surrogate is written as an escape (its raw bytes are not UTF-8): only payloads that
+        # hold an escape go through _load, which looks for one.
+        escapes = b"\\u" in b"".join(payload for payload in payloads if payload is not None)
         for index, payload in enumerate(payloads):
-            if payload is not None and payload[:1] == b"{":
+            if payload is not None and payload[:1] == b"{" and not (escapes and b"\\u" in payload):
                 try:
                     text = payload.decode()
                     value, end = scan(text, 0)
@@ -219,3 +328,98 @@ class JsonRows:
         if rows:
             runs.append(JsonRun(start, len(payloads), rows))
         return runs
+
+
+def _holds_infinity(column: pa.Array) -> bool:
+    """True when a floating leaf of ``column`` (as Arrow's JSON reader read it) holds an infinity."""
+    kind = column.type
+    if pa.types.is_floating(kind):
+        return bool(pc.any(pc.is_inf(column)).as_py())
+    if pa.types.is_struct(kind):
+        return any(_holds_infinity(column.field(index)) for index in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _holds_infinity(column.flatten())
+    return False
+
+
+def _lacks(payload: bytes, name: str, key: bytes) -> bool:
+    """True when the JSON object ``payload`` has no top-level field ``name``. A payload whose bytes do
+    not hold the key lacks it (unless it escapes characters, then it is decoded); one that holds them
+    is decoded, since the key may be a nested object's or inside a string."""
+    if key not in payload and b"\\" not in payload:
+        return True
+    try:
+        return name not in decode_json(payload)
+    except (ValueError, RecursionError):
+        return False  # Arrow parsed it: not reached
+
+
+def reading_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema Arrow's JSON reader parses a declared schema's payloads with: a ``date32`` field as a
+    string (Arrow would read a number as days; :func:`finish_read` parses ISO dates), a ``float32`` or
+    ``float16`` one as float64 (Arrow would round an out-of-range number to an infinity; the cast in
+    :func:`finish_read` refuses it)."""
+    return pa.schema([item.with_type(_reading_type(item.type)) for item in schema], metadata=schema.metadata)
+
+
+def _reading_type(kind: pa.DataType) -> pa.DataType:
+    if pa.types.is_date32(kind):
+        return pa.string()
+    if pa.types.is_float32(kind) or pa.types.is_float16(kind):
+        return pa.float64()
+    if pa.types.is_struct(kind):
+        return pa.struct(
+            [kind.field(i).with_type(_reading_type(kind.field(i).type)) for i in range(kind.num_fields)]
+        )
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        value = kind.value_field.with_type(_reading_type(kind.value_type))
+        return pa.list_(value) if pa.types.is_list(kind) else pa.large_list(value)
+    return kind
+
+
+ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+"""The one text form a ``date32`` column takes: ``YYYY-MM-DD``."""
+
+
+def finish_read(columns: Sequence[pa.Array], schema: pa.Schema) -> list[pa.Array] | str:
+    """Columns read with :func:`reading_schema` as ``schema``'s types, or why one does not fit."""
+    finished = []
+    for column, item in zip(columns, schema, strict=True):
+        if column.type.equals(item.type):
+            finished.append(column)
+            continue
+        problem = _cast_problem(column, item.type)
+        if problem:
+            return f"field {item.name!r} does not fit {item.type}: {problem}"
+        finished.append(column.cast(item.type))
+    return finished
+
+
+def _cast_problem(column: pa.Array, target: pa.DataType) -> str:
+    """Why ``column`` (as read) does not cast exactly to ``target`` ("" when it does)."""
+    for read, wanted in _leaves(column, target):
+        if pa.types.is_date32(wanted):
+            texts = read.drop_null().to_pylist()
+            wrong = [text for text in texts if not ISO_DATE.fullmatch(text)]
+            if wrong:
+                return f"{wrong[0]!r} is not a date (YYYY-MM-DD)"
+            try:
+                read.cast(pa.date32())
+            except _ARROW_ERRORS:
+                return "a value is not a date of the calendar"
+        elif pa.types.is_floating(wanted):
+            narrowed = read.cast(wanted)
+            if pc.sum(pc.is_inf(narrowed)).as_py() != pc.sum(pc.is_inf(read)).as_py():
+                return f"a number is beyond {wanted}'s range"
+    return ""
+
+
+def _leaves(column: pa.Array, target: pa.DataType) -> Iterator[tuple[pa.Array, pa.DataType]]:
+    """The leaf arrays of ``column`` whose type differs from ``target``'s, each with its target type."""
+    if pa.types.is_struct(target):
+        for index in range(target.num_fields):
+            yield from _leaves(column.field(index), target.field(index).type)
+    elif pa.types.is_list(target) or pa.types.is_large_list(target):
+        yield from _leaves(column.flatten(), target.value_type)
+    elif not column.type.equals(target):
+        yield column, target

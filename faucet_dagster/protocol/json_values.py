@@ -11,12 +11,14 @@ a duration as ``<n> microseconds``.
 import datetime as dt
 import json
 import math
+import re
 from decimal import Decimal
 from typing import Any
 
 from faucet_dagster.protocol.errors import DataError
 
 _MICROSECOND = dt.timedelta(microseconds=1)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def json_text(value: Any, where: str) -> str:
@@ -33,8 +35,14 @@ def json_text(value: Any, where: str) -> str:
 def json_record(record: Any) -> str:
     """A row for a dead letter, keys sorted: as :func:`json_text`, except that it never refuses (the
     dead letter must hold the row that failed): a non-finite float is written as ``"NaN"``,
-    ``"Infinity"`` or ``"-Infinity"``, a value of no known type as its ``repr``."""
-    return json.dumps(_finite(record), default=_lenient_form, sort_keys=True, ensure_ascii=False)
+    ``"Infinity"`` or ``"-Infinity"``, a value of no known type as its ``repr``, and a lone surrogate
+    (``"\\ud800"``, which no UTF-8 text holds) as its JSON escape, so the text encodes and decodes
+    back to the same value."""
+    finite = _finite(record)
+    text = json.dumps(finite, default=_lenient_form, sort_keys=True, ensure_ascii=False)
+    if _SURROGATE.search(text):
+        return json.dumps(finite, default=_lenient_form, sort_keys=True, ensure_ascii=True)
+    return text
 
 
 def _json_form(value: Any) -> Any:

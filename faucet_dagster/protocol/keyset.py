@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from faucet_dagster.protocol.bounded import FetchContext, Source
 from faucet_dagster.protocol.capabilities import Emits, Operation, Ordering, Replay, SourceCapabilities
 from faucet_dagster.protocol.errors import ConfigError, DataError
@@ -107,6 +110,9 @@ class KeysetSource(Source):
             bounded=True,
             continuous=False,
             deterministic=False,
+            # Every page's bookmark is its last row's position: a sink keeping it with its watermark
+            # lets a rerun resume exactly after what it committed.
+            page_bookmarks=True,
             discover=True,
             shardable=False,
             columns=self._columns,
@@ -139,6 +145,74 @@ class KeysetSource(Source):
     async def fetch(self, ctx: FetchContext) -> Records:
         pages = [page.records async for page in self.stream_pages(ctx, 0)]
         return pages[0] if pages else []
+
+
+def tie_start(batch: pa.RecordBatch, order: Sequence[str]) -> int:
+    """In ``batch`` (sorted by ``order``), the index of the first row whose ``order`` values equal the
+    last row's: a page that ends before it ends between two positions, so its bookmark (the position
+    of its last row, resumed with ``>``) skips no row sharing it, even when the key is not unique."""
+    count: int = batch.num_rows
+    if count == 0:
+        return 0
+    mask: Any = None
+    for name in order:
+        column = batch.column(name)
+        same = pc.equal(column, column[count - 1])
+        mask = same if mask is None else pc.and_(mask, same)
+    same_count: int = pc.sum(mask).as_py() or 0
+    return count - same_count
+
+
+class KeysetPages:
+    """Pages of at most ``size`` rows (``0``: one page) cut from batches sorted by ``order``, never
+    between two rows of one position (see :func:`tie_start`), for a key that may not be unique: a
+    page's trailing rows that share its last position wait for the next page. A position held by
+    more rows than a page is one longer page: cutting it would make a resume skip the rest."""
+
+    def __init__(self, size: int, order: Sequence[str]) -> None:
+        self._size = size
+        self._order = tuple(order)
+        self._pending: list[pa.RecordBatch] = []
+        self._rows = 0
+
+    def add(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        """Add ``batch``; return the pages it completed."""
+        if batch.num_rows:
+            self._pending.append(batch)
+            self._rows += batch.num_rows
+        pages = []
+        while self._size and self._rows >= self._size:
+            rows = pa.concat_batches(self._pending) if len(self._pending) > 1 else self._pending[0]
+            cut = tie_start(rows.slice(0, self._size), self._order)
+            if cut == 0:
+                # The whole page is one position: the page ends where the position does.
+                cut = _position_end(rows, self._order, self._size)
+                if cut == rows.num_rows:
+                    self._pending = [rows]
+                    break  # the position may go on in the next batch
+            pages.append(rows.slice(0, cut))
+            rest = rows.slice(cut)
+            self._pending = [rest] if rest.num_rows else []
+            self._rows = rest.num_rows
+        return pages
+
+    def finish(self) -> pa.RecordBatch | None:
+        """The last page (every pending row: nothing follows it); None when none is pending."""
+        if not self._rows:
+            return None
+        pending, self._pending, self._rows = self._pending, [], 0
+        return pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+
+
+def _position_end(rows: pa.RecordBatch, order: Sequence[str], start: int) -> int:
+    """The index after the last row sharing the position of row ``start - 1`` (rows sorted)."""
+    anchor = rows.slice(start - 1, 1)
+    mask: Any = None
+    for name in order:
+        same = pc.equal(rows.column(name), anchor.column(name)[0])
+        mask = same if mask is None else pc.and_(mask, same)
+    last: int = pc.indices_nonzero(mask)[-1].as_py()
+    return last + 1
 
 
 def encode_scalar(value: Any) -> JsonValue:

@@ -84,11 +84,15 @@ class PositionCodec(ABC, Generic[P]):
 class IntegerPositionCodec(PositionCodec[int]):
     """A codec for positions that are non-negative integers (offsets, sequences).
 
-    Subclasses set ``name`` and ``minimum``. Canonical form: the decimal digits, no sign, no leading
-    zeros. Accepts ints and canonical strings; rejects bools, negatives, floats and anything else.
+    Subclasses set ``name``, ``minimum`` and ``maximum``. Canonical form: the decimal digits, no sign,
+    no leading zeros. Accepts ints and canonical strings; rejects bools, floats, values outside
+    ``minimum`` to ``maximum`` and anything else. ``maximum`` defaults to int64's (a Kafka offset's
+    type, and what the engine and the sinks store a position as): a position past it would not
+    compare or persist, so it is refused where it enters.
     """
 
     minimum: ClassVar[int] = 0
+    maximum: ClassVar[int] = 2**63 - 1
 
     def validate(self, raw: object) -> int:
         if isinstance(raw, bool):
@@ -101,6 +105,8 @@ class IntegerPositionCodec(PositionCodec[int]):
             raise DataError(f"a {self.name} position must be an integer, got {raw!r}", where=self.name)
         if value < self.minimum:
             raise DataError(f"a {self.name} position must be >= {self.minimum}, got {value}", where=self.name)
+        if value > self.maximum:
+            raise DataError(f"a {self.name} position must be <= {self.maximum}, got {value}", where=self.name)
         return value
 
     def compare(self, a: int, b: int) -> int:

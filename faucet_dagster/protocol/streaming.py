@@ -478,7 +478,9 @@ class EpochCertificate:
     secrets: resources and positions only. ``row_counts`` counts the rows handed to the sink per
     resource; ``dead_lettered`` the rows routed to the dead-letter route instead, per resource.
     ``lag`` is how far the source's head was ahead of the epoch's coverage when its read ended (empty
-    when the source cannot tell).
+    when the source cannot tell). ``missing_fields`` counts, per resource and field, the rows whose
+    record lacked that field of the resource's schema (null there, or refused by a strict schema):
+    a field that stops arriving shows here.
     """
 
     stream: str
@@ -494,6 +496,7 @@ class EpochCertificate:
     created_at: str = ""
     dead_lettered: Mapping[str, int] = field(default_factory=dict)
     lag: tuple[SourceLag, ...] = ()
+    missing_fields: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @property
     def epoch(self) -> EpochId:
@@ -539,4 +542,5 @@ class EpochCertificate:
                 )
                 for item in raw.get("lag", ())
             ),
+            missing_fields=raw.get("missing_fields", {}),
         )

@@ -31,6 +31,12 @@ pages, the caller never persisted the result) neither duplicates nor skips:
   old bookmark said: what the sink holds is never re-read, and what follows it is read or is
   reported gone (:class:`PositionUnavailable`), even when retention moved the start of the source
   between the crash and the rerun.
+* by bookmark, when every page carries a bookmark (``SourceCapabilities.page_bookmarks``) and the sink
+  keeps each page's bookmark with its token (``SinkCapabilities.watermark_bookmark``): tokens count
+  rows as below, and the rerun reads the sink's token and bookmark first and, when the sink holds
+  more than the caller's token says, has the source resume from the bookmark the sink holds: what
+  it holds is named by the bookmark (files by path, size and modification time; table rows by their
+  position), never by a count, so a file that sorts before the ones read is read once.
 * by count, otherwise: the caller passes the token of its last successful run, and page ``n`` carries
   that token plus the rows read up to the end of page ``n``. The next run starts again from the old
   bookmark and old token; the deterministic source re-reads the same rows in the same order, and
@@ -44,10 +50,13 @@ A run over one shard of a source uses the watermark only when the sink keeps one
 sequence. Otherwise the plan for that run is made without the watermark and says so.
 """
 
+import operator
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 import pyarrow as pa
@@ -71,8 +80,11 @@ from faucet_dagster.protocol import (
     Source,
     WritePolicy,
     as_record_batch,
+    conform_rows,
+    split_missing,
 )
 from faucet_dagster.protocol.json_values import json_record
+from faucet_dagster.protocol.lattice import infer_type
 from faucet_dagster.runner.bounded_values import BoundedSyncResult, PageReport, SyncSettings
 from faucet_dagster.runner.read_ahead import reading_ahead
 
@@ -161,7 +173,13 @@ async def run_bounded_sync(
     watermark = Mechanism.ATOMIC_WATERMARK in accepted.mechanisms and not replacing
     # The first page is read while the sinks are checked and the watermark is read, unless the sink's
     # watermark says where the source resumes (by position).
-    resumes_at_sink = watermark and source.watermark_by_position
+    by_bookmark = (
+        watermark
+        and not source.watermark_by_position
+        and sink_capabilities.watermark_bookmark
+        and source.capabilities().page_bookmarks
+    )
+    resumes_at_sink = watermark and (source.watermark_by_position or by_bookmark)
     bookmark = start_bookmark
     pages = 0
     async with AsyncExitStack() as reading:
@@ -176,7 +194,7 @@ async def run_bounded_sync(
             if connector is not None:
                 await connector.check()
         if watermark:
-            await run.use_watermark(last_token, start_bookmark)
+            await run.use_watermark(last_token, start_bookmark, by_bookmark=by_bookmark)
         if not replacing:
             await run.read_destination()
         if stream is None:
@@ -208,6 +226,7 @@ async def run_bounded_sync(
         schema=schema,
         seconds=time.perf_counter() - started,
         evolved_columns=tuple(run.evolved),
+        missing_fields=dict(run.missing),
     )
 
 
@@ -236,11 +255,18 @@ class _Run:
     rows_written: int = 0
     rows_dead_lettered: int = 0
     rows_skipped: int = 0
+    missing: Counter[str] = field(default_factory=Counter)
+    """Per field, the rows read whose record lacked it (a JSON page's objects, a batch's
+    ``MISSING_COLUMN``)."""
+    fields: set[str] = field(default_factory=set)
+    """The fields of every JSON object read so far: a later object lacking one lacks a field."""
     evolved: list[str] = field(default_factory=list)
     last_schema: pa.Schema | None = None
     watermark: bool = False
     by_position: bool = False
     """Watermark mode: tokens are the source's positions (else they count rows)."""
+    bookmarked: bool = False
+    """Watermark mode: each page's bookmark is committed with its token (and resumed from)."""
     position: int = 0
     """Watermark mode: the token after the rows read so far (by count: the last run's token plus this
     run's rows; by position: the last position at the sink or read)."""
@@ -254,10 +280,22 @@ class _Run:
     def token(self) -> CommitToken | None:
         return CommitToken(self.position) if self.position else None
 
-    async def use_watermark(self, last_token: CommitToken | None, start_bookmark: JsonValue | None) -> None:
+    async def use_watermark(
+        self, last_token: CommitToken | None, start_bookmark: JsonValue | None, *, by_bookmark: bool = False
+    ) -> None:
         """Switch to idempotent writes, continuing from ``last_token`` and lining up with the sink."""
         self.watermark = True
         self.position = last_token.sequence if last_token is not None else 0
+        if by_bookmark:
+            self.bookmarked = True
+            held = await self.sink.last_committed_bookmark()
+            self.committed = 0 if held is None else held[0].sequence
+            if held is not None and held[1] is not None and self.committed > self.position:
+                # The sink holds pages the caller never recorded (a run died after their commit):
+                # resume from the bookmark it holds, which names what was read, not from a count.
+                self.source.apply_start_bookmark(held[1])
+                self.position = self.committed
+            return
         sink_token = await self.sink.last_committed_token()
         self.committed = sink_token.sequence if sink_token is not None else 0
         if not self.source.watermark_by_position:
@@ -294,7 +332,7 @@ class _Run:
             if self.by_position:
                 written, skipped = await self._write_at_position(batch, page.bookmark, number)
             elif self.watermark:
-                written, skipped = await self._write_idempotent(batch)
+                written, skipped = await self._write_idempotent(batch, page.bookmark, number)
             elif self.dead_letter is not None:
                 written, refused = await self._write_partial(batch, origin)
                 rejected.extend(refused)
@@ -326,7 +364,11 @@ class _Run:
         page (``None`` when they are the same).
         """
         if isinstance(records, pa.RecordBatch):
-            return records, [], None
+            batch, missing = split_missing(records)
+            self.missing.update({name: len(rows) for name, rows in missing.items()})
+            return batch, [], None
+        self.fields.update(name for row in records for name in row)
+        self.missing.update({name: count for name in self.fields if (count := _lacking(records, name))})
         try:
             return as_record_batch(records), [], None
         except DataError as exc:
@@ -341,39 +383,30 @@ class _Run:
     def _convert_rows(
         self, records: Sequence[Mapping[str, Any]]
     ) -> tuple[pa.RecordBatch, list[_Rejected], Sequence[int]]:
-        """Convert rows one by one against one schema; the rows that do not fit are rejected.
+        """Convert rows against one schema by the type lattice's rule; the rows that do not fit are
+        rejected.
 
-        A column's type is the destination's when it has the column, else the type of the first
-        value in the page that converts on its own (first row wins): deterministic, so a replayed
-        page rejects the same rows.
+        A column's type is the destination's when it has the column, else the one the lattice infers
+        from the page's values (the first non-null value's kind): deterministic, so a replayed page
+        rejects the same rows.
         """
         known = self._destination or {}
-        types: dict[str, pa.DataType] = {}
-        for row in records:
-            for name, value in row.items():
-                if name in types or value is None:
-                    continue
-                if name in known:
-                    types[name] = known[name]
-                    continue
-                try:
-                    types[name] = pa.array([value]).type
-                except _ARROW_ERRORS:
-                    continue  # this value fits no Arrow type; a later row may type the column
         names = list(dict.fromkeys(name for row in records for name in row))
-        schema = pa.schema([pa.field(name, types.get(name, pa.null())) for name in names])
-        good: list[dict[str, Any]] = []
-        origin: list[int] = []
-        rejected: list[_Rejected] = []
-        for index, row in enumerate(records):
-            try:
-                pa.RecordBatch.from_pylist([dict(row)], schema=schema)
-            except _ARROW_ERRORS as exc:
-                rejected.append(_Rejected(index, "convert", f"does not convert to Arrow: {exc}", row))
-                continue
-            good.append(dict(row))
-            origin.append(index)
-        return pa.RecordBatch.from_pylist(good, schema=schema), rejected, origin
+        schema = pa.schema(
+            [
+                pa.field(
+                    name, known[name] if name in known else infer_type([row.get(name) for row in records])
+                )
+                for name in names
+            ]
+        )
+        conformed = conform_rows(records, schema)
+        rejected = [
+            _Rejected(index, "convert", f"does not convert to Arrow: {reason}", records[index])
+            for index, reason in sorted(conformed.bad.items())
+        ]
+        origin = range(len(records)) if conformed.kept is None else conformed.kept
+        return conformed.batch, rejected, origin
 
     # -- schema ------------------------------------------------------------------------------------
 
@@ -419,8 +452,15 @@ class _Run:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    async def _write_idempotent(self, batch: pa.RecordBatch) -> tuple[int, int]:
-        """Write with the row-counting token; skip the rows the sink already committed."""
+    async def _write_idempotent(
+        self, batch: pa.RecordBatch, bookmark: JsonValue | None, number: int
+    ) -> tuple[int, int]:
+        """Write with the row-counting token (and the page's bookmark); skip the rows the sink
+        already committed."""
+        if self.bookmarked and bookmark is None:
+            raise IntegrityError(
+                "a source whose pages carry bookmarks sent a page without one", where=self._where(number)
+            )
         start = self.position
         self.position += batch.num_rows
         if self.position <= self.committed:
@@ -428,11 +468,17 @@ class _Run:
         skipped = max(0, self.committed - start)
         if skipped:
             batch = batch.slice(skipped)
-        return await self._commit(batch, CommitToken(self.position)), skipped
+        return await self._commit(batch, CommitToken(self.position), bookmark), skipped
 
-    async def _commit(self, batch: pa.RecordBatch, token: CommitToken) -> int:
-        """Write ``batch`` and ``token`` in one sink transaction; return the rows written."""
-        written = await self.sink.write_batch_idempotent(batch, token)
+    async def _commit(
+        self, batch: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
+        """Write ``batch`` and ``token`` (with the page's bookmark when the sink keeps it) in one sink
+        transaction; return the rows written."""
+        if self.bookmarked:
+            written = await self.sink.write_batch_idempotent(batch, token, bookmark)
+        else:
+            written = await self.sink.write_batch_idempotent(batch, token)
         if written == 0:
             raise IntegrityError(
                 f"the sink refused token {token} as not newer than its watermark: another writer "
@@ -515,7 +561,9 @@ class _Run:
         return f"{self.source.dataset_uri()}{shard} page {number}"
 
 
-_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError)
+def _lacking(records: Sequence[Mapping[str, Any]], name: str) -> int:
+    """How many of ``records`` lack field ``name``."""
+    return len(records) - sum(map(operator.contains, records, repeat(name)))
 
 
 def _columns(schema: pa.Schema) -> dict[str, pa.DataType]:

@@ -1,7 +1,8 @@
 """What a bounded sync is given and what it reports: its settings, each page's report and the result of a
 sync that completed (:mod:`.bounded` runs it)."""
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
@@ -48,7 +49,8 @@ class BoundedSyncResult:
     ``rows_skipped`` counts rows re-read after a crash that the sink had already committed (atomic
     watermark). ``bookmark`` is where the next run resumes; ``commit_token`` the token the next run
     continues from (``None`` when no watermark was ever used). ``schema`` is the destination's schema
-    after the run (or the last batch's when the sink cannot tell).
+    after the run (or the last batch's when the sink cannot tell). ``missing_fields`` counts, per
+    field, the rows read whose record lacked it: a field that stops arriving shows here.
     """
 
     plan: Plan
@@ -62,6 +64,7 @@ class BoundedSyncResult:
     schema: pa.Schema | None
     seconds: float
     evolved_columns: tuple[str, ...] = ()
+    missing_fields: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def rows_per_second(self) -> float:

@@ -453,6 +453,7 @@ class StreamRunner:
             created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
             dead_lettered=sealed.dead_lettered,
             lag=lag,
+            missing_fields=sealed.missing_fields,
         )
         try:
             await asyncio.to_thread(self.store.append_certificate, certificate, lease)

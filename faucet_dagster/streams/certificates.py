@@ -133,6 +133,9 @@ def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
         "faucet/rows_written": sum(receipt.rows_written for receipt in certificate.receipts),
         "faucet/row_counts": dict(certificate.row_counts),
         "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
+        "faucet/rows_missing_fields": {
+            resource: dict(fields) for resource, fields in certificate.missing_fields.items()
+        },
         "faucet/digest": certificate.digest,
         "faucet/fencing_token": certificate.fencing_token,
         "faucet/worker": certificate.worker,

@@ -190,13 +190,30 @@ def health_evaluation(
     )
     if stall is not None:
         metadata |= {"faucet/reason": stall.reason, "faucet/remedy": stall.remedy}
+    lacking = describe_missing_fields(last)
+    if lacking:
+        metadata["faucet/rows_missing_fields"] = lacking
+    healthy = "the stream certifies epochs" + (f"; rows lacked fields: {lacking}" if lacking else "")
     return dg.AssetCheckEvaluation(
         asset_key=asset_key,
         check_name=HEALTH_CHECK,
         passed=stall is None,
         metadata=metadata,
         severity=dg.AssetCheckSeverity.ERROR if stall is None else stall.severity,
-        description="the stream certifies epochs" if stall is None else stall.describe(),
+        description=healthy if stall is None else stall.describe(),
+    )
+
+
+def describe_missing_fields(certificate: EpochCertificate | None) -> str:
+    """The fields the rows of ``certificate``'s epoch lacked, for people (``orders.name: 12 rows``);
+    "" when none lacked any: a field that stops arriving shows in the health check."""
+    if certificate is None:
+        return ""
+    return "; ".join(
+        f"{resource}.{name}: {count} rows"
+        for resource, fields in sorted(certificate.missing_fields.items())
+        for name, count in sorted(fields.items())
+        if count
     )
 
 

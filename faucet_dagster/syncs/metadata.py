@@ -113,6 +113,7 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
         "faucet/rows_written": dg.MetadataValue.int(result.rows_written),
         "faucet/rows_dead_lettered": dg.MetadataValue.int(result.rows_dead_lettered),
         "faucet/rows_skipped": dg.MetadataValue.int(result.rows_skipped),
+        "faucet/rows_missing_fields": dg.MetadataValue.json(dict(result.missing_fields)),
         "faucet/pages": dg.MetadataValue.int(result.pages),
         "faucet/rows_per_second": dg.MetadataValue.float(round(result.rows_per_second, 1)),
         "faucet/seconds": dg.MetadataValue.float(round(result.seconds, 3)),

@@ -228,7 +228,7 @@ def test_shards_are_the_files_and_a_shard_reads_only_its_file(tmp_path: Path) ->
     config = {"paths": [str(tmp_path / "*.csv")], "shard_by_file": True}
     sharded = build(**config)
     caps = sharded.capabilities()
-    assert caps.ordering is Ordering.PARTITION and caps.shardable and caps.deterministic
+    assert caps.ordering is Ordering.PARTITION and caps.shardable and caps.page_bookmarks
     shards = asyncio.run(sharded.enumerate_shards())
     assert shards == [str(tmp_path / "x1.csv"), str(tmp_path / "x2.csv")]
     one = build(**config)

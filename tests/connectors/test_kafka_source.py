@@ -8,6 +8,8 @@ never before the rows it follows).
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -312,7 +314,7 @@ def test_an_old_worker_cannot_commit_after_losing_its_lease(
 
 @pytest.mark.parametrize(
     ("payload", "reason"),
-    [(b"{not json", "is not JSON"), (b"[1, 2]", "JSON list, not an object"), (b"\xff\xfe", "is not JSON")],
+    [(b"{not json", "is not JSON"), (b"[1, 2]", "JSON list, not an object"), (b"\xff\xfe", "is not UTF-8")],
 )
 def test_malformed_payload_halts_naming_topic_partition_offset(
     kafka_bootstrap: str, topic: str, unique_name: Any, payload: bytes, reason: str
@@ -542,6 +544,38 @@ def test_bounded_source_refuses_a_bookmark_of_another_incarnation(
 
     with pytest.raises(IncarnationChanged):
         run(pages())
+
+
+MALFORMED_BOOKMARKS = (
+    "None",
+    "{'positions': 'abc'}",
+    "{'positions': [1, 2]}",
+    "{'positions': [{'topic': 't', 'partition': 0, 'incarnation': 'i'}]}",
+    "{'positions': [{'topic': 't', 'partition': 'x', 'incarnation': 'i', 'offset': 1}]}",
+    "[]",
+)
+
+
+def test_bounded_source_refuses_a_malformed_bookmark_even_under_python_O() -> None:
+    """A bookmark is runtime input: checked with if, not assert, so ``python -O`` (which drops every
+    assert) refuses the same bookmarks with the same ConfigError."""
+    script = (
+        "from faucet_kafka import KafkaSourceConfig\n"
+        "from faucet_kafka.bounded import KafkaSource\n"
+        "from faucet_dagster.protocol import ConfigError\n"
+        "source = KafkaSource(KafkaSourceConfig(bootstrap_servers='k:9092', topics=('t',), group_id='g'))\n"
+        f"for raw in ({', '.join(MALFORMED_BOOKMARKS)},):\n"
+        "    try:\n"
+        "        source.apply_start_bookmark(raw)\n"
+        "    except ConfigError:\n"
+        "        continue\n"
+        "    raise SystemExit(f'accepted {raw!r}')\n"
+    )
+    for flags in ((), ("-O",)):
+        done = subprocess.run(
+            [sys.executable, *flags, "-c", script], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, (flags, done.stdout, done.stderr)
 
 
 def test_declared_columns_parse_batches_and_name_values_that_do_not_fit(

@@ -226,9 +226,11 @@ class EmptyIsAnErrorSource(FilesSource):
 class TokenBlindSink(SqlSink):
     """Check 4: its idempotent write ignores the commit token (a replayed page is written again)."""
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
         written = await self.write_batch(records)
-        await super().write_batch_idempotent(records.slice(0, 0), token)  # the token still moves
+        await super().write_batch_idempotent(records.slice(0, 0), token, bookmark)  # the token still moves
         return written
 
 
@@ -236,12 +238,14 @@ class TwoTransactionSink(SqlSink):
     """Check 4: honours the token, but commits the records, then the token in a second transaction
     (an interruption between the two leaves records a replay writes again)."""
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
         stored = await self.last_committed_token()
         if stored is not None and token.sequence <= stored.sequence:
             return 0
         written = await self.write_batch(records)
-        await super().write_batch_idempotent(records.slice(0, 0), token)
+        await super().write_batch_idempotent(records.slice(0, 0), token, bookmark)
         return written
 
 
