@@ -22,7 +22,9 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.state import StateStore
 
-DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
+DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=1.0)
+"""An epoch ends at the first safe boundary after 50,000 records or a second: what a row waits, at
+most, before its epoch is committed and visible (a source transaction still ends it only at its end)."""
 DEFAULT_LEASE_SECONDS = 15.0
 
 
@@ -33,9 +35,11 @@ class StreamSpec:
     ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
     ``key``). ``limits`` are the per-epoch read targets: an epoch run in one call
     (:meth:`~faucet_dagster.runner.continuous.StreamRunner.run_epoch`) ends at the first safe boundary
-    after any of them; an epoch read between ticks stops reading at the first safe boundary after
-    ``limits.records`` rows or ``limits.bytes`` bytes until a tick seals it (its memory bound: nothing
-    is dropped). ``lease_seconds`` is how long a lease lives without renewal (the runner renews it in
+    after any of them; an epoch read under a sensor is sealed at the first safe boundary after it is
+    ``limits.age`` seconds old (or has read something, when older), or holds ``limits.records`` rows
+    or ``limits.bytes`` bytes (its memory bound: nothing is dropped). ``pipeline.read_ahead_bytes``
+    bounds what the epoch read while the one before it commits holds. ``lease_seconds`` is how long a
+    lease lives without renewal (the runner renews it in
     the background every third of that): how long a worker that died without releasing it holds the
     stream up.
     """
