@@ -345,8 +345,9 @@ class StreamRunner:
         # read ahead holds the lease of the epoch before it (renewed in the background meanwhile).
         try:
             lease = await self._lease.hold(deadline, patient=None if clock is None else clock.going)
-            if before is not None and before.epoch is not None and before.epoch.fencing_token != lease.fencing_token:
-                raise OwnershipLost(f"the lease changed under epoch {before.epoch}", where=self.spec.name)
+            held = None if before is None else before.epoch
+            if held is not None and held.fencing_token != lease.fencing_token:
+                raise OwnershipLost(f"the lease changed under epoch {held}", where=self.spec.name)
         except OwnershipLost as exc:
             await flight.quiesce(failed=True)
             await sessions.drop(exc)

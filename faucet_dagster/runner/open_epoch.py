@@ -93,8 +93,7 @@ class Pending:
             return f"{epoch} was sealed with {self.rows} rows and is being committed; a later tick reports it"
         if self.committing is not None and self.rows == 0:
             return (
-                f"epoch {self.committing.sequence} was sealed and is being committed; a later tick "
-                "reports it"
+                f"epoch {self.committing.sequence} was sealed and is being committed; a later tick reports it"
             )
         if self.phase == "recovering":
             return (
@@ -159,7 +158,8 @@ class EpochClock:
             self._event = None
 
     async def wait(self, timeout: float | None, cancel: CancelToken | None = None) -> None:
-        """Until something changes (a request, an epoch sealed or ended, a stop), ``cancel`` or ``timeout``."""
+        """Until something changes (a request, an epoch sealed or ended, a stop), ``cancel``, or
+        ``timeout``."""
         if self._event is None:
             self._event = asyncio.Event()
         waiters: set[asyncio.Future[object]] = {asyncio.ensure_future(self._event.wait())}

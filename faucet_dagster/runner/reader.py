@@ -69,7 +69,9 @@ class Reader:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def tick(self, budget_seconds: float, *, stop_after: float | None, starting_budget: float | None) -> Pending | None:
+    async def tick(
+        self, budget_seconds: float, *, stop_after: float | None, starting_budget: float | None
+    ) -> Pending | None:
         """Keep the reader running and say what is not certified yet (None: nothing; the reader runs
         and holds no row it has not certified). Raises the reader's failure, once; the tick after it
         starts a new reader. A tick that starts the reader waits, at most ``starting_budget`` seconds
