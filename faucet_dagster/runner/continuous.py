@@ -211,8 +211,11 @@ class StreamRunner:
 
     # -- epochs in calls ------------------------------------------------------------------------
 
-    async def run_epochs(self, budget_seconds: float) -> list[EpochCertificate]:
-        """Run epochs, pipelined, until ``budget_seconds`` are spent or the source has nothing new.
+    async def run_epochs(
+        self, budget_seconds: float, limits: ReadLimits | None = None
+    ) -> list[EpochCertificate]:
+        """Run epochs, pipelined, until ``budget_seconds`` are spent or the source has nothing new;
+        each read to ``limits`` (default: the stream's).
 
         Reads end early enough for the seal, commit, certificate and acknowledgement to fit in the
         budget too: the time kept for them is twice the slowest recent one (at least
@@ -225,7 +228,7 @@ class StreamRunner:
         loop = asyncio.get_running_loop()
         reserve = min(budget_seconds / 4, max(MIN_FINISH_RESERVE, 2 * self._finish_seconds))
         deadline = loop.time() + budget_seconds - reserve
-        limits = self.spec.limits
+        read = limits or self.spec.limits
         certificates: list[EpochCertificate] = []
         self.cut_short = None
         ended = False
@@ -238,8 +241,8 @@ class StreamRunner:
 
         async def epoch(flight: Flight) -> EpochCertificate | None:
             remaining = deadline - loop.time()
-            age = remaining * 0.75 if limits.age is None else min(limits.age, remaining * 0.75)
-            return await self._run_epoch(replace(limits, age=age), deadline, None, flight)
+            age = remaining * 0.75 if read.age is None else min(read.age, remaining * 0.75)
+            return await self._run_epoch(replace(read, age=age), deadline, None, flight)
 
         async with self._serialized():
             epochs = pipelined(epoch, more=more, ahead=ahead)
@@ -526,7 +529,8 @@ class StreamRunner:
         """Why abandoning this runner now (a process exiting before its close ended) could leave
         destination effects no certificate covers, or None when it cannot: a sink whose writes cannot
         be taken back has a session open. The caller then marks the stream uncertain."""
-        if self.final_applies and self._sessions.sink is not None:
+        sessions = self._sessions
+        if self.final_applies and (sessions.sink is not None or sessions.closing_sink is not None):
             return (
                 f"the process exited before its {self.spec.sink.connector_name} sink session closed: "
                 "writes of its last epoch may have reached the destination without a certificate"

@@ -52,6 +52,8 @@ class StreamSessions:
         self.adopted: Coverage | None = None
         self.turn = asyncio.Lock()
         """Held by each call on the source session (read, lag, acknowledgement): one at a time."""
+        self.closing_sink: StreamingSinkSession | None = None
+        """A sink session whose ``close_session`` is in progress."""
         self._atomic = spec.sink.capabilities().atomic_watermark
         self._adopts = not spec.source.capabilities().deterministic and self._atomic
 
@@ -194,6 +196,7 @@ class StreamSessions:
         self.adopted = None
         if session is None:
             return
+        self.closing_sink = session
         try:
             await session.close_session()
         except UncertainOutcome as exc:
@@ -205,3 +208,5 @@ class StreamSessions:
             if cause is None:
                 raise
             cause.add_note(f"closing the sink session failed too: {exc}")
+        finally:
+            self.closing_sink = None

@@ -2,16 +2,25 @@
 their closing when the process stops.
 
 A sensor tick finds its stream's :class:`~faucet_dagster.runner.continuous.StreamRunner` here, with its
-open sessions, its open epoch read between ticks and its lease: ticks run on different threads, so each
-runner sits behind a lock. The cache is an optimisation, never the source of truth: everything a runner
-needs is read from the state store when it opens its sessions.
+open sessions, its background reader and its lease: ticks run on different threads, so each runner
+sits behind a lock. The cache is an optimisation, never the source of truth: everything a runner needs
+is read from the state store when it opens its sessions.
+
+A process that stops closes its runners (:func:`close_cached_streams`, at interpreter exit within
+``EXIT_CLOSE_SECONDS``): each seals and certifies its open epoch, closes its sessions and releases its
+lease. A close that does not finish in time is abandoned; when the stream's sink cannot take back what
+it wrote (NATS publishes during ``apply``), its last epoch's writes may reach the destination with no
+certificate naming them, so the stream is marked uncertain in the state store before the process
+exits: no process takes it over until an operator checked the destination and ran ``faucet streams
+release``.
 """
 
+import asyncio
 import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from faucet_dagster.protocol import FaucetError
@@ -23,11 +32,13 @@ logger = logging.getLogger(__name__)
 
 EXIT_CLOSE_SECONDS = 10.0
 """How long a stopping process waits for its streams to close before it exits anyway."""
+LOOP_MARGIN_SECONDS = 2.0
+"""How much longer than the closes' time the closing thread waits for the event loop to answer."""
 
 
 @dataclass
 class StreamHandle:
-    """A stream's cached runner and store in this process; ``lock`` is held while epochs run."""
+    """A stream's cached runner and store in this process; ``lock`` is held while a tick runs."""
 
     runner: StreamRunner
     store: StateStore
@@ -82,40 +93,95 @@ def cached_runner(name: str, state_url: str | None, build: Callable[[], StreamSp
 def close_cached_streams(timeout: float | None = None) -> None:
     """Close every runner cached in this process and forget it (tests, shutdown).
 
-    Each close interrupts a running read, waits for the epoch in progress, joins its sessions and
-    gives its lease up, so another worker takes the stream over at once. Every runner is closed even
-    when one close fails (each failure is logged with its stream); then the first failure is raised
-    (an :class:`UncertainOutcome` has marked its stream uncertain by then). With ``timeout``, the
-    closes that have not finished by then are abandoned and logged (their leases expire).
+    Each close seals the open epoch at its next safe boundary and certifies it, joins the sessions
+    and gives the lease up, so another worker takes the stream over at once (see
+    :meth:`StreamRunner.close`); the runners close concurrently. Every runner is closed even when one
+    close fails (each failure is logged with its stream); then the first failure is raised (an
+    :class:`UncertainOutcome` has marked its stream uncertain by then). With ``timeout``, the closes
+    that have not finished by then are abandoned and logged: the leases expire, and a stream whose sink
+    cannot take back its writes is marked uncertain in the store first (see the module docstring).
     """
     loop = _background
     with _handles_lock:
         handles = list(_handles.items())
         _handles.clear()
-    for _, handle in handles:
-        handle.runner.cancel()
     ends = None if timeout is None else time.monotonic() + timeout
-    failures: list[FaucetError] = []
+    held: list[tuple[str, StreamHandle]] = []
     for (name, _), handle in handles:
         left = None if ends is None else max(0.0, ends - time.monotonic())
-        if not handle.lock.acquire(timeout=-1 if left is None else left):
+        if handle.lock.acquire(timeout=-1 if left is None else left):
+            held.append((name, handle))
+        else:
             logger.error("faucet stream %s: a tick still runs; not closed (its lease expires)", name)
-            continue
-        try:
-            if loop is not None:
-                left = None if ends is None else max(0.0, ends - time.monotonic())
-                loop.run(handle.runner.close(), timeout=left)
-        except FaucetError as exc:
-            logger.error("closing faucet stream %s failed: %s", name, exc)
-            failures.append(exc)
-        except TimeoutError:
-            logger.error("faucet stream %s did not close in %.0fs; its lease expires", name, timeout)
+            _abandon(name, handle)
+    if loop is None:
+        for _, handle in held:
             handle.lock.release()
-            continue  # the abandoned close may still use the store
+            handle.store.close()
+        return
+    left = None if ends is None else max(0.0, ends - time.monotonic())
+    try:
+        # The loop's own bound is the closes' one; the margin covers a loop thread held up itself.
+        bound = None if left is None else left + LOOP_MARGIN_SECONDS
+        outcomes = loop.run(_close_all([handle.runner for _, handle in held], left), timeout=bound)
+    except TimeoutError:
+        outcomes = [_ABANDONED] * len(held)
+    failures: list[FaucetError] = []
+    for (name, handle), outcome in zip(held, outcomes, strict=True):
         handle.lock.release()
+        if outcome is _ABANDONED:
+            logger.error("faucet stream %s did not close in %.0fs; its lease expires", name, timeout or 0.0)
+            _abandon(name, handle)
+            continue  # the abandoned close may still use the store
+        if isinstance(outcome, FaucetError):
+            logger.error("closing faucet stream %s failed: %s", name, outcome)
+            failures.append(outcome)
         handle.store.close()
     if failures:
         raise failures[0]
+
+
+_ABANDONED = object()
+"""The outcome of a close that did not finish within its time."""
+
+
+async def _close_all(runners: Sequence[StreamRunner], timeout: float | None) -> list[object]:
+    """Close ``runners`` concurrently, for at most ``timeout`` seconds: each one's failure (a
+    :class:`FaucetError`), None, or ``_ABANDONED`` (still closing; left running)."""
+    closes = [asyncio.ensure_future(runner.close()) for runner in runners]
+    if closes:
+        await asyncio.wait(closes, timeout=timeout)
+    outcomes: list[object] = []
+    for close in closes:
+        if not close.done():
+            outcomes.append(_ABANDONED)
+        elif close.cancelled():
+            outcomes.append(None)
+        else:
+            failure = close.exception()
+            if failure is not None and not isinstance(failure, FaucetError):
+                raise failure
+            outcomes.append(failure)
+    return outcomes
+
+
+def _abandon(name: str, handle: StreamHandle) -> None:
+    """A close left unfinished: mark the stream uncertain when destination effects may follow."""
+    reason = handle.runner.abandoned_effects()
+    if reason is None:
+        return
+    try:
+        handle.store.mark_uncertain(name, reason)
+    except FaucetError as exc:
+        logger.error("faucet stream %s: could not be marked uncertain (%s): %s", name, exc, reason)
+        return
+    logger.error(
+        "faucet stream %s is marked uncertain: %s. No process takes it over until an operator checked "
+        "the destination and ran `faucet streams release %s`",
+        name,
+        reason,
+        name,
+    )
 
 
 def _close_at_exit() -> None:

@@ -178,6 +178,20 @@ def _first_run(case: Case, notes: list[str]) -> tuple[list[EpochCertificate], se
     return case.certificates(), all_keys(case.produced)
 
 
+def _failed_commit(case: Case, fault: Fault) -> CaseOutcome:
+    """The ``hit``-th commit is refused while the next epoch is read ahead; the worker retries (a
+    retryable failure) from the certified positions and finishes on its own."""
+    notes: list[str] = []
+    worker = case.start(case.spec("w1"), case.arming(Point.DURING_SINK_COMMIT, Action.FAIL))
+    code = case.finish(worker)
+    fired = case.fired() and worker.count("retry") > 0
+    if not fired:
+        notes.append(f"the commit was not refused as scheduled (exit {code}): {worker.tail()}")
+    if code != EXIT_DONE:
+        notes.append(f"the worker exited with {code}: {describe_event(worker.error())}")
+    return recovered_outcome(case, fired, code == EXIT_DONE, notes)
+
+
 def _recreate(case: Case, fault: Fault) -> CaseOutcome:
     notes: list[str] = []
     before, stored = _first_run(case, notes)
@@ -226,6 +240,7 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], CaseOutcome]] = {
     FaultKind.PURGE: _purge,
     FaultKind.DDL: _ddl,
     FaultKind.SNAPSHOT_CRASH: _snapshot_crash,
+    FaultKind.FAILED_COMMIT: _failed_commit,
     FaultKind.RETENTION: retention,
     FaultKind.PAGE_CRASH: page_crash,
 }
