@@ -3,7 +3,7 @@ a control file says so, closed by the interpreter's exit as a code server is.
 
 ``python tests/stream_process.py CONFIG.json``: the config names the servers, the topic, the target
 stream, the state store and the control directory, the epochs' age, and shortens the process's
-clocks (the reader's idle stop, the exit's close) so a test runs in seconds. While ``<control>/tick``
+clocks (the reader's idle stop, the exit's linger and close) so a test runs in seconds. While ``<control>/tick``
 exists the sensor is ticked every ``TICK_EVERY`` seconds (a running sensor); without it nothing ticks
 (a stopped sensor: the reader stops after its idle time). Once ``<control>/quit`` exists the process
 returns from ``main`` and exits normally, which closes the cached runners (``runner_cache``'s exit
@@ -30,6 +30,7 @@ def main(config_path: str) -> int:
 
     sensor.READER_STOP_SECONDS = config["reader_stop_seconds"]
     runner_cache.EXIT_CLOSE_SECONDS = config["exit_close_seconds"]
+    runner_cache.EXIT_LINGER_SECONDS = config["exit_linger_seconds"]
     stream = FaucetStream(
         name=config["name"],
         source=FaucetConnection(

@@ -117,6 +117,7 @@ def setup(
         "lease_seconds": 4.0,
         "reader_stop_seconds": 2.0,
         "exit_close_seconds": 3.0,
+        "exit_linger_seconds": 1.0,
     }
 
 

@@ -111,6 +111,9 @@ LAG_TIMEOUT = 5.0
 """Seconds the source may take to say where its head is (``StreamSession.lag``) after an epoch's read."""
 MIN_FINISH_RESERVE = 0.5
 """Seconds of a call's budget always kept for sealing, committing, certifying and acknowledging."""
+LINGER_MARGIN_SECONDS = 10.0
+"""How late past its interval a tick may come (a serial daemon busy with other sensors) before a
+lingering process stops waiting for it (:meth:`StreamRunner.linger`)."""
 HANDOVER_SEAL_SECONDS = 1.5
 """How long a hand-over waits for the open epoch to reach a boundary and be certified before it
 interrupts it (its rows are then read again by the next owner). Well inside the time a newer worker
@@ -295,11 +298,27 @@ class StreamRunner:
         hand over (one killed cannot answer) is waited for beyond the tick, up to the lease's length,
         and ``Pending.lease_wait`` says so. A failure of the reader is raised by the next tick, once.
         The reader stops (its open epoch sealed and certified first, its lease released) when no tick
-        came for ``stop_after`` seconds. ``interval`` (the sensor's minimum interval) is accepted and
-        not needed: reads no longer depend on when the next tick comes.
+        came for ``stop_after`` seconds. ``interval`` (the sensor's minimum interval: the next tick
+        comes that many seconds after this one at the earliest) bounds how long a closing process goes
+        on reading while it waits for a newer one to take the stream over (:meth:`linger`).
         """
-        del interval
-        return await self._reader.tick(budget_seconds, stop_after=stop_after, starting_budget=starting_budget)
+        return await self._reader.tick(
+            budget_seconds, stop_after=stop_after, starting_budget=starting_budget, interval=interval
+        )
+
+    @property
+    def reading(self) -> bool:
+        """True while the background reader runs (a sensor ticks this runner)."""
+        return self._reader.running
+
+    async def linger(self, longest: float) -> None:
+        """Go on reading, at most ``longest`` seconds, until a newer worker takes the stream over (a
+        hand-over) or the next tick is overdue (the tick interval after the last one, plus
+        ``LINGER_MARGIN_SECONDS``): what a process that is about to exit does, so the stream does not
+        stand still between its exit and the first tick of the process that replaces it (the daemon
+        replaces its code servers every 60 s; the old one exits about 20 s later, the new one's first
+        tick may come up to an interval after the last). Returns at once when no reader runs."""
+        await self._reader.linger(longest, LINGER_MARGIN_SECONDS)
 
     async def _read_between_ticks(self, clock: EpochClock) -> None:
         """The reader's epochs: pipelined, each read until it is due (:meth:`EpochClock.read`), until

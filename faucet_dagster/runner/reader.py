@@ -62,6 +62,7 @@ class Reader:
         self._on_idle_stop = on_idle_stop
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        self._interval: float | None = None
         self.started = False
         """Whether the latest :meth:`tick` started the reader (this process's first, or after one ended)."""
 
@@ -70,16 +71,23 @@ class Reader:
         return self._task is not None and not self._task.done()
 
     async def tick(
-        self, budget_seconds: float, *, stop_after: float | None, starting_budget: float | None
+        self,
+        budget_seconds: float,
+        *,
+        stop_after: float | None,
+        starting_budget: float | None,
+        interval: float | None = None,
     ) -> Pending | None:
         """Keep the reader running and say what is not certified yet (None: nothing; the reader runs
         and holds no row it has not certified). Raises the reader's failure, once; the tick after it
         starts a new reader. A tick that starts the reader waits, at most ``starting_budget`` seconds
         (default ``budget_seconds``), until it took the lease and opened the sessions, so a failure to
-        start is raised by that tick. The reader stops when no tick came for ``stop_after`` seconds."""
+        start is raised by that tick. The reader stops when no tick came for ``stop_after`` seconds.
+        ``interval`` is when the next tick comes at the earliest (:meth:`linger` waits for it)."""
         loop = asyncio.get_running_loop()
         clock = self.clock
         clock.ticked(loop.time(), stop_after)
+        self._interval = interval
         self.started = False
         if not self.running:
             failure, self._failure, self._task = self._failure, None, None
@@ -145,6 +153,17 @@ class Reader:
                 seal_within or 0.0,
             )
             self._interrupt()
+
+    async def linger(self, longest: float, margin: float) -> None:
+        """Wait while the reader runs, at most ``longest`` seconds and until ``margin`` seconds past
+        the next tick's earliest time (none: no wait); a hand-over stops the reader, and this returns."""
+        task, interval = self._task, self._interval
+        if task is None or task.done() or interval is None:
+            return
+        loop = asyncio.get_running_loop()
+        until = min(loop.time() + longest, self.clock.last_tick + interval + margin)
+        if until > loop.time():
+            await asyncio.wait([task], timeout=until - loop.time())
 
     async def stop(self, *, seal_within: float | None) -> None:
         """Stop the reader (if it runs, and it is not the caller): its open epoch is sealed at its next

@@ -6,9 +6,13 @@ open sessions, its background reader and its lease: ticks run on different threa
 sits behind a lock. The cache is an optimisation, never the source of truth: everything a runner needs
 is read from the state store when it opens its sessions.
 
-A process that stops closes its runners (:func:`close_cached_streams`, at interpreter exit within
-``EXIT_CLOSE_SECONDS``): each seals and certifies its open epoch, closes its sessions and releases its
-lease. A close that does not finish in time is abandoned; when the stream's sink cannot take back what
+A process that stops closes its runners (:func:`close_cached_streams`, at interpreter exit). A stream
+whose sensor still ticks is read on first, for at most ``EXIT_LINGER_SECONDS``, until a newer process
+asks for it (a hand-over) or the next tick is overdue: the daemon replaces its code servers every 60 s,
+the old one exits about 20 s later, and the new one ticks each sensor up to an interval after the old
+one did; without the wait the stream would stand still in between. Then, within
+``EXIT_CLOSE_SECONDS``, each runner seals and certifies its open epoch, closes its sessions and releases
+its lease. A close that does not finish in time is abandoned; when the stream's sink cannot take back what
 it wrote (NATS publishes during ``apply``), its last epoch's writes may reach the destination with no
 certificate naming them, so the stream is marked uncertain in the state store before the process
 exits: no process takes it over until an operator checked the destination and ran ``faucet streams
@@ -32,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 EXIT_CLOSE_SECONDS = 10.0
 """How long a stopping process waits for its streams to close before it exits anyway."""
+EXIT_LINGER_SECONDS = 45.0
+"""How long, at most, a stopping process goes on reading a stream its sensor still ticks, waiting for
+a newer process to take it over (``StreamRunner.linger``), before it closes it."""
 LOOP_MARGIN_SECONDS = 2.0
 """How much longer than the closes' time the closing thread waits for the event loop to answer."""
 
@@ -90,21 +97,26 @@ def cached_runner(name: str, state_url: str | None, build: Callable[[], StreamSp
         return handle
 
 
-def close_cached_streams(timeout: float | None = None) -> None:
+def close_cached_streams(timeout: float | None = None, *, linger: float = 0.0) -> None:
     """Close every runner cached in this process and forget it (tests, shutdown).
 
-    Each close seals the open epoch at its next safe boundary and certifies it, joins the sessions
-    and gives the lease up, so another worker takes the stream over at once (see
-    :meth:`StreamRunner.close`); the runners close concurrently. Every runner is closed even when one
-    close fails (each failure is logged with its stream); then the first failure is raised (an
-    :class:`UncertainOutcome` has marked its stream uncertain by then). With ``timeout``, the closes
-    that have not finished by then are abandoned and logged: the leases expire, and a stream whose sink
-    cannot take back its writes is marked uncertain in the store first (see the module docstring).
+    With ``linger``, the runners whose sensors still tick first go on reading, at most that many
+    seconds, until a newer process takes each over or its next tick is overdue (``StreamRunner.linger``;
+    a second interrupt, such as Ctrl-C, ends the wait). Then each close seals the open epoch at its
+    next safe boundary and certifies it, joins the sessions and gives the lease up, so another worker
+    takes the stream over at once (see :meth:`StreamRunner.close`); the runners close concurrently.
+    Every runner is closed even when one close fails (each failure is logged with its stream); then
+    the first failure is raised (an :class:`UncertainOutcome` has marked its stream uncertain by
+    then). With ``timeout``, the closes that have not finished by then are abandoned and logged: the
+    leases expire, and a stream whose sink cannot take back its writes is marked uncertain in the
+    store first (see the module docstring).
     """
     loop = _background
     with _handles_lock:
         handles = list(_handles.items())
         _handles.clear()
+    if loop is not None and linger > 0:
+        _linger_all(loop, [handle.runner for _, handle in handles], linger)
     ends = None if timeout is None else time.monotonic() + timeout
     held: list[tuple[str, StreamHandle]] = []
     for (name, _), handle in handles:
@@ -139,6 +151,20 @@ def close_cached_streams(timeout: float | None = None) -> None:
         handle.store.close()
     if failures:
         raise failures[0]
+
+
+def _linger_all(loop: BackgroundLoop, runners: Sequence[StreamRunner], longest: float) -> None:
+    """Let the readers run on, at most ``longest`` seconds (see :func:`close_cached_streams`)."""
+
+    async def linger() -> None:
+        await asyncio.gather(*(runner.linger(longest) for runner in runners if runner.reading))
+
+    try:
+        loop.run(linger(), timeout=longest + LOOP_MARGIN_SECONDS)
+    except TimeoutError:
+        logger.warning("faucet streams: the readers did not stop lingering in %.0fs", longest)
+    except KeyboardInterrupt:
+        logger.warning("faucet streams: interrupted while waiting for newer processes; closing now")
 
 
 _ABANDONED = object()
@@ -186,7 +212,7 @@ def _abandon(name: str, handle: StreamHandle) -> None:
 
 def _close_at_exit() -> None:
     try:
-        close_cached_streams(timeout=EXIT_CLOSE_SECONDS)
+        close_cached_streams(timeout=EXIT_CLOSE_SECONDS, linger=EXIT_LINGER_SECONDS)
     except FaucetError:
         pass  # logged with its stream by close_cached_streams; at exit there is no caller to tell
     finally:
