@@ -3,11 +3,11 @@ a control file says so, closed by the interpreter's exit as a code server is.
 
 ``python tests/stream_process.py CONFIG.json``: the config names the servers, the topic, the target
 stream, the state store and the control directory, the epochs' age, and shortens the process's
-clocks (the reader's idle stop, the exit's linger and close) so a test runs in seconds. While ``<control>/tick``
-exists the sensor is ticked every ``TICK_EVERY`` seconds (a running sensor); without it nothing ticks
-(a stopped sensor: the reader stops after its idle time). Once ``<control>/quit`` exists the process
-returns from ``main`` and exits normally, which closes the cached runners (``runner_cache``'s exit
-hook). Each tick writes one JSON line on stdout.
+clocks (the reader's idle stop, the exit's linger and close) so a test runs in seconds. While
+``<control>/tick`` exists the sensor is ticked every ``TICK_EVERY`` seconds (a running sensor);
+without it nothing ticks (a stopped sensor: the reader stops after its idle time). Once
+``<control>/quit`` exists the process returns from ``main`` and exits normally, which closes the
+cached runners (``runner_cache``'s exit hook). Each tick writes one JSON line on stdout.
 """
 
 import json
