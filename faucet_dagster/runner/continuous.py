@@ -17,43 +17,31 @@
 Epochs are pipelined (:mod:`.pipelined`): the next epoch is read while the last one commits, certifies
 and acknowledges; the waits of steps 2, 4 and 6 on the epoch before keep one active epoch per sink
 session, certificates in sequence and nothing acknowledged before its certificate. Three ways to
-drive it, never mixed on one runner:
+drive it, never mixed on one runner: :meth:`run_epoch` (one epoch, nothing read ahead: tests, tools),
+:meth:`run_epochs` (pipelined, within a budget: workers, benchmarks) and :meth:`tick` (under a sensor:
+a background reader, :mod:`.reader`, seals each epoch when it is due; a tick only says what is not
+certified yet).
 
-* :meth:`run_epoch`: one epoch per call, read in the call, nothing read ahead (tests, tools);
-* :meth:`run_epochs`: epochs back to back, pipelined, within a budget (workers, benchmarks);
-* :meth:`tick`: under a sensor (:mod:`.reader`). The first tick starts a reader on the runner's event
-  loop that runs pipelined epochs back to back, each sealed when it is due; a tick does not wait for
-  any of it and says what is not certified yet. A source transaction spans as many epochs' worth of
-  time as it needs.
+Failures and interruptions (:mod:`.sessions` holds the sessions, :mod:`.recovery` reconciles them):
 
-Failures and interruptions (:mod:`.sessions` holds the sessions):
-
-* before 4 (read, seal, a refused commit): the epoch is aborted and the source session closed, so the
-  next epoch reopens it at the certified positions (the rewind); an epoch read ahead is discarded
-  first (:meth:`.pipelined.Flight.quiesce`), so the rewind covers it;
-* a cancelled read never counts as a finished transaction: the epoch is aborted and rewound; a process
-  that dies with an open epoch leaves nothing of it at a transactional sink, and the next owner reads
-  it again from the certified positions;
+* before 4 (read, seal, a refused commit) and on a cancelled read (never evidence that a transaction
+  ended): the epoch is aborted and the source session closed, so the next epoch reopens it at the
+  certified positions (the rewind); an epoch read ahead is discarded first
+  (:meth:`.pipelined.Flight.quiesce`), so the rewind covers it. A process that dies with an open epoch
+  leaves nothing of it at a transactional sink; the next owner reads it again;
 * between 4 and 6 (an uncertain commit, a certificate that could not be persisted): nothing is
-  acknowledged and both sessions are dropped; the next open asks the sink what it last committed;
-* on every open, the sink's ``last_committed()`` is reconciled with the last certificate
-  (:func:`.recovery.reconcile`): a sink one epoch ahead (a crash between 4 and 5) is recovered by
-  reading again from the certified positions at least to the sink's watermark; the sink suppresses
-  the rows it already holds, as it documents, and that epoch's certificate is persisted under the
-  sequence the sink committed. A source that is not deterministic is not re-read into a sink with an
-  atomic watermark: that epoch is certified from the sink's own watermark (coverage up to it; no
-  receipts, no rows, an empty digest) and the source opens there;
+  acknowledged and both sessions are dropped; the next open reconciles the sink's ``last_committed()``
+  with the last certificate (a sink one epoch ahead is recovered without loss or duplicates where the
+  sink can prove it, :func:`.recovery.reconcile`);
 * a close whose outcome is uncertain marks the stream uncertain in the store, which blocks every
   lease until an operator runs ``faucet streams release``.
 
-Leases (DESIGN.md section 5, :mod:`.lease`): the lease is short (``lease_seconds``, 15 s by default)
-and renewed in the background while the runner holds it, between calls and ticks too, so a worker that
-dies (kill -9) is taken over within seconds. A hand-over request (a newer worker found the lease live)
-seals the open epoch if it reaches a boundary within ``HANDOVER_SEAL_SECONDS`` (else interrupts it);
-then the sessions are closed (everything certified is acknowledged; the rest is replayed by the next
-owner) and the lease passed on. A close seals the open epoch the same way; for a sink whose writes
-cannot be taken back (``durability`` other than transactional: NATS publishes during ``apply``) it waits
-for the boundary however long it takes, so nothing it wrote is replayed after its duplicate window.
+Leases (DESIGN.md section 5, :mod:`.lease`) are short and renewed in the background. A hand-over
+request (a newer worker found the lease live) seals the open epoch if it reaches a boundary within
+``HANDOVER_SEAL_SECONDS`` (else interrupts it), closes the sessions and passes the lease on. A close
+seals the open epoch the same way; for a sink whose writes cannot be taken back (``durability`` other
+than transactional: NATS publishes during ``apply``) it waits for the boundary however long it takes,
+so nothing it wrote is replayed after its duplicate window.
 
 The ``fault_point(...)`` lines mark where the fault harness (:mod:`faucet_dagster.testing.faults`)
 crashes or stops a worker; they do nothing unless a fault worker process armed one.
@@ -62,35 +50,33 @@ crashes or stops a worker; they do nothing unless a fault worker process armed o
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline, Pipeline, ResourceSchema
-from faucet_dagster.planner import Plan, plan
+from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline, SealedEpoch
+from faucet_dagster.planner import Plan
 from faucet_dagster.protocol import (
-    CancelToken,
     Coverage,
     Durability,
     EpochCertificate,
     EpochId,
     FaucetError,
-    Mode,
     OwnershipLost,
     ReadLimits,
+    Receipt,
     SourceLag,
     StreamSession,
     UncertainOutcome,
 )
-from faucet_dagster.runner.epoch_reads import read_to_limits
 from faucet_dagster.runner.faults import Point, fault_point
 from faucet_dagster.runner.lease import StreamLease
 from faucet_dagster.runner.open_epoch import EpochClock, Pending
 from faucet_dagster.runner.pipelined import Flight, pipelined
 from faucet_dagster.runner.reader import Reader
+from faucet_dagster.runner.reads import EpochReads
 from faucet_dagster.runner.recovery import Stopwatch, advance
 from faucet_dagster.runner.sessions import StreamSessions
 from faucet_dagster.runner.spec import (
@@ -99,7 +85,9 @@ from faucet_dagster.runner.spec import (
     CutShort,
     StoreDeadLetterRoute,
     StreamSpec,
+    continuous_plan,
     default_worker_id,
+    stream_pipeline,
 )
 from faucet_dagster.state import Lease, StateStore
 
@@ -143,25 +131,8 @@ class StreamRunner:
         self.store = store
         self.worker_id = worker_id or default_worker_id()
         self.started_at = time.time() if started is None else started
-        self.plan: Plan = plan(
-            spec.source.capabilities(),
-            spec.sink.capabilities(),
-            Mode.CONTINUOUS,
-            spec.policy,
-            spec.key,
-            delivery=spec.delivery,
-            durable_state=True,
-            dead_letter=spec.dead_letter,
-        )
-        schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
-        default = spec.default_schema or ResourceSchema()
-        self._pipeline = Pipeline(
-            schemas,
-            default_schema=replace(default, key=default.key or spec.key),
-            # Always a route: a source whose own policy dead-letters undecodable records needs one too.
-            dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
-            options=spec.pipeline,
-        )
+        self.plan: Plan = continuous_plan(spec)
+        self._pipeline = stream_pipeline(spec, store, dead_letters)
         self._lease = StreamLease(
             store,
             spec.name,
@@ -176,10 +147,7 @@ class StreamRunner:
         """True when the sink cannot take back what ``apply`` did (NATS publishes): a stop seals the
         open epoch at its next boundary however long that takes, never rolls it back."""
         self._stop_seal = None if self.final_applies else HANDOVER_SEAL_SECONDS
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._cancel: CancelToken | None = None
-        self._cancel_requested = False
-        self._cancel_lock = threading.Lock()
+        self._reads = EpochReads(self._sessions, spec.name)
         self.cut_short: CutShort | None = None
         """The epoch the deadline of the latest :meth:`run_epochs` interrupted after it read rows
         (None: no epoch of that call was cut short; epochs read between ticks are never cut short)."""
@@ -205,20 +173,20 @@ class StreamRunner:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
         nothing is certified (``run_epoch`` returns None); a reader between ticks stops. Thread-safe."""
         self._reader.clock.stopping = True
-        with self._cancel_lock:
-            token, loop = self._cancel, self._loop
-            if token is not None and loop is not None:
-                loop.call_soon_threadsafe(token.cancel)
-            else:
-                self._cancel_requested = True
+        self._reads.cancel()
 
     # -- epochs in calls ------------------------------------------------------------------------
 
     async def run_epochs(
-        self, budget_seconds: float, limits: ReadLimits | None = None
+        self,
+        budget_seconds: float,
+        limits: ReadLimits | None = None,
+        *,
+        on_certified: Callable[[EpochCertificate], None] | None = None,
     ) -> list[EpochCertificate]:
         """Run epochs, pipelined, until ``budget_seconds`` are spent or the source has nothing new;
-        each read to ``limits`` (default: the stream's).
+        each read to ``limits`` (default: the stream's); ``on_certified`` is called with each
+        certificate as soon as its epoch is acknowledged.
 
         Reads end early enough for the seal, commit, certificate and acknowledgement to fit in the
         budget too: the time kept for them is twice the slowest recent one (at least
@@ -253,8 +221,10 @@ class StreamRunner:
                 async for outcome in epochs:
                     if outcome is None:
                         ended = True
-                    else:
-                        certificates.append(outcome)
+                        continue
+                    certificates.append(outcome)
+                    if on_certified is not None:
+                        on_certified(outcome)
             finally:
                 await epochs.aclose()
         if not certificates and self.cut_short is not None:
@@ -265,13 +235,9 @@ class StreamRunner:
         self, limits: ReadLimits | None = None, *, deadline: float | None = None
     ) -> EpochCertificate | None:
         """Run one epoch in the commit order, nothing read ahead; return its certificate, or None
-        when nothing was certified.
-
-        None means the source had nothing new, or the read was cancelled (``cancel``, ``deadline``, a
-        time on the running loop's clock, or a hand-over), and the epoch was aborted. Every failure
-        is raised after the epoch was aborted and rewound (before the commit) or the sessions dropped
-        (after it). ``deadline`` also bounds the wait for a hand-over.
-        """
+        when the source had nothing new or the read was cancelled (``cancel``, ``deadline``: a time on
+        the running loop's clock that also bounds the wait for a hand-over). Every failure is raised
+        after the epoch was aborted and rewound (before the commit) or the sessions dropped (after)."""
         async with self._serialized():
             return await self._run_epoch(limits or self.spec.limits, deadline, None, Flight())
 
@@ -286,21 +252,19 @@ class StreamRunner:
         interval: float | None = None,
     ) -> Pending | None:
         """One sensor tick: keep the background reader running (:mod:`.reader`) and say what is not
-        certified yet. Epochs are sealed in the background when due (about a second old, full, or
-        a stop), committed, certified and acknowledged; the tick does not wait for them, and the
-        sensor reports the certificates from the store.
+        certified yet. Epochs are sealed in the background when due (about a second old, full, or a
+        stop), committed, certified and acknowledged; the tick does not wait for them, and the sensor
+        reports the certificates from the store.
 
         Returns None when the reader holds nothing it has not certified, else what is pending (an
-        open epoch with rows, an epoch being committed, the reader starting or waiting for a lease).
-        The first tick (and the first after the reader failed or stopped) starts the reader and waits
-        at most ``starting_budget`` (default ``budget_seconds``) for it to take the lease and open the
-        sessions (:attr:`started` says the tick did that); a lease held by a worker this one asked to
-        hand over (one killed cannot answer) is waited for beyond the tick, up to the lease's length,
-        and ``Pending.lease_wait`` says so. A failure of the reader is raised by the next tick, once.
-        The reader stops (its open epoch sealed and certified first, its lease released) when no tick
-        came for ``stop_after`` seconds. ``interval`` (the sensor's minimum interval: the next tick
-        comes that many seconds after this one at the earliest) bounds how long a closing process goes
-        on reading while it waits for a newer one to take the stream over (:meth:`linger`).
+        open epoch with rows, one being committed, the reader starting or waiting for a lease: a lease
+        held by a worker this one asked to hand over is waited for beyond the tick). The first tick
+        (and the first after the reader failed or stopped: :attr:`started`) starts the reader and
+        waits at most ``starting_budget`` (default ``budget_seconds``) for it to take the lease and
+        open the sessions. A failure of the reader is raised by the next tick, once. The reader stops
+        (its open epoch sealed and certified first, its lease released) when no tick came for
+        ``stop_after`` seconds. ``interval`` (the sensor's: when the next tick comes at the earliest)
+        bounds how long an exiting process reads on (:meth:`linger`).
         """
         return await self._reader.tick(
             budget_seconds, stop_after=stop_after, starting_budget=starting_budget, interval=interval
@@ -312,12 +276,10 @@ class StreamRunner:
         return self._reader.running
 
     async def linger(self, longest: float) -> None:
-        """Go on reading, at most ``longest`` seconds, until a newer worker takes the stream over (a
-        hand-over) or the next tick is overdue (the tick interval after the last one, plus
-        ``LINGER_MARGIN_SECONDS``): what a process that is about to exit does, so the stream does not
-        stand still between its exit and the first tick of the process that replaces it (the daemon
-        replaces its code servers every 60 s; the old one exits about 20 s later, the new one's first
-        tick may come up to an interval after the last). Returns at once when no reader runs."""
+        """Go on reading, at most ``longest`` seconds, until a newer worker takes the stream over or
+        the next tick is overdue (its interval after the last, plus ``LINGER_MARGIN_SECONDS``): what
+        an exiting process does, so the stream does not stand still until the process replacing it
+        ticks (see :mod:`faucet_dagster.streams.runner_cache`). Returns at once when no reader runs."""
         await self._reader.linger(longest, LINGER_MARGIN_SECONDS)
 
     async def _read_between_ticks(self, clock: EpochClock) -> None:
@@ -370,14 +332,8 @@ class StreamRunner:
             held = None if before is None else before.epoch
             if held is not None and held.fencing_token != lease.fencing_token:
                 raise OwnershipLost(f"the lease changed under epoch {held}", where=self.spec.name)
-        except OwnershipLost as exc:
-            await flight.quiesce(failed=True)
-            await sessions.drop(exc)
-            flight.settle()
-            raise
-        except BaseException:
-            await flight.quiesce(failed=True)
-            flight.settle()
+        except BaseException as exc:  # a lease lost drops the sessions; a store out of reach keeps them
+            await self._drop(flight, exc, sessions=isinstance(exc, OwnershipLost))
             raise
         source_session, sink_session = await sessions.open(lease)
         if before is None or before.epoch is None or before.coverage is None:
@@ -397,10 +353,10 @@ class StreamRunner:
 
         # 3. Read until a safe boundary (the limits, or the open epoch due); the pipeline flushes and seals.
         if clock is None:
-            reading = self._read(source_session, pipeline, limits, deadline, flight)
+            reading = self._reads.to_limits(source_session, pipeline, limits, deadline, flight)
         else:
             clock.begun(epoch, pipeline, asyncio.get_running_loop().time())
-            reading = self._read_open(clock, source_session, pipeline, flight)
+            reading = self._reads.until_due(clock, source_session, pipeline, flight)
         coverage = await self._guard(reading, epoch, pipeline, flight)
         if coverage is None or (coverage.empty and not pipeline.has_evidence):
             # Cancelled, or nothing new: nothing to commit. A session that moved is rewound.
@@ -414,7 +370,7 @@ class StreamRunner:
         read_end = time.perf_counter()
         # The source's lag (informational, for the certificate) takes the source session's turn now,
         # before the next epoch's reads, and is awaited at step 5.
-        lagging = asyncio.ensure_future(self._source_lag(source_session))
+        lagging = asyncio.ensure_future(self._reads.lag(source_session, LAG_TIMEOUT))
         await asyncio.sleep(0)
         sealed = await self._guard(pipeline.seal(coverage), epoch, pipeline, flight, lagging)
         timings.lap("read_and_seal")
@@ -436,10 +392,7 @@ class StreamRunner:
             await self._drop(flight, exc)
             raise
         except BaseException as exc:
-            await _cancelled(lagging)
-            await flight.quiesce(failed=True)
-            await sessions.abort(epoch, pipeline, rewind=True, cause=exc)
-            flight.settle()
+            await self._abort(epoch, pipeline, flight, exc, lagging)
             raise
         timings.lap("commit")
         flight.committed()
@@ -448,21 +401,7 @@ class StreamRunner:
         # 5. Persist the certificate: from here on, the epoch is certified.
         try:
             lag = await lagging  # cancelled: committed, not certified; the next open reconciles
-            certificate = EpochCertificate(
-                stream=self.spec.name,
-                sequence=epoch.sequence,
-                fencing_token=epoch.fencing_token,
-                worker=self.worker_id,
-                coverage=sealed.coverage.domains,
-                receipts=tuple(receipts),
-                row_counts=sealed.row_counts,
-                digest=sealed.digest,
-                delivery=self.plan.delivery,
-                timings=timings.laps,
-                created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
-                dead_lettered=sealed.dead_lettered,
-                lag=lag,
-            )
+            certificate = self._certificate(epoch, sealed.coverage, timings, sealed, tuple(receipts), lag)
             # Committed but not certified when this fails: acknowledge nothing; the next open finds
             # the sink ahead.
             await asyncio.to_thread(self.store.append_certificate, certificate, lease)
@@ -503,19 +442,7 @@ class StreamRunner:
     ) -> EpochCertificate:
         """Steps 5 and 6 of an epoch the sink committed with no certificate naming it, for a source
         that cannot re-read it exactly: the sink's own watermark is the coverage, nothing is read."""
-        certificate = EpochCertificate(
-            stream=self.spec.name,
-            sequence=epoch.sequence,
-            fencing_token=epoch.fencing_token,
-            worker=self.worker_id,
-            coverage=adopted.domains,
-            receipts=(),
-            row_counts={},
-            digest="",
-            delivery=self.plan.delivery,
-            timings=timings.laps,
-            created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
-        )
+        certificate = self._certificate(epoch, adopted, timings)
         try:
             await asyncio.to_thread(self.store.append_certificate, certificate, lease)
             self._sessions.certify(epoch, adopted)
@@ -527,6 +454,32 @@ class StreamRunner:
         flight.acknowledged()
         logger.warning("stream %s: certified %s from the destination's watermark", self.spec.name, epoch)
         return certificate
+
+    def _certificate(
+        self,
+        epoch: EpochId,
+        coverage: Coverage,
+        timings: Stopwatch,
+        sealed: SealedEpoch | None = None,
+        receipts: tuple[Receipt, ...] = (),
+        lag: tuple[SourceLag, ...] = (),
+    ) -> EpochCertificate:
+        """The certificate of ``epoch`` (an adopted one: no ``sealed`` epoch, no rows, no digest)."""
+        return EpochCertificate(
+            stream=self.spec.name,
+            sequence=epoch.sequence,
+            fencing_token=epoch.fencing_token,
+            worker=self.worker_id,
+            coverage=coverage.domains,
+            receipts=receipts,
+            row_counts={} if sealed is None else sealed.row_counts,
+            digest="" if sealed is None else sealed.digest,
+            delivery=self.plan.delivery,
+            timings=timings.laps,
+            created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
+            dead_lettered={} if sealed is None else sealed.dead_lettered,
+            lag=lag,
+        )
 
     # -- closing and handing over ---------------------------------------------------------------
 
@@ -557,7 +510,7 @@ class StreamRunner:
         return None
 
     async def _close(self, *, release: bool, hand_over: bool = False) -> None:
-        self._cancel_requested = False
+        self._reads.forget_cancel()
         await self._sessions.drop(None)
         if release:
             await self._lease.release(hand_over=hand_over)
@@ -589,76 +542,9 @@ class StreamRunner:
 
     def _interrupt_read(self) -> None:
         """Cancel the read in progress, if any (unlike :meth:`cancel`, never the next one)."""
-        with self._cancel_lock:
-            token, loop = self._cancel, self._loop
-            if token is not None and loop is not None:
-                loop.call_soon_threadsafe(token.cancel)
+        self._reads.interrupt()
 
-    # -- the reads ------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _cancellable(self, flight: Flight) -> Iterator[CancelToken]:
-        """A cancel token for the reads of one epoch, reachable by :meth:`cancel` meanwhile (and by
-        the epoch before it, which interrupts it when it fails)."""
-        token = CancelToken()
-        with self._cancel_lock:
-            self._loop, self._cancel = asyncio.get_running_loop(), token
-            if self._cancel_requested:
-                self._cancel_requested = False
-                token.cancel()
-        flight.reading(token)
-        try:
-            yield token
-        finally:
-            with self._cancel_lock:
-                if self._cancel is token:
-                    self._cancel = None
-
-    async def _read(
-        self,
-        session: StreamSession,
-        pipeline: EpochPipeline,
-        limits: ReadLimits,
-        deadline: float | None,
-        flight: Flight,
-    ) -> Coverage | None:
-        """Read to a safe boundary (while recovering, on to the sink's watermark); None when cancelled."""
-        with self._cancellable(flight) as token:
-            loop = asyncio.get_running_loop()
-            timer = None if deadline is None else loop.call_at(deadline, token.cancel)
-            try:
-                coverage = await read_to_limits(
-                    self._sessions, session, pipeline, limits, token, flight, self.spec.name
-                )
-            finally:
-                if timer is not None:
-                    timer.cancel()
-        # Cancellation is an interruption, never evidence that a transaction or the recovery ended.
-        return None if token.cancelled else coverage
-
-    async def _read_open(
-        self, clock: EpochClock, session: StreamSession, pipeline: EpochPipeline, flight: Flight
-    ) -> Coverage | None:
-        """Read into the open epoch under a sensor until it is due; None when cancelled."""
-        sessions = self._sessions
-
-        async def read(into: EpochPipeline, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-            return await sessions.read(session, into, limits, cancel)
-
-        with self._cancellable(flight) as token:
-            coverage = await clock.read(read, pipeline, token, sessions.recover_to)
-        return None if token.cancelled else coverage
-
-    async def _source_lag(self, session: StreamSession) -> tuple[SourceLag, ...]:
-        """How far the source's head is past this epoch's read, for its certificate, in the source
-        session's turn. Informational: bounded by ``LAG_TIMEOUT`` and never failing the epoch (a
-        failure is logged, the lag left out)."""
-        async with self._sessions.turn:
-            try:
-                return await asyncio.wait_for(session.lag(), LAG_TIMEOUT)
-            except (FaucetError, TimeoutError) as exc:
-                logger.warning("stream %s: the source's lag is unknown: %r", self.spec.name, exc)
-                return ()
+    # -- around the commit order -------------------------------------------------------------
 
     async def _authority(self) -> None:
         """The authority a source checks before every provider acknowledgement: the live lease."""
@@ -673,22 +559,35 @@ class StreamRunner:
         flight: Flight,
         lagging: "asyncio.Future[Any] | None" = None,
     ) -> T:
-        """Await a step before the commit; on failure (the epoch read ahead discarded first) abort
-        the epoch, rewind, and re-raise."""
+        """Await a step before the commit; on failure abort the epoch and rewind (:meth:`_abort`)."""
         try:
             return await step
         except BaseException as exc:
-            if lagging is not None:
-                await _cancelled(lagging)
-            await flight.quiesce(failed=True)
-            await self._sessions.abort(epoch, pipeline, rewind=True, cause=exc)
-            flight.settle()
+            await self._abort(epoch, pipeline, flight, exc, lagging)
             raise
 
-    async def _drop(self, flight: Flight, cause: BaseException) -> None:
-        """After the commit, on failure (the epoch read ahead discarded first): drop both sessions."""
+    async def _abort(
+        self,
+        epoch: EpochId,
+        pipeline: EpochPipeline,
+        flight: Flight,
+        cause: BaseException,
+        lagging: "asyncio.Future[Any] | None",
+    ) -> None:
+        """Before the commit, on failure: the lag's request and the epoch read ahead ended first,
+        abort the epoch and rewind the source session."""
+        if lagging is not None:
+            await _cancelled(lagging)
         await flight.quiesce(failed=True)
-        await self._sessions.drop(cause)
+        await self._sessions.abort(epoch, pipeline, rewind=True, cause=cause)
+        flight.settle()
+
+    async def _drop(self, flight: Flight, cause: BaseException, *, sessions: bool = True) -> None:
+        """After the commit (or taking the lease), on failure: the epoch read ahead discarded first,
+        drop both sessions (unless ``sessions`` is false)."""
+        await flight.quiesce(failed=True)
+        if sessions:
+            await self._sessions.drop(cause)
         flight.settle()
 
 

@@ -167,7 +167,8 @@ async def pipelined(
 ) -> AsyncGenerator[Outcome, None]:
     """Run epochs back to back (``run(flight)`` is one epoch in the commit order) while ``more()``:
     each next epoch starts once the one before it is sealed, when ``ahead()`` allows reading ahead
-    then (else once it ended). Yields every epoch's outcome, in sequence; raises the first failure
+    then (else once it ended). Yields every epoch's outcome, in sequence, as soon as it ended (a
+    certificate once it is acknowledged); raises the first failure
     once every epoch in flight settled (a later one's :class:`PreviousEpochFailed` is dropped).
     Leaving the loop early (``aclose``) interrupts the read ahead and waits for both epochs."""
     previous: tuple[Flight, asyncio.Task[Outcome]] | None = None
@@ -177,11 +178,20 @@ async def pipelined(
             flight = Flight(None if previous is None else previous[0])
             task = asyncio.ensure_future(run(flight))
             current = (flight, task)
-            points: list[asyncio.Future[Any]] = [task, flight._sealed]
-            await asyncio.wait(points, return_when=asyncio.FIRST_COMPLETED)
-            if previous is not None:
+            # Until this epoch is sealed or ended; the one before it is yielded as soon as it ends.
+            while not (task.done() or flight._sealed.done()):
+                points: list[asyncio.Future[Any]] = [task, flight._sealed]
+                if previous is not None:
+                    points.append(previous[1])
+                await asyncio.wait(points, return_when=asyncio.FIRST_COMPLETED)
+                if previous is not None and previous[1].done():
+                    outcome = await previous[1]
+                    previous[0].next = flight.previous = None  # passed: the chain ends here (memory)
+                    previous = None
+                    yield outcome
+            if previous is not None:  # sealed before the one before it ended: no third in flight
                 outcome = await previous[1]
-                previous[0].next = flight.previous = None  # passed: the chain ends here (memory)
+                previous[0].next = flight.previous = None
                 previous = None
                 yield outcome
             if not task.done() and flight.overlapping and flight._sealed.result() and ahead():

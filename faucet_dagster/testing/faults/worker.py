@@ -255,6 +255,7 @@ class _Epochs:
 
     def __init__(self, spec: WorkerSpec, store: StateStore) -> None:
         stream = stream_spec(spec)
+        self._pipelined = spec.pipelined
         self._driver: MemberWorker | StreamRunner = (
             MemberWorker(stream, store, groups=spec.groups, worker_id=spec.worker_id)
             if spec.groups
@@ -264,12 +265,20 @@ class _Epochs:
     def cancel(self) -> None:
         self._driver.cancel()
 
-    async def step(self) -> list[EpochCertificate]:
-        """Epochs for a few seconds, pipelined as under a sensor (a stream), or one round of every
-        group held (a member)."""
-        if isinstance(self._driver, MemberWorker):
-            return await self._driver.run_round()
-        return await self._driver.run_epochs(STEP_SECONDS)
+    async def step(self, on_certified: Callable[[EpochCertificate], None]) -> None:
+        """Epochs for a few seconds, pipelined as under a sensor, or one epoch (a stream), or one
+        round of every group held (a member); ``on_certified`` is called with each certificate as
+        soon as its epoch is acknowledged."""
+        driver = self._driver
+        if isinstance(driver, MemberWorker):
+            certificates = await driver.run_round()
+        elif self._pipelined:
+            await driver.run_epochs(STEP_SECONDS, on_certified=on_certified)
+            return
+        else:
+            certificates = [c for c in [await driver.run_epoch()] if c is not None]
+        for certificate in certificates:
+            on_certified(certificate)
 
     async def close(self) -> None:
         await self._driver.close()
@@ -286,6 +295,20 @@ async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) ->
     deadline = loop.time() + spec.deadline_seconds
     code = EXIT_DONE
     certified = 0
+
+    def on_certified(certificate: EpochCertificate) -> None:
+        nonlocal certified
+        certified += 1
+        events.emit(
+            "certified",
+            stream=certificate.stream,
+            sequence=certificate.sequence,
+            rows=sum(certificate.row_counts.values()),
+            fencing_token=certificate.fencing_token,
+        )
+        if spec.stop_after_epochs is not None and certified == spec.stop_after_epochs:
+            loop.call_later(spec.stop_delay, stop.request)
+
     try:
         while not stop.requested:
             if loop.time() >= deadline:
@@ -293,23 +316,12 @@ async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) ->
                 code = EXIT_DEADLINE
                 break
             try:
-                certificates = await epochs.step()
+                await epochs.step(on_certified)
             except FaucetError as exc:
                 if await retried(exc, spec, events):
                     continue
                 code = EXIT_HALTED
                 break
-            for certificate in certificates:
-                certified += 1
-                events.emit(
-                    "certified",
-                    stream=certificate.stream,
-                    sequence=certificate.sequence,
-                    rows=sum(certificate.row_counts.values()),
-                    fencing_token=certificate.fencing_token,
-                )
-                if spec.stop_after_epochs is not None and certified == spec.stop_after_epochs:
-                    loop.call_later(spec.stop_delay, stop.request)
             # Checked after an epoch ran, so even a worker with nothing left opens its sessions (and
             # halts on a source that changed under the certified positions).
             if spec.targets and reached(
