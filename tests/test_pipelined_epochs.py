@@ -14,12 +14,13 @@ one is active; the state store is real, SQLite):
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from stream_doubles import MemoryDestination, MemoryLog, MemorySession, MemorySink, MemorySource, SinkFaults
+from test_continuous_runner import run
 
 from faucet_dagster.protocol import (
     Authority,
@@ -32,16 +33,8 @@ from faucet_dagster.protocol import (
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import Lease, StateStore
 
-T = TypeVar("T")
 WAIT = 10.0
 """How long a held commit waits for the read-ahead it expects (generous: a loaded machine)."""
-
-
-def run(factory: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await factory()
-
-    return asyncio.run(main())
 
 
 @pytest.fixture
