@@ -147,11 +147,21 @@ def certified(store: StateStore, name: str) -> int:
     return sum(sum(c.row_counts.values()) for c in store.certificates(name))
 
 
-def duplicates(nats_url: str, target: str) -> tuple[list[int], int]:
-    """The distinct ids stored, sorted, and how many messages were stored more than once."""
-    stored = asyncio.run(stored_ids(nats_url, target))
-    counts = Counter(stored)
-    return sorted(counts), sum(count - 1 for count in counts.values())
+def assert_each_once(nats_url: str, target: str, total: int) -> None:
+    """The target stream holds ids ``0 .. total - 1``, each once."""
+    counts = Counter(asyncio.run(stored_ids(nats_url, target)))
+    assert sorted(counts) == list(range(total)), "a record was lost"
+    twice = sum(count - 1 for count in counts.values())
+    assert twice == 0, f"{twice} messages stored twice"
+
+
+def stop_all(processes: list["Process | None"]) -> None:
+    for process in processes:
+        if process is not None:
+            process.ticking(False)
+            if process.proc.poll() is None:
+                process.exit()
+            process.close()
 
 
 def test_a_sensor_stopped_longer_than_the_duplicate_window_stores_nothing_twice(
@@ -180,13 +190,9 @@ def test_a_sensor_stopped_longer_than_the_duplicate_window_stores_nothing_twice(
         wait_for("everything certified", lambda: certified(store, setup["name"]) >= total, process)
         print(f"\nstopped {time.monotonic() - stopped:.0f}s; {total} records produced")
     finally:
-        process.ticking(False)
-        process.exit()
-        process.close()
+        stop_all([process])
         store.close()
-    ids, twice = duplicates(setup["nats_url"], setup["target"])
-    assert ids == list(range(total)), "a record was lost"
-    assert twice == 0, f"{twice} messages stored twice after the stop"
+    assert_each_once(setup["nats_url"], setup["target"], total)
 
 
 def test_an_exit_with_nats_frozen_marks_the_stream_uncertain_and_blocks_takeover_until_released(
@@ -231,13 +237,6 @@ def test_an_exit_with_nats_frozen_marks_the_stream_uncertain_and_blocks_takeover
     finally:
         if frozen:
             os.kill(pid, signal.SIGCONT)
-        for process in (first, second):
-            if process is not None:
-                process.ticking(False)
-                if process.proc.poll() is None:
-                    process.exit()
-                process.close()
+        stop_all([first, second])
         store.close()
-    ids, twice = duplicates(setup["nats_url"], setup["target"])
-    assert ids == list(range(total)), "a record was lost"
-    assert twice == 0, f"{twice} messages stored twice"
+    assert_each_once(setup["nats_url"], setup["target"], total)
