@@ -51,7 +51,7 @@ import os
 import dagster as dg
 
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
-from faucet_dagster.streams.sensor import FaucetStream, build_stream_defs
+from faucet_dagster import FaucetStream, build_stream_defs
 
 streams = [
     FaucetStream(

@@ -420,7 +420,10 @@ class StreamRunner:
                 await source_session.acknowledge(sealed.coverage, self._authority)
         except BaseException as exc:
             await self._drop(flight, exc)
-            raise
+            lost = await self._lost_or(exc)
+            if lost is exc:
+                raise
+            raise lost from exc
         flight.acknowledged()
 
         # 7. Report: the caller reports certificates from the store (never a precondition of step 6).
@@ -545,6 +548,21 @@ class StreamRunner:
         self._reads.interrupt()
 
     # -- around the commit order -------------------------------------------------------------
+
+    async def _lost_or(self, failure: BaseException) -> BaseException:
+        """The lease lost, when an acknowledgement ``failure`` came after it was (a process frozen
+        between the authority's check and the provider's answer wakes to a provider that moved on: a
+        PostgreSQL slot advanced past it refuses it); else ``failure``."""
+        if isinstance(failure, OwnershipLost) or not isinstance(failure, FaucetError):
+            return failure
+        try:
+            await self._lease.check()
+        except OwnershipLost as lost:
+            lost.add_note(f"the acknowledgement failed after the lease was lost: {failure}")
+            return lost
+        except FaucetError:
+            pass
+        return failure
 
     async def _authority(self) -> None:
         """The authority a source checks before every provider acknowledgement: the live lease."""

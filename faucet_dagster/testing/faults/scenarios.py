@@ -46,7 +46,7 @@ from faucet_dagster.testing.faults.spec import (
     EXIT_HALTED,
     Event,
 )
-from faucet_dagster.testing.faults.worker_process import HarnessError
+from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 
 # -- one case -------------------------------------------------------------------------------------
 
@@ -114,7 +114,9 @@ def _zombie(case: Case, fault: Fault) -> CaseOutcome:
             return recovered_outcome(case, False, False, notes)
         time.sleep(0.02)
     time.sleep(case.params.lease_seconds + 0.3)  # past the owner's lease
-    certified_before = owner.count("certified")  # every event it wrote before stopping is read by now
+    # What the owner certified before it stopped, from the store (its events of them may come after
+    # SIGCONT: a pipelined worker reports an epoch once it is acknowledged).
+    certified_before = _certified_by(case, owner)
     successor = case.start(case.spec("successor", stop_after_epochs=2))
     successor_code = case.finish(successor)
     took_over = successor_code == EXIT_DONE and successor.count("certified") > 0
@@ -126,10 +128,15 @@ def _zombie(case: Case, fault: Fault) -> CaseOutcome:
     refused = owner_code == EXIT_HALTED and error is not None and error.data.get("kind") == "ownership_lost"
     if not refused:
         notes.append(f"the resumed owner exited with {owner_code}: {describe_event(error) or owner.tail()}")
-    if owner.count("certified") > certified_before:
+    if _certified_by(case, owner) != certified_before:
         notes.append("the resumed owner certified an epoch after its lease expired")
         refused = False
     return recovered_outcome(case, True, took_over and refused, notes)
+
+
+def _certified_by(case: Case, worker: WorkerProcess) -> list[int]:
+    """The sequences of the certificates ``worker`` persisted."""
+    return [c.sequence for c in case.certificates() if c.worker == worker.spec.worker_id]
 
 
 def _restart(case: Case, fault: Fault) -> CaseOutcome:
