@@ -22,6 +22,7 @@ release``.
 import asyncio
 import atexit
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,9 +37,12 @@ logger = logging.getLogger(__name__)
 
 EXIT_CLOSE_SECONDS = 10.0
 """How long a stopping process waits for its streams to close before it exits anyway."""
-EXIT_LINGER_SECONDS = 45.0
-"""How long, at most, a stopping process goes on reading a stream its sensor still ticks, waiting for
-a newer process to take it over (``StreamRunner.linger``), before it closes it."""
+EXIT_LINGER_SECONDS = 25.0
+"""How long, at most, an exiting process goes on reading a stream its sensor still ticks, waiting for
+a newer process to take it over (``StreamRunner.linger``), before it closes it: the daemon's code
+server exits 20 s after its replacement started, which ticks each sensor up to an interval (30 s by
+default) after the old one did. Not when the process exits on an interrupt (Ctrl-C, or SIGTERM where
+it is one). An orchestrator's grace period should leave it and ``EXIT_CLOSE_SECONDS``."""
 LOOP_MARGIN_SECONDS = 2.0
 """How much longer than the closes' time the closing thread waits for the event loop to answer."""
 
@@ -211,8 +215,9 @@ def _abandon(name: str, handle: StreamHandle) -> None:
 
 
 def _close_at_exit() -> None:
+    interrupted = getattr(sys, "last_type", None) is KeyboardInterrupt  # the main thread's last error
     try:
-        close_cached_streams(timeout=EXIT_CLOSE_SECONDS, linger=EXIT_LINGER_SECONDS)
+        close_cached_streams(timeout=EXIT_CLOSE_SECONDS, linger=0.0 if interrupted else EXIT_LINGER_SECONDS)
     except FaucetError:
         pass  # logged with its stream by close_cached_streams; at exit there is no caller to tell
     finally:
