@@ -7,12 +7,14 @@ before it when that one fails (:meth:`.pipelined.Flight.interrupt`). Cancellatio
 never evidence that a source transaction ended: an interrupted read returns None, and its epoch is
 aborted and rewound.
 
-An epoch read in one call reads to the first safe boundary after its limits in one read of the source
-session (a read ahead included: the acknowledgement of the epoch before it waits for that read to end,
-which is what a source that re-positions after an interrupted server call needs: a PostgreSQL change
-source reads the next call from a fresh copy of its slot, which starts where the slot was acknowledged).
-While recovering an epoch the destination committed before its certificate, it reads on to the
-destination's watermark.
+An epoch read in one call reads to the first safe boundary after its limits, in one read of the source
+session as long as data comes: a read is not cut into slices by time (a PostgreSQL change source ends a
+read inside a server call by dropping its copy of the slot, which the next read makes again from the
+slot's acknowledged position). An epoch read ahead, while the epoch before it is in flight, stops a read
+after ``AHEAD_IDLE_SECONDS`` with nothing new instead of its ``idle``, so that epoch's acknowledgement
+(which takes the session's turn after the read) is not held up by a source with nothing to say; it
+then reads on to its limits. While recovering an epoch the destination committed before its
+certificate, it reads on to the destination's watermark.
 """
 
 import asyncio
@@ -29,6 +31,10 @@ from faucet_dagster.runner.recovery import merge, reaches
 from faucet_dagster.runner.sessions import StreamSessions
 
 logger = logging.getLogger(__name__)
+
+AHEAD_IDLE_SECONDS = 0.05
+"""How long a read of an epoch read ahead waits with nothing new before it lets the acknowledgement of
+the epoch before it take the source session (then it reads on)."""
 
 
 class EpochReads:
@@ -96,7 +102,7 @@ class EpochReads:
             loop = asyncio.get_running_loop()
             timer = None if deadline is None else loop.call_at(deadline, token.cancel)
             try:
-                coverage = await sessions.read(session, pipeline, limits, token)
+                coverage = await self._to_limits_ahead(session, pipeline, limits, token, flight)
                 while recover_to and not token.cancelled and not reaches(coverage, recover_to):
                     more = await sessions.read(session, pipeline, limits, token)
                     if more.empty:
@@ -112,6 +118,33 @@ class EpochReads:
                     timer.cancel()
         # Cancellation is an interruption, never evidence that a transaction or the recovery ended.
         return None if token.cancelled else coverage
+
+    async def _to_limits_ahead(
+        self,
+        session: StreamSession,
+        pipeline: EpochPipeline,
+        limits: ReadLimits,
+        cancel: CancelToken,
+        flight: Flight,
+    ) -> Coverage:
+        """One read to ``limits``; while the epoch before is in flight, reads that each stop after
+        ``AHEAD_IDLE_SECONDS`` with nothing new (see the module docstring), together to ``limits``."""
+        loop = asyncio.get_running_loop()
+        began = quiet_since = loop.time()
+        coverage = Coverage()
+        while True:
+            before = flight.previous
+            ahead = before is not None and before.in_flight
+            now = loop.time()
+            more = await self._sessions.read(
+                session, pipeline, _left(limits, pipeline, now - began, ahead), cancel
+            )
+            coverage = merge(coverage, more)
+            now = loop.time()
+            if not more.empty:
+                quiet_since = now
+            if cancel.cancelled or not ahead or _reached(limits, pipeline, now - began, now - quiet_since):
+                return coverage
 
     async def lag(self, session: StreamSession, timeout: float) -> tuple[SourceLag, ...]:
         """How far the source's head is past the last read, for its epoch's certificate, in the source
@@ -138,4 +171,28 @@ class EpochReads:
         return None if token.cancelled else coverage
 
 
-__all__ = ["EpochReads"]
+def _left(limits: ReadLimits, pipeline: EpochPipeline, elapsed: float, ahead: bool) -> ReadLimits:
+    """What is left of the epoch's ``limits`` after ``elapsed`` seconds of its reads; an ``idle`` of at
+    most ``AHEAD_IDLE_SECONDS`` while it is read ahead."""
+    idle = limits.idle
+    if ahead:
+        idle = AHEAD_IDLE_SECONDS if idle is None else min(idle, AHEAD_IDLE_SECONDS)
+    return ReadLimits(
+        records=None if limits.records is None else max(1, limits.records - pipeline.rows_read),
+        bytes=None if limits.bytes is None else max(1, limits.bytes - pipeline.bytes_written),
+        idle=idle,
+        age=None if limits.age is None else max(0.0, limits.age - elapsed),
+    )
+
+
+def _reached(limits: ReadLimits, pipeline: EpochPipeline, elapsed: float, quiet: float) -> bool:
+    """Whether the epoch's reads so far met one of its limits."""
+    return (
+        (limits.records is not None and pipeline.rows_read >= limits.records)
+        or (limits.bytes is not None and pipeline.bytes_written >= limits.bytes)
+        or (limits.age is not None and elapsed >= limits.age)
+        or (limits.idle is not None and quiet >= limits.idle)
+    )
+
+
+__all__ = ["AHEAD_IDLE_SECONDS", "EpochReads"]
