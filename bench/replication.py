@@ -16,7 +16,7 @@ from faucet_postgres.stream_sink import PostgresStreamingSink
 
 from bench.context import BenchContext
 from bench.streams import run_until
-from faucet_dagster.protocol import ReadLimits, WritePolicy
+from faucet_dagster.protocol import EpochCertificate, ReadLimits, WritePolicy
 from faucet_dagster.runner.continuous import StreamSpec
 from faucet_dagster.state import StateStore
 
@@ -60,11 +60,11 @@ def drop_slot(ctx: BenchContext, slot: str) -> None:
 
 def replicate(
     ctx: BenchContext, config: PostgresCdcConfig, tables: Mapping[str, str], rows: int
-) -> tuple[float, int]:
+) -> tuple[float, list[EpochCertificate]]:
     """The continuous runner from a copy of ``config``'s slot into ``tables`` (source table -> replica
     table, in the replica database): APPLY_CHANGES, epochs of 50,000 change rows, certificates in a
-    SQLite state store, the slot acknowledged; timed from the first lease until ``rows`` change rows
-    are certified. Returns the seconds and the epochs.
+    SQLite state store, the slot acknowledged, pipelined as under a sensor; timed from the first lease
+    until ``rows`` change rows are certified. Returns the seconds and the certificates.
 
     Reads have ``idle=0``: a read that finds nothing new returns at once, so the last epoch is sealed
     as soon as the server reports the slot caught up, as a baseline ends when its peek is exhausted.

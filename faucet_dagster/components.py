@@ -231,16 +231,19 @@ class StreamSchemaModel(dg.Model, _Located):
 
 
 class StreamEpochModel(dg.Model, _Located):
-    """How big an epoch gets. Under the sensor, an epoch is sealed by a tick, or at the first safe
-    boundary after ``records`` or ``bytes`` (without waiting for the tick, which reports it);
-    ``idle_seconds`` and ``age_seconds`` cap each read into it (at most 0.5 s idle, 1 s long)."""
+    """How big an epoch gets. Under the sensor, an epoch is sealed in the background at the first safe
+    boundary after it is ``age_seconds`` old (a second by default: how long a row waits to become
+    visible) or holds ``records`` or ``bytes``; a tick reports it. ``idle_seconds`` caps each read
+    into it (at most 0.5 s)."""
 
     records: Annotated[int | None, _field("Records an open epoch holds at most.")] = (
         DEFAULT_EPOCH_LIMITS.records
     )
     bytes: Annotated[int | None, _field("Bytes an open epoch holds at most.")] = DEFAULT_EPOCH_LIMITS.bytes
     idle_seconds: Annotated[float | None, _field("Seconds without a record.")] = DEFAULT_EPOCH_LIMITS.idle
-    age_seconds: Annotated[float | None, _field("Seconds since the read began.")] = DEFAULT_EPOCH_LIMITS.age
+    age_seconds: Annotated[float | None, _field("Seconds an epoch reads before it is sealed.")] = (
+        DEFAULT_EPOCH_LIMITS.age
+    )
 
 
 class StreamModel(dg.Model, _Located):

@@ -10,6 +10,11 @@ with the daemon's defaults (sensors evaluated one at a time, its own code server
 sets ``sensors: {use_threads: true, num_workers: N}`` in ``dagster.yaml``: N at a time). Publishes
 ``--rate`` numbered messages per second to each stream for ``--seconds``, then waits until every
 stream certified everything and checks each destination table holds every message exactly once.
+Meanwhile a poller reads each destination table's highest id every ``--poll`` seconds (ids land in
+order: one NATS stream is one ordering domain): a message's latency runs from its publish
+acknowledgement to the first poll that saw its row; the p50, p95, p99 and largest latency are printed,
+over every message and per stream, with the moments of the largest (the daemon replaces its code
+servers every 60 s: each replacement is a hand-over).
 Prints, from the ticks the daemon recorded: the ticks' p50, p95 and longest duration (the first
 ticks of a code server apart: they start its readers), per stream the longest gap between the starts
 of two of its ticks (what "every stream still ticks about every interval" means), and where the time
@@ -20,6 +25,7 @@ CPU the daemon and its code servers used. ``--keep`` keeps the daemon's log and 
 """
 
 import argparse
+import bisect
 import itertools
 import statistics
 import sys
@@ -82,6 +88,7 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=30)
     parser.add_argument("--threads", type=int, default=0, help="sensors evaluated at a time (0: serial)")
     parser.add_argument("--keep", type=Path, default=None, help="a directory to keep the logs in")
+    parser.add_argument("--poll", type=float, default=0.05, help="seconds between the latency poller's reads")
     args = parser.parse_args()
     daemon_test.RATE = args.rate
     return with_test_servers(run, args, keep=None if args.keep is None else args.keep.resolve())
@@ -108,8 +115,10 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
     }
     deployment = daemon_test.Deployment(tmp, env)
     publishers = [daemon_test.Publisher(nats_server.url, name) for name in names]
+    visibility = Visibility(database, names, args.poll)
     store = StateStore(state)
     try:
+        visibility.start()
         for publisher in publishers:
             publisher.start()
         deployment.start_daemon()
@@ -139,15 +148,81 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
             f"{args.streams} streams at {args.rate}/s each, interval {args.interval}s, {args.seconds:.0f}s: "
             "every message in its destination exactly once"
         )
+        visibility.stopped.set()
+        visibility.join()
+        print(visibility.describe(names, publishers))
         print_ticks(home, args.interval)
         print(cpu.describe(args.seconds))
         return 0
     finally:
+        visibility.stopped.set()
         for publisher in publishers:
             publisher.stopped.set()
         deployment.stop()
         store.close()
         deployment.store.close()
+
+
+class Visibility(threading.Thread):
+    """Reads each destination table's highest id every ``poll`` seconds, noting when each grew."""
+
+    def __init__(self, url: str, tables: list[str], poll: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.tables, self.poll = url, tables, poll
+        self.stopped = threading.Event()
+        self.seen: dict[str, list[tuple[float, int]]] = {table: [] for table in tables}
+        """Per table, (when, highest id) each time the highest id grew."""
+
+    def run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            query: str | None = None
+            while not self.stopped.wait(self.poll):
+                if query is None:
+                    made = {row[0] for row in conn.execute("SELECT tablename FROM pg_tables")}
+                    if not all(table in made for table in self.tables):
+                        continue  # each sink creates its table with its first epoch
+                    query = "SELECT " + ", ".join(f'(SELECT max(id) FROM "{t}")' for t in self.tables)
+                row = conn.execute(query).fetchone() or ()
+                now = time.time()
+                for table, highest in zip(self.tables, row, strict=True):
+                    marks = self.seen[table]
+                    if highest is not None and (not marks or highest > marks[-1][1]):
+                        marks.append((now, highest))
+
+    def latencies(self, table: str, sent: dict[int, float]) -> list[tuple[float, int]]:
+        """(latency, id) of every message sent that was seen."""
+        marks = self.seen[table]
+        highs = [high for _, high in marks]
+        found = []
+        for n, at in sent.items():
+            index = bisect.bisect_left(highs, n)
+            if index < len(marks):
+                found.append((marks[index][0] - at, n))
+        return found
+
+    def describe(self, tables: list[str], publishers: list[daemon_test.Publisher]) -> str:
+        every: list[float] = []
+        lines = []
+        for table, publisher in zip(tables, publishers, strict=True):
+            mine = sorted(self.latencies(table, publisher.sent))
+            every += [latency for latency, _ in mine]
+            _, n = mine[-1]
+            at = time.strftime("%H:%M:%S", time.localtime(publisher.sent[n]))
+            lines.append(
+                f"  {table}: {_percentiles([latency for latency, _ in mine])}; the largest for id {n}, "
+                f"published at {at}"
+            )
+        every.sort()
+        return "\n".join(
+            [f"publish to visible, {len(every)} messages (poll {self.poll}s): {_percentiles(every)}", *lines]
+        )
+
+
+def _percentiles(ordered: list[float]) -> str:
+    if not ordered:
+        return "none"
+    p50, p95, p99 = (ordered[int(q * (len(ordered) - 1))] for q in (0.5, 0.95, 0.99))
+    return f"p50 {p50:.2f}s, p95 {p95:.2f}s, p99 {p99:.2f}s, largest {ordered[-1]:.2f}s"
 
 
 class CpuMeter(threading.Thread):

@@ -96,14 +96,30 @@ class MemoryLog:
 
 
 class MemorySession(StreamSession):
+    """A session on the log. Like a provider's client, it takes one call at a time: a call while
+    another runs (the runner's contract forbids it) fails loudly."""
+
     def __init__(self, log: MemoryLog, after: int, faults: SourceFaults, chunk: int) -> None:
         self.log = log
         self.position = after
         self.faults = faults
         self.chunk = chunk
         self.closed = False
+        self.busy: str | None = None
+
+    def _enter(self, call: str) -> None:
+        if self.busy is not None:
+            raise AssertionError(f"{call} called while {self.busy} runs on the same source session")
+        self.busy = call
 
     async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
+        self._enter("read")
+        try:
+            return await self._read(sink, limits, cancel)
+        finally:
+            self.busy = None
+
+    async def _read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
         self.log.reads.append(limits)
         dom = domain(self.log.incarnation)
         start = boundary = self.position
@@ -142,12 +158,16 @@ class MemorySession(StreamSession):
         return Coverage((DomainCoverage(dom, None if start == 0 else str(start), str(end)),))
 
     async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
-        if self.faults.before_acknowledge is not None:
-            await self.faults.before_acknowledge()
-        for item in coverage.domains:
-            await authority()
-            self.log.acknowledged = max(self.log.acknowledged, int(item.end))
-            self.log.acknowledgements.append(int(item.end))
+        self._enter("acknowledge")
+        try:
+            if self.faults.before_acknowledge is not None:
+                await self.faults.before_acknowledge()
+            for item in coverage.domains:
+                await authority()
+                self.log.acknowledged = max(self.log.acknowledged, int(item.end))
+                self.log.acknowledgements.append(int(item.end))
+        finally:
+            self.busy = None
 
     async def close(self) -> None:
         self.closed = True
@@ -207,6 +227,8 @@ class SinkFaults:
     close_error: Exception | None = None
     apply_delay: float = 0.0
     apply_error: Exception | None = None
+    before_commit: Callable[[EpochId], Awaitable[None]] | None = None
+    """Awaited when ``commit_epoch`` is called, before anything is committed (it may raise)."""
 
 
 @dataclass
@@ -255,6 +277,8 @@ class MemorySinkSession(StreamingSinkSession):
         self.destination.calls.append(f"commit {epoch.sequence}")
         if epoch != self.active:
             raise EpochMismatch(f"commit of {epoch}, active {self.active}")
+        if self.faults.before_commit is not None:
+            await self.faults.before_commit(epoch)
         if self.faults.commit_error is not None:
             raise self.faults.commit_error
         written = skipped = 0

@@ -87,6 +87,21 @@ def evaluate_ticks(
         store.close()
 
 
+def first_failure(tick: Callable[[], object], what: str) -> Exception:
+    """Call ``tick`` (a sensor tick) until it raises, for at most :data:`DRAIN_SECONDS`; the exception.
+
+    A tick does not wait for the stream's background reader: a failure the reader meets is raised by
+    a later tick, how much later depending on the machine's speed."""
+    ends = time.monotonic() + DRAIN_SECONDS
+    while True:
+        try:
+            tick()
+        except Exception as exc:  # noqa: BLE001 - what the caller checks
+            return exc
+        assert time.monotonic() < ends, f"{what}: no tick failed within {DRAIN_SECONDS:.0f}s"
+        time.sleep(0.2)
+
+
 def ticks_reporting(
     sensor: dg.SensorDefinition, epochs: int, instance: dg.DagsterInstance | None = None
 ) -> list[SensorExecutionData]:

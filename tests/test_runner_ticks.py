@@ -1,8 +1,9 @@
-"""Epochs that span ticks (``StreamRunner.tick``): read between ticks, sealed when a tick asks.
+"""Epochs under a sensor (``StreamRunner.tick``): read in the background, sealed by age, size or a stop.
 
 The source and sink are the in-memory doubles of ``stream_doubles`` (a transaction's end is held back
 by the test where it says so); the state store is real (SQLite). Each runner lives on a
 :class:`BackgroundLoop`, as in a code server: its reader runs there between the ticks the test sends.
+A tick never seals anything: the tests wait (with generous bounds) for what the reader certifies.
 """
 
 import asyncio
@@ -25,10 +26,12 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.runner.continuous import Pending, StreamRunner, StreamSpec
 from faucet_dagster.runner.loop import BackgroundLoop
-from faucet_dagster.runner.open_epoch import READ_SLICE_SECONDS, SEAL_SLICE_SECONDS
+from faucet_dagster.runner.open_epoch import READ_SLICE_SECONDS
 from faucet_dagster.state import Lease, StateStore
 
 BOUND = 30.0
+LONG_AGE = 600.0
+"""An epoch age no test waits for: its epochs end by size, a stop or a hand-over only."""
 
 
 @pytest.fixture
@@ -52,6 +55,7 @@ def runner(
     *,
     worker: str = "w1",
     records: int = 1_000,
+    age: float | None = 0.3,
     started: float | None = None,
 ) -> StreamRunner:
     spec = StreamSpec(
@@ -59,7 +63,7 @@ def runner(
         source=source,
         sink=sink,
         resources=("items",),
-        limits=ReadLimits(records=records, idle=0.05),
+        limits=ReadLimits(records=records, idle=0.05, age=age),
         lease_seconds=30.0,
     )
     return StreamRunner(spec, store, worker_id=worker, started=started)
@@ -76,73 +80,73 @@ def ids(destination: MemoryDestination) -> list[int]:
     return [row["id"] for row in destination.rows]
 
 
-def test_a_tick_seals_what_reached_the_source_before_it_while_the_reader_found_nothing(
+def counts(store: StateStore) -> list[dict[str, int]]:
+    return [dict(c.row_counts) for c in store.certificates("s")]
+
+
+def test_epochs_are_sealed_by_age_in_the_background_and_a_tick_only_reports(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
     log = MemoryLog()
     log.append(10)
     sink = MemorySink()
     stream = runner(store, MemorySource(log), sink)
-    assert loop.run(stream.tick(10)) is None
-    # The reader of epoch 2 found nothing and reads again after a short pause; rows that arrive in
-    # that pause, just before the tick, are read before the seal, not left to the next epoch.
-    wait_for("the open epoch 2", lambda: "begin 2" in sink.destination.calls)
-    for round in range(5):
+    loop.run(stream.tick(10))  # starts the reader
+    assert stream.started
+    wait_for("the first epoch certified by age", lambda: counts(store) == [{"items": 10}])
+    # No tick from here on: each burst is certified and acknowledged about an age after it arrived.
+    for burst in range(2, 5):
         log.append(3)
-        assert loop.run(stream.tick(10)) is None
-        assert [c.row_counts for c in store.certificates("s")][-1] == {"items": 3}, f"tick {round + 2}"
-    assert ids(sink.destination) == list(range(1, 26))
+        wait_for(f"burst {burst} certified without a tick", lambda n=burst: len(counts(store)) == n)
+        assert counts(store)[-1] == {"items": 3}
+    wait_for("acknowledged", lambda: log.acknowledged == 19)
+    assert ids(sink.destination) == list(range(1, 20))
+    # A tick does not wait for anything: it says what is not certified yet (nothing here).
+    began = time.monotonic()
+    assert loop.run(stream.tick(10)) is None and not stream.started
+    assert time.monotonic() - began < 5
     loop.run(stream.close())
+    assert store.status("s")[0].owner is None
 
 
-def test_a_tick_seals_what_the_open_epoch_read_since_the_last_one(
+def test_an_open_epoch_waits_at_the_sink_uncommitted_and_a_tick_says_so(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
     log = MemoryLog()
     log.append(40)
     sink = MemorySink()
-    stream = runner(store, MemorySource(log), sink)
-    assert loop.run(stream.tick(10)) is None  # starts the reader, seals after its first read
-    assert [c.row_counts for c in store.certificates("s")] == [{"items": 40}]
-    log.append(25)
-    # Read between ticks into the open epoch 2: applied at the sink, not committed.
-    wait_for("the rows read between ticks", lambda: "apply 2 25" in sink.destination.calls)
-    assert ids(sink.destination) == list(range(1, 41))
-    began = time.monotonic()
-    assert loop.run(stream.tick(10)) is None
-    assert time.monotonic() - began < 5, "a tick lasts a seal and a commit, not a read"
-    assert [c.row_counts for c in store.certificates("s")] == [{"items": 40}, {"items": 25}]
-    assert ids(sink.destination) == list(range(1, 66))
-    assert log.acknowledgements == [40, 65]
-    # Nothing new: the epoch is dropped empty (nothing certified), the next one begun.
-    assert loop.run(stream.tick(10)) is None
-    assert len(store.certificates("s")) == 2
+    stream = runner(store, MemorySource(log), sink, records=100, age=LONG_AGE)
+    loop.run(stream.tick(10))
+    wait_for("the rows applied in the open epoch 1", lambda: "apply 1 40" in sink.destination.calls)
+    pending = loop.run(stream.tick(10))
+    assert isinstance(pending, Pending) and pending.phase == "reading" and pending.rows == 40, pending
+    assert pending.epoch is not None and pending.epoch.sequence == 1
+    assert "epoch 1 is open with 40 rows read" in pending.describe()
+    assert store.certificates("s") == [] and sink.destination.rows == [], "not committed before it is due"
+    log.append(60)  # the epoch is full: sealed at that boundary, without a tick
+    wait_for("the full epoch certified", lambda: counts(store) == [{"items": 100}])
+    assert ids(sink.destination) == list(range(1, 101))
     loop.run(stream.close())
-    assert store.status("s")[0].owner is None
 
 
-def test_reads_are_long_until_the_next_tick_can_come_and_short_once_it_can(
+def test_an_open_epoch_reads_until_it_is_due_then_in_short_reads(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
     log = MemoryLog()
-    log.append(40)
-    stream = runner(store, MemorySource(log), MemorySink())
-    # The first tick's seal is asked for before the reader's first read: a short one.
-    assert loop.run(stream.tick(10, interval=30)) is None
-    assert [limits.age for limits in log.reads[:1]] == [SEAL_SLICE_SECONDS]
-    # The next tick cannot come for 30 s: the reads of the open epoch are long ones until shortly before.
-    seen = len(log.reads)
-    wait_for("two reads after the tick", lambda: len(log.reads) >= seen + 2)
-    assert {limits.age for limits in log.reads[seen:]} == {READ_SLICE_SECONDS}
-    # A tick that says the next one can come at once: short reads, so its seal waits a short one.
-    assert loop.run(stream.tick(10, interval=0)) is None
-    seen = len(log.reads)
-    wait_for("two reads after the tick", lambda: len(log.reads) >= seen + 2)
-    assert {limits.age for limits in log.reads[seen:]} == {SEAL_SLICE_SECONDS}
+    stream = runner(store, MemorySource(log), MemorySink(), age=2.0)
+    loop.run(stream.tick(10))
+    # Nothing read: long reads (a read returns ``idle`` after its last row anyway).
+    wait_for("two reads", lambda: len(log.reads) >= 2)
+    assert {limits.age for limits in log.reads} == {READ_SLICE_SECONDS}
+    log.append(5)
+    wait_for("the rows certified", lambda: counts(store) == [{"items": 5}])
+    # Once the epoch read rows, no read outlasts the time left until it is due.
+    ages = [limits.age for limits in log.reads]
+    assert all(age is not None and age <= READ_SLICE_SECONDS for age in ages), ages
     loop.run(stream.close())
 
 
-def test_a_tick_that_starts_the_reader_waits_its_starting_budget_and_the_first_seal_is_served_after_it(
+def test_a_tick_that_starts_the_reader_waits_at_most_its_starting_budget(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
     log = MemoryLog()
@@ -150,53 +154,29 @@ def test_a_tick_that_starts_the_reader_waits_its_starting_budget_and_the_first_s
     sink = MemorySink()
     stream = runner(store, MemorySource(log), sink)
     pending = loop.run(stream.tick(10, starting_budget=0.0))
-    assert isinstance(pending, Pending) and stream.started
-    # Its seal request stands: the reader seals after its first read, with no further tick.
-    wait_for("the first epoch certified in the background", lambda: len(store.certificates("s")) == 1)
-    assert [c.row_counts for c in store.certificates("s")] == [{"items": 40}]
-    log.append(5)
-    wait_for("the rows read between ticks", lambda: "apply 2 5" in sink.destination.calls)
-    # A tick that finds the reader running waits its budget as before.
+    assert isinstance(pending, Pending) and stream.started and pending.phase == "starting"
+    wait_for("the first epoch certified in the background", lambda: counts(store) == [{"items": 40}])
+    # A tick that finds the reader running does not start it again.
     assert loop.run(stream.tick(10, starting_budget=0.0)) is None and not stream.started
-    assert [c.row_counts for c in store.certificates("s")][-1] == {"items": 5}
     loop.run(stream.close())
 
 
-def test_a_tick_in_a_backlog_waits_for_its_own_seal_only(store: StateStore, loop: BackgroundLoop) -> None:
-    log = MemoryLog()
-    log.append(250)
-    stream = runner(store, MemorySource(log), MemorySink(), records=100)
-    assert loop.run(stream.tick(20)) is None
-    # The tick returned once its epoch (full at 100 rows) was certified: it did not wait for the
-    # backlog's next epochs, so a serial daemon's other sensors are not held up by this one. The
-    # reader seals the next full epoch itself; the last 50 rows wait in the open epoch for a tick.
-    counts = [c.row_counts for c in store.certificates("s")]
-    assert counts in ([{"items": 100}], [{"items": 100}, {"items": 100}]), counts
-    wait_for("the next full epoch certified without a tick", lambda: len(store.certificates("s")) == 2)
-    assert loop.run(stream.tick(20)) is None
-    assert [c.row_counts for c in store.certificates("s")] == [{"items": 100}, {"items": 100}, {"items": 50}]
-    loop.run(stream.close())
-
-
-def test_a_full_epoch_is_sealed_by_the_reader_without_waiting_for_a_tick(
+def test_a_backlog_is_sealed_full_epoch_after_full_epoch_without_ticks(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
     log = MemoryLog()
     log.append(10)
     stream = runner(store, MemorySource(log), MemorySink(), records=100)
-    assert loop.run(stream.tick(10)) is None
-    # No tick comes while a backlog arrives (the sensor's interval): the reader does not sit idle
-    # with a full epoch, it seals each one at its boundary and reads on.
+    loop.run(stream.tick(10))
+    wait_for("the first epoch", lambda: counts(store) == [{"items": 10}])
     log.append(250)
     # The certificate is persisted before the source is acknowledged: wait for both.
     wait_for(
-        "two full epochs certified and acknowledged without a tick",
-        lambda: len(store.certificates("s")) == 3 and len(log.acknowledgements) == 3,
+        "the backlog certified and acknowledged without a tick",
+        lambda: len(counts(store)) == 4 and log.acknowledged == 260,
     )
-    assert [c.row_counts for c in store.certificates("s")] == [{"items": 10}, {"items": 100}, {"items": 100}]
-    assert log.acknowledgements == [10, 110, 210]
-    assert loop.run(stream.tick(10)) is None
-    assert [c.row_counts for c in store.certificates("s")][-1] == {"items": 50}
+    assert counts(store) == [{"items": 10}, {"items": 100}, {"items": 100}, {"items": 50}]
+    assert log.acknowledgements == [10, 110, 210, 260]
     loop.run(stream.close())
 
 
@@ -239,22 +219,27 @@ class HeldTransactionSource(MemorySource):
         return session
 
 
-def test_a_source_transaction_spans_ticks_and_is_certified_whole(
+def test_a_source_transaction_outlives_the_epoch_age_and_is_certified_whole(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
     log = MemoryLog()
     log.append(300)
     source, sink = HeldTransactionSource(log), MemorySink()
-    # A record limit far below the transaction: limits are targets, never places to cut it.
-    stream = runner(store, source, sink, records=50)
-    pending = [loop.run(stream.tick(1.0)) for _ in range(3)]
-    for found in pending:
-        assert isinstance(found, Pending) and found.epoch is not None and found.epoch.sequence == 1
-        assert found.rows == 300 and "has not reached a safe source boundary" in found.describe()
+    # An age and a record limit far below the transaction: limits are targets, never places to cut it.
+    stream = runner(store, source, sink, records=50, age=0.2)
+    loop.run(stream.tick(10))
+    ends = time.monotonic() + BOUND
+    pending = loop.run(stream.tick(1.0))
+    while pending is None or pending.seconds < 0.2 + READ_SLICE_SECONDS + 0.5:
+        assert time.monotonic() < ends, pending
+        time.sleep(0.1)
+        pending = loop.run(stream.tick(1.0))
+    assert pending.epoch is not None and pending.epoch.sequence == 1 and pending.rows == 300
+    assert "has not reached a safe source boundary" in pending.describe()
     assert store.certificates("s") == [] and sink.destination.rows == []
-    assert "abort 1" not in sink.destination.calls, "a tick never rolls back the open epoch"
+    assert "abort 1" not in sink.destination.calls, "the open epoch is never rolled back"
     loop.run(_set(source.release))  # the transaction's end arrives
-    assert loop.run(stream.tick(10)) is None
+    wait_for("the transaction certified", lambda: bool(store.certificates("s")))
     [certificate] = store.certificates("s")
     assert certificate.row_counts == {"items": 300} and ids(sink.destination) == list(range(1, 301))
     loop.run(stream.close())
@@ -264,20 +249,30 @@ async def _set(event: asyncio.Event) -> None:
     event.set()
 
 
-def test_a_reader_no_tick_reaches_rolls_back_and_releases_the_lease(
+def test_a_reader_no_tick_reaches_certifies_its_open_epoch_and_releases_the_lease(
     store: StateStore, loop: BackgroundLoop
 ) -> None:
+    """The sensor stopped: the reader stops after ``stop_after`` seconds without a tick. What its
+    open epoch holds is sealed at the next boundary and certified, never rolled back (a sink that
+    cannot take back what it applied, NATS, would store it again when it is replayed later)."""
     log = MemoryLog()
     log.append(10)
     sink = MemorySink()
-    stream = runner(store, MemorySource(log), sink)
-    assert loop.run(stream.tick(10, stop_after=1.0)) is None
+    # Nothing is sealed by age: the second epoch is open when the reader stops.
+    stream = runner(store, MemorySource(log), sink, records=10, age=LONG_AGE)
+    loop.run(stream.tick(10, stop_after=2.0))
+    wait_for("the first epoch (full)", lambda: counts(store) == [{"items": 10}])
     log.append(5)
+    wait_for("the rows applied in the open epoch", lambda: "apply 2 5" in sink.destination.calls)
     wait_for("the reader stopped", lambda: store.status("s")[0].owner is None)
-    assert "abort 2" in sink.destination.calls and ids(sink.destination) == list(range(1, 11))
+    assert "abort 2" not in sink.destination.calls
+    assert counts(store) == [{"items": 10}, {"items": 5}] and log.acknowledged == 15
+    assert ids(sink.destination) == list(range(1, 16))
     # A later tick starts reading again, from the certified position.
-    assert loop.run(stream.tick(10)) is None
-    assert [c.row_counts for c in store.certificates("s")] == [{"items": 10}, {"items": 5}]
+    log.append(10)
+    loop.run(stream.tick(10))
+    wait_for("the next (full) epoch", lambda: len(counts(store)) == 3)
+    assert counts(store)[-1] == {"items": 10} and ids(sink.destination) == list(range(1, 26))
     loop.run(stream.close())
 
 
@@ -288,16 +283,17 @@ def test_a_hand_over_seals_the_open_epoch_before_the_newer_worker_takes_over(
     log.append(20)
     destination = MemoryDestination()
     old_sink = MemorySink(destination)
-    old = runner(store, MemorySource(log), old_sink, worker="old", started=1.0)
-    assert loop.run(old.tick(10)) is None
+    old = runner(store, MemorySource(log), old_sink, worker="old", records=20, age=LONG_AGE, started=1.0)
+    loop.run(old.tick(10))
+    wait_for("the old worker's first epoch", lambda: counts(store) == [{"items": 20}])
     log.append(15)
     wait_for("read into the old worker's open epoch", lambda: "apply 2 15" in destination.calls)
     new_loop = BackgroundLoop("newer-code-server")
     try:
         new = runner(store, MemorySource(log), MemorySink(destination), worker="new", started=2.0)
-        assert new_loop.run(new.tick(10)) is None
+        new_loop.run(new.tick(10))
         log.append(5)
-        assert new_loop.run(new.tick(10)) is None
+        wait_for("the new worker's epoch", lambda: sum(sum(c.values()) for c in counts(store)) == 40)
         new_loop.run(new.close())
     finally:
         new_loop.close()
@@ -332,12 +328,13 @@ def test_a_first_tick_that_finds_a_dead_holders_lease_certifies_once_it_expires_
     assert pending is not None and pending.lease_wait is not None, pending
     assert "leased to dead" in pending.lease_wait and "asked to hand the stream over" in pending.lease_wait
     assert "waiting" in pending.describe() and not store.certificates("s")
-    # No tick: the reader takes the expired lease (fencing the dead holder) and serves the first seal.
+    # No tick: the reader takes the expired lease (fencing the dead holder) and certifies.
     wait_for("the first certificate", lambda: bool(store.certificates("s")))
     [certificate] = store.certificates("s")
     assert (certificate.worker, certificate.row_counts) == ("w1", {"items": 10})
     assert certificate.fencing_token > dead.fencing_token
-    assert loop.run(stream.tick(10)) is None  # the next tick finds it certified (the sensor reports it)
+    wait_for("acknowledged", lambda: log.acknowledged == 10)
+    assert loop.run(stream.tick(10)) is None  # nothing left to certify (the sensor reports it)
     loop.run(stream.close())
 
 

@@ -64,6 +64,7 @@ ORDERS = (
 LINES = "CREATE TABLE lines (order_id int, line int, qty int, PRIMARY KEY (order_id, line))"
 DOCS = "CREATE TABLE docs (id int PRIMARY KEY, title text, body text)"
 KEYS = {"orders": "id", "lines": "order_id, line", "docs": "id"}
+CATCH_UP_SECONDS = 300.0
 LSN = PostgresLsnCodec()
 
 
@@ -121,6 +122,9 @@ class Replication:
     def rows(self, table: str, url: str) -> list[tuple[Any, ...]]:
         return self.execute(f"SELECT * FROM {table} ORDER BY {KEYS[table]}", url=url)
 
+    def identical(self, tables: Sequence[str]) -> bool:
+        return all(self.rows(t, self.source_url) == self.rows(t, self.target_url) for t in tables)
+
     def assert_identical(self, tables: Sequence[str]) -> None:
         for table in tables:
             source, target = self.rows(table, self.source_url), self.rows(table, self.target_url)
@@ -165,12 +169,19 @@ class Ticker:
                 self.reported.append(int(str(event.metadata["faucet/sequence"].value)))
         return result
 
-    def until_caught_up(self, limit: int = 10) -> None:
-        """Tick until a tick certifies nothing new."""
-        for _ in range(limit):
-            if not self.tick().asset_events:
+    def until_caught_up(self, replication: "Replication", tables: Sequence[str]) -> None:
+        """Tick until the replica equals the source and every certificate is reported: epochs are
+        certified in the background (a tick only reports), so how many ticks that takes depends on
+        the machine's speed. A replica that never equals its source fails the wait."""
+        ends = time.monotonic() + CATCH_UP_SECONDS
+        while True:
+            identical = replication.identical(tables)
+            self.tick()
+            last = replication.store.last_certificate(replication.name)
+            if identical and self.reported[-1:] == [0 if last is None else last.sequence]:
                 return
-        raise AssertionError(f"the stream did not catch up in {limit} ticks")
+            assert time.monotonic() < ends, f"the replica did not catch up in {CATCH_UP_SECONDS:.0f}s"
+            time.sleep(0.3)
 
 
 def commit_positions(url: str, slot: str, publication: str) -> tuple[list[str], int]:
@@ -317,7 +328,7 @@ def test_a_mixed_workload_through_sensor_ticks_leaves_the_replica_identical(
         ticker = Ticker(replication.stream(tables), instance, budget=20)
         for phase in (first, second, third):
             phase()
-            ticker.until_caught_up()
+            ticker.until_caught_up(replication, tables)
 
     replication.assert_identical(tables)
     certificates = replication.store.certificates(replication.name)
@@ -355,7 +366,8 @@ def test_a_buffer_filling_inside_every_few_transactions_still_replicates_each_ex
     random_transactions(replication, seed=4, count=20)
 
     with dg.instance_for_test() as instance:
-        Ticker(replication.stream(tables, batch_rows=4), instance, budget=20).until_caught_up()
+        ticker = Ticker(replication.stream(tables, batch_rows=4), instance, budget=20)
+        ticker.until_caught_up(replication, tables)
 
     replication.assert_identical(tables)
     certificates = replication.store.certificates(replication.name)
@@ -400,6 +412,9 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
         # Longer than a tick waits for a lease about to expire (runner.lease.HANDOVER_WAIT_SECONDS),
         # with room for a loaded machine between the kill and the first tick.
         lease_seconds=25,
+        # One epoch at a time: epoch 1 is certified and acknowledged before epoch 2's first apply
+        # (read ahead, epoch 2 would reach the sink as soon as epoch 1 committed).
+        pipelined=False,
     )
     report = tmp_path / "fault-report.jsonl"
     worker = WorkerProcess(
@@ -443,7 +458,7 @@ def test_a_worker_killed_inside_a_large_transaction_leaves_nothing_partial_and_i
             time.sleep(0.2)
         ticker = Ticker(replication.stream(tables), instance, budget=20)  # the same cached runner
         ticker.cursor, ticker.reported = first.cursor, first.reported
-        ticker.until_caught_up()
+        ticker.until_caught_up(replication, tables)
 
     replication.assert_identical(tables)
     certificates = replication.store.certificates(replication.name)
@@ -546,18 +561,20 @@ def test_the_snapshot_mode_seeds_a_new_replica_without_gap_or_overlap(replicatio
     with dg.instance_for_test() as instance:
         ticker = Ticker(replication.stream(tables, snapshot=True), instance, budget=10)
         writer.start()
-        # The writer runs before, during and after the snapshot taken by the first tick's first read.
-        stopper = threading.Timer(1.5, stop.set)
+        # The writer runs before, during and after the snapshot: the first tick starts the reader,
+        # whose first read takes it, and its epoch is certified in the background.
         try:
             time.sleep(0.3)
-            stopper.start()
-            during = ticker.tick()
+            ticker.tick()
+            ends = time.monotonic() + CATCH_UP_SECONDS
+            while not replication.store.certificates(replication.name):
+                assert time.monotonic() < ends, "the snapshot was not certified"
+                time.sleep(0.1)
+            time.sleep(1.0)
         finally:
-            stopper.cancel()
             stop.set()
             writer.join()
-        assert during.asset_events
-        ticker.until_caught_up()
+        ticker.until_caught_up(replication, tables)
 
     replication.assert_identical(tables)
     certificates = replication.store.certificates(replication.name)

@@ -33,6 +33,7 @@ from psycopg import sql
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
 from bench.replication import EPOCH_ROWS, copied_slot, drop_slot, peek, replicate
+from bench.streams import seconds_per_step
 
 FETCH_ROWS = 5_000
 
@@ -251,6 +252,11 @@ def oltp_apply_changes(ctx: BenchContext) -> Measurement:
     """The continuous runner, small CDC transactions to PostgreSQL APPLY_CHANGES, epochs of 50,000 changes."""
     workload, replicas = _workload(ctx), _replicas(ctx)
     tables = {f"public.{workload.tables[name]}": replicas[name] for name in COLUMNS}
-    seconds, epochs = replicate(ctx, workload.config, tables, workload.changes)
+    seconds, certificates = replicate(ctx, workload.config, tables, workload.changes)
     _check_replicas(ctx, workload, replicas)
-    return Measurement(workload.changes, seconds, {"epochs": epochs, "transactions": workload.transactions})
+    details = {
+        "epochs": len(certificates),
+        "transactions": workload.transactions,
+        "seconds_per_step": seconds_per_step(certificates),
+    }
+    return Measurement(workload.changes, seconds, details)

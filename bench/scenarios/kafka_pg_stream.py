@@ -11,7 +11,6 @@ afterwards.
 
 import asyncio
 import tempfile
-import time
 from typing import Literal
 
 import psycopg
@@ -25,9 +24,10 @@ from bench import data
 from bench.context import BenchContext
 from bench.peers import ROOT, peer_venv, run_peer
 from bench.registry import Measurement, scenario
+from bench.streams import run_until, seconds_per_step
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import ReadLimits
-from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
+from faucet_dagster.runner.continuous import StreamSpec
 from faucet_dagster.state import StateStore
 
 EPOCH_MESSAGES = 50_000
@@ -58,31 +58,14 @@ def _run(ctx: BenchContext, fmt: Literal["json", "text"]) -> Measurement:
         limits=ReadLimits(records=EPOCH_MESSAGES, bytes=None, idle=1.0, age=None),
     )
 
-    async def run() -> tuple[float, int, dict[str, float]]:
-        runner = StreamRunner(spec, store)
-        epochs = rows = 0
-        steps: dict[str, float] = {}
-        start = time.perf_counter()
-        try:
-            while rows < ctx.rows:
-                certificate = await runner.run_epoch()
-                if certificate is None:
-                    raise RuntimeError(f"the stream ended after {rows} of {ctx.rows} rows")
-                epochs += 1
-                rows += sum(certificate.row_counts.values())
-                for step, seconds in certificate.timings.items():
-                    steps[step] = round(steps.get(step, 0.0) + seconds, 3)
-            return time.perf_counter() - start, epochs, steps
-        finally:
-            await runner.close()
-
-    seconds, epochs, steps = asyncio.run(run())
+    seconds, certificates = asyncio.run(run_until(spec, store, ctx.rows))
     store.close()
     with psycopg.connect(ctx.postgres_url) as conn:
         row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
     if row is None or row[0] != ctx.rows:
         raise RuntimeError(f"{table} holds {row and row[0]} rows, expected {ctx.rows}")
-    return Measurement(ctx.rows, seconds, {"epochs": epochs, "seconds_per_step": steps})
+    steps = seconds_per_step(certificates)
+    return Measurement(ctx.rows, seconds, {"epochs": len(certificates), "seconds_per_step": steps})
 
 
 @scenario("stream.kafka_to_pg", baseline="raw.kafka_to_pg")

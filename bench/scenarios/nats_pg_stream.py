@@ -22,7 +22,7 @@ from psycopg import sql
 from bench import data
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
-from bench.streams import run_until
+from bench.streams import run_until, seconds_per_step
 from faucet_dagster.protocol import (
     CancelToken,
     Control,
@@ -79,10 +79,12 @@ def nats_to_pg(ctx: BenchContext) -> Measurement:
         limits=ReadLimits(records=EPOCH_MESSAGES, bytes=None, idle=1.0, age=None),
     )
 
-    seconds, epochs = asyncio.run(run_until(spec, store, ctx.rows))
+    seconds, certificates = asyncio.run(run_until(spec, store, ctx.rows))
     store.close()
     _check(ctx, table)
-    return Measurement(ctx.rows, seconds, {"epochs": epochs})
+    return Measurement(
+        ctx.rows, seconds, {"epochs": len(certificates), "seconds_per_step": seconds_per_step(certificates)}
+    )
 
 
 class _Apply(StreamRecordSink):

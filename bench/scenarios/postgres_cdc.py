@@ -35,6 +35,7 @@ from psycopg import sql
 from bench.context import BenchContext
 from bench.registry import Measurement, scenario
 from bench.replication import EPOCH_ROWS, drop_slot, peek, replicate
+from bench.streams import seconds_per_step
 from faucet_dagster.protocol import (
     CancelToken,
     Control,
@@ -235,6 +236,7 @@ def raw_peek_decode_apply(ctx: BenchContext) -> Measurement:
 def apply_changes(ctx: BenchContext) -> Measurement:
     """The continuous runner, CDC to PostgreSQL APPLY_CHANGES, epochs of 50,000 change rows, certified."""
     config, table = _slot(ctx), _replica(ctx)
-    seconds, epochs = replicate(ctx, config, {resource: table for resource in config.tables}, ctx.rows)
+    seconds, certificates = replicate(ctx, config, {resource: table for resource in config.tables}, ctx.rows)
     _check_replica(ctx, table)
-    return Measurement(ctx.rows, seconds, {"epochs": epochs})
+    steps = seconds_per_step(certificates)
+    return Measurement(ctx.rows, seconds, {"epochs": len(certificates), "seconds_per_step": steps})

@@ -19,7 +19,12 @@ What holds, and where it is enforced:
   discarded (aborted) withdraws them (``DeadLetterRoute.withdraw``), so they are kept only with the
   epoch's commit.
 * A control (``TransactionBegin``, ``TransactionEnd``, ``ProgressBoundary``) flushes the builders of
-  its domain and waits for every preceding ``apply``; only then is a boundary *accepted*.
+  its domain and waits for every preceding ``apply``; only then is a boundary *accepted*. An epoch
+  read ahead (``begin_after``: the runner reads it while the epoch before it commits, and a sink
+  session has one active epoch) is begun at the sink by its pipeline once ``begin_after()`` returned;
+  until then its batches are held in order (up to ``PipelineOptions.read_ahead_bytes``) and a control
+  accepts its boundary once they are held: ``seal`` applies every held batch before it vouches for
+  anything, so no coverage is certified whose rows did not reach the sink.
 * Positions only move forward within a domain, rows come after the certified start position and
   after the domain's last accepted boundary, and a boundary is never before the last row before it.
 * ``seal`` refuses (with :class:`IntegrityError`) an epoch with an open transaction, rows after the
@@ -30,7 +35,7 @@ What holds, and where it is enforced:
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -86,6 +91,9 @@ class PipelineOptions:
     """
 
     batch_rows: int = 16_384
+    read_ahead_bytes: int = 64 * 1024 * 1024
+    """Bytes of Arrow batches an epoch read ahead holds while the epoch before it commits; past them
+    its read waits for that commit."""
 
 
 class DeadLetterRoute(ABC):
@@ -160,26 +168,42 @@ class Pipeline:
         return converter
 
     def begin(
-        self, epoch: EpochId, session: StreamingSinkSession, starts: Sequence[Position]
+        self,
+        epoch: EpochId,
+        session: StreamingSinkSession,
+        starts: Sequence[Position],
+        *,
+        begin_after: Callable[[], Awaitable[None]] | None = None,
     ) -> "EpochPipeline":
-        """A pipeline for ``epoch`` writing to ``session`` (whose epoch was begun), resuming after ``starts``.
+        """A pipeline for ``epoch`` writing to ``session``, resuming after ``starts``.
 
-        ``starts`` are the certified positions the source session resumed after; rows at or before
-        them are refused, and the epoch's coverage must start there.
+        ``starts`` are the positions the epoch resumes after (the certified ones, or where the epoch
+        before it ends); rows at or before them are refused, and the epoch's coverage must start
+        there. Without ``begin_after`` the caller began the epoch at the sink; with it the pipeline
+        begins it (``begin_epoch``) before its first ``apply`` (or at the seal), once
+        ``begin_after()`` returned, holding the batches read meanwhile (see the module docstring).
         """
-        return EpochPipeline(self, epoch, session, starts)
+        return EpochPipeline(self, epoch, session, starts, begin_after=begin_after)
 
 
 class EpochPipeline(StreamRecordSink):
     """The :class:`StreamRecordSink` of one epoch. Not safe for concurrent calls (one read at a time)."""
 
     def __init__(
-        self, pipeline: Pipeline, epoch: EpochId, session: StreamingSinkSession, starts: Sequence[Position]
+        self,
+        pipeline: Pipeline,
+        epoch: EpochId,
+        session: StreamingSinkSession,
+        starts: Sequence[Position],
+        *,
+        begin_after: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._epoch = epoch
         self._starts = {start.domain.lineage: start for start in starts}
-        self._writer = SinkWriter(session, epoch)
+        self._writer = SinkWriter(
+            session, epoch, begin_after=begin_after, hold_bytes=pipeline.options.read_ahead_bytes
+        )
         self._domains: dict[OrderingDomain, DomainState] = {}
         self._builders: dict[tuple[str, OrderingDomain], Builder] = {}
         self._digest = EpochDigest()
@@ -210,6 +234,11 @@ class EpochPipeline(StreamRecordSink):
     def bytes_written(self) -> int:
         """Bytes of the Arrow batches of this epoch handed to the sink so far."""
         return self._bytes
+
+    @property
+    def begun(self) -> bool:
+        """True when the epoch is active at the sink (an abort must end it there)."""
+        return self._writer.begun
 
     @property
     def has_evidence(self) -> bool:
@@ -315,7 +344,7 @@ class EpochPipeline(StreamRecordSink):
                 )
             if state.unbounded_rows:
                 raise IntegrityError("rows follow the last accepted boundary", where=str(state.domain))
-        await self._writer.drain()
+        await self._writer.finish()
         covered: set[OrderingDomain] = set()
         for item in coverage.domains:
             where = str(item.domain)

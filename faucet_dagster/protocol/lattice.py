@@ -45,8 +45,9 @@ How the rule is kept on every path: for the common case, a column whose values a
 Arrow's conversion lands exactly (integers into an integer column, floats into a float64 column,
 strings into a string column, objects holding only a struct's fields with such values...) is
 converted by one Arrow call; any other value is written as JSON text and parsed by the same
-:class:`JsonRows` reader as a declared payload, so both paths share one parser; what Arrow's conversions would coerce (a float truncated into an integer, a number read as
-days or microseconds since 1970, a struct field dropped, a datetime truncated) never reaches them.
+:class:`JsonRows` reader as a declared payload, so both paths share one parser; what Arrow's
+conversions would coerce (a float truncated into an integer, a number read as days or microseconds
+since 1970, a struct field dropped, a datetime truncated) never reaches them.
 """
 
 import datetime as dt

@@ -19,6 +19,8 @@ knows the fault really happened there; then the action runs:
                SIGCONT, possibly long after its lease expired.
 ``kill_soon``  SIGKILL this process from a timer thread ``delay`` seconds later, so the kill lands
                while whatever follows the point is in flight (an acknowledgement request, a close).
+``fail``       raise :class:`InjectedFailure` at the point: the code around it turns it into the
+               failure a destination would give there (the fault worker's sink: a refused commit).
 
 Off, the cost is one global lookup and a comparison per call; an armed process pays a lock only at
 the armed point. Only the standard library is imported.
@@ -51,6 +53,9 @@ class Point(StrEnum):
     """PostgreSQL sinks: a COPY finished, its transaction is not committed."""
     AFTER_APPLY = "after_apply"
     """Streaming sinks: ``apply`` returned (NATS: publishes sent, acknowledgements outstanding)."""
+    DURING_SINK_COMMIT = "during_sink_commit"
+    """Streaming sinks: ``commit_epoch`` was called, nothing of it sent yet (a ``fail`` here is a
+    refused commit, while the next epoch is read ahead)."""
     DURING_SINK_CLOSE = "during_sink_close"
     """Sinks: the close started and waits on the destination."""
     AFTER_PAGE = "after_page"
@@ -66,6 +71,11 @@ class Action(StrEnum):
     TERM = "term"
     STOP = "stop"
     KILL_SOON = "kill_soon"
+    FAIL = "fail"
+
+
+class InjectedFailure(Exception):
+    """Raised by a point armed with ``fail``; the caller turns it into the failure it stands for."""
 
 
 @dataclass(frozen=True)
@@ -135,10 +145,12 @@ def _fire(armed: Arming) -> None:
         os.kill(pid, signal.SIGTERM)
     elif armed.action is Action.STOP:
         os.kill(pid, signal.SIGSTOP)
+    elif armed.action is Action.FAIL:
+        raise InjectedFailure(f"injected at {armed.point.value} (hit {armed.hit})")
     else:
         timer = threading.Timer(armed.delay, os.kill, (pid, signal.SIGKILL))
         timer.daemon = True
         timer.start()
 
 
-__all__ = ["FAULT_POINT_ENV", "Action", "Arming", "Point", "fault_point"]
+__all__ = ["FAULT_POINT_ENV", "Action", "Arming", "InjectedFailure", "Point", "fault_point"]

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 IDLE_ROUND_SECONDS = 0.5
 """How long a worker that runs no group waits before it looks at the membership again."""
+ROUND_SECONDS = 5.0
+"""How long a round runs each group's epochs (pipelined: the next read while the last commits) before
+the worker looks at the membership again."""
 
 
 def assign(members: Sequence[str], groups: int, member: str) -> tuple[int, ...]:
@@ -89,8 +92,9 @@ class MemberWorker:
     """One worker of a stream divided into ``groups`` partition groups (see the module docstring).
 
     Each :meth:`run_round` renews the member lease, reads the live members, closes the groups no
-    longer assigned to this worker, and runs one epoch of every group assigned to it, concurrently.
-    Used from one event loop.
+    longer assigned to this worker, and runs the epochs of every group assigned to it for about
+    ``ROUND_SECONDS``, concurrently, each group's pipelined (``StreamRunner.run_epochs``: an epoch is
+    read while the one before it commits). Used from one event loop.
     """
 
     def __init__(
@@ -122,7 +126,9 @@ class MemberWorker:
         return tuple(sorted(self._runners))
 
     async def run_round(self, limits: ReadLimits | None = None) -> list[EpochCertificate]:
-        """Follow the membership, then run one epoch of each group assigned here; the certificates.
+        """Follow the membership, then run the epochs of each group assigned here for about
+        ``ROUND_SECONDS`` (a group whose source has nothing new ends its part of the round early); the
+        certificates.
 
         A group whose lease another worker still holds (it is handing it over, or its lease has not
         lapsed yet) is skipped for this round. A failure of one group that is retryable is logged and
@@ -154,13 +160,13 @@ class MemberWorker:
             await asyncio.sleep(IDLE_ROUND_SECONDS)
             return []
         outcomes = await asyncio.gather(
-            *(self._epoch(runner, limits) for runner in self._runners.values()), return_exceptions=True
+            *(self._epochs(runner, limits) for runner in self._runners.values()), return_exceptions=True
         )
         certificates: list[EpochCertificate] = []
         failure: BaseException | None = None
         for outcome in outcomes:
-            if isinstance(outcome, EpochCertificate):
-                certificates.append(outcome)
+            if isinstance(outcome, list):
+                certificates.extend(outcome)
             elif isinstance(outcome, BaseException) and failure is None:
                 failure = outcome
         if failure is not None:
@@ -197,17 +203,17 @@ class MemberWorker:
             if isinstance(failure, BaseException):
                 raise failure
 
-    async def _epoch(self, runner: StreamRunner, limits: ReadLimits | None) -> EpochCertificate | None:
+    async def _epochs(self, runner: StreamRunner, limits: ReadLimits | None) -> list[EpochCertificate]:
         try:
-            return await runner.run_epoch(limits)
+            return await runner.run_epochs(ROUND_SECONDS, limits)
         except OwnershipLost as exc:
             logger.info("stream %s: %s; trying again next round", runner.spec.name, exc)
-            return None
+            return []
         except FaucetError as exc:
             if not exc.retryable:
                 raise
             logger.warning("stream %s: %s; trying again next round", runner.spec.name, exc)
-            return None
+            return []
 
     async def _hold_membership(self) -> None:
         """Join, or renew, the member lease; start its keeper. A lease that lapsed is joined again

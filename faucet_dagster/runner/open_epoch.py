@@ -1,32 +1,29 @@
-"""Epochs that span ticks: the open epoch, read between sensor ticks and sealed when a tick asks.
+"""The open epoch under a sensor: read in the background, sealed by its age, its size or a stop.
 
-Under a sensor, the runner reads in the background (:meth:`StreamRunner.tick
-<faucet_dagster.runner.continuous.StreamRunner.tick>` starts it): an epoch is begun at the sink, and the
-source session reads into it in short reads, each ending at a safe source boundary. A tick asks for a
-seal (:meth:`EpochClock.request`); the open epoch serves it at the end of the read in progress, that is
-at the next safe boundary, after at least one read of its own (when the last read found nothing, after
-one more begun after the request, so what reached the source before the tick is in the epoch it
-seals): the runner then seals, commits, certifies, acknowledges and begins the next epoch.
+Under a sensor the runner reads in the background of the code server (:mod:`.reader` starts it on the
+first tick): epochs run back to back, pipelined (:mod:`.pipelined`: the next is read while the last
+commits), each read in short reads that each end at a safe source boundary. The open epoch is *due*,
+and sealed at the end of the read in progress (its next safe boundary), when
 
-How long a read lasts outside a source transaction is how long a tick's seal waits for it. A tick that
-says when the next one can come at the earliest (``quiet_until``: a sensor's ticks are at least its
-minimum interval apart) lets the reads before then last ``READ_SLICE_SECONDS`` (few boundaries, the
-destination written in few batches); from then on, and whenever a seal is asked for, reads last
-``SEAL_SLICE_SECONDS``, so the tick the daemon sends (as late as its loop makes it) waits a fraction
-of a second for its seal. Without ``quiet_until`` every read is a short one.
+* it is ``limits.age`` seconds old (about a second by default: what a row waits, at most, before its
+  epoch is sealed, committed and visible at the destination);
+* it is full: ``limits.records`` rows or ``limits.bytes`` bytes (its memory bound: nothing is
+  dropped, and a backlog drains at the speed the source and the sink allow);
+* a stop or a hand-over asks for a seal (:meth:`EpochClock.request`).
 
-A read inside a source transaction goes on until the transaction ends, however many ticks that takes;
-its rows reach the sink as they are read (a transactional sink holds them in its open epoch, invisible
-until the commit), so memory stays bounded by the pipeline's batches, never by the transaction.
+An epoch with nothing read is never sealed: it waits (nothing is begun at the sink for it, see
+:mod:`faucet_dagster.pipeline.writer`). A tick does not seal anything: it reports what the store
+certified and says what the reader is doing (:class:`Pending`).
 
-Bounds: the open epoch ends at the first safe boundary after ``limits.records`` rows or
-``limits.bytes`` bytes (it is *full*) and is sealed then without waiting for a tick, as one open for
-``MAX_OPEN_SECONDS`` is (the next tick reports both): a reader that waited for the tick would sit idle
-for the rest of the sensor's interval, capping the stream at ``limits.records`` per interval. Nothing
-is dropped, and memory stays bounded by one epoch. So a backlog drains at the speed the source and the
-sink allow, between ticks as during them, and a tick waits for its own seal only. A reader
-that no tick asked anything for ``stop_after`` seconds (the sensor was stopped, the daemon ticks
-another process) aborts its open epoch and stops, and the runner gives its lease up.
+A read inside a source transaction goes on until the transaction ends, however long that takes: a
+source's limits are targets, never places to cut a transaction. Its rows reach the sink as they are
+read (a transactional sink holds them in its open epoch, invisible until the commit), so memory stays
+bounded by the pipeline's batches, never by the transaction.
+
+The reader stops when no tick came for ``stop_after`` seconds (the sensor was stopped, or the daemon
+ticks another process): it first seals its open epoch at the next safe boundary, as a hand-over does,
+so what a sink that cannot take back its writes (NATS publishes during ``apply``) received is
+certified, not rolled back and replayed after the sink's duplicate window.
 
 Nothing here changes what is certified: the seal, commit and certificate are the runner's single commit
 order, and an open epoch that dies with its process is rolled back and replayed from the certified
@@ -34,35 +31,40 @@ positions.
 """
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from faucet_dagster.pipeline import EpochPipeline
-from faucet_dagster.protocol import CancelToken, Coverage, EpochId, Position, ReadLimits, StreamSession
+from faucet_dagster.protocol import CancelToken, Coverage, EpochId, Position, ReadLimits
 from faucet_dagster.runner.recovery import merge, reaches
 
 READ_SLICE_SECONDS = 1.0
-"""The longest read of an open epoch outside a source transaction, while no tick can come before it ends."""
+"""The longest read of an open epoch outside a source transaction (how long a stop's seal waits)."""
 SEAL_SLICE_SECONDS = 0.1
-"""The longest read of an open epoch outside a source transaction once a tick can come (or asked for a
-seal): how long a seal request waits for the read in progress to reach its boundary."""
-TICK_GUARD_SECONDS = 1.0
-"""How much sooner than its interval after a tick the next one is expected: what reaching the runner
-takes a tick (the daemon's own work, the gRPC call, the sensor's start) varies by up to this much."""
+"""The shortest read of an open epoch: the reads end this soon after the epoch becomes due by age."""
 READ_IDLE_SECONDS = 0.5
 """A read of an open epoch with nothing new returns after this long (or the stream's ``idle``)."""
-MAX_OPEN_SECONDS = 60.0
-"""An open epoch no tick sealed for this long is sealed by the reader itself at its next boundary (and
-reported by the next tick), so a destination transaction never sits open longer, whatever the sensor's
-interval (a PostgreSQL destination ends transactions idle for ``idle_in_transaction_session_timeout``,
-120 s by default)."""
 EMPTY_READ_PAUSE = 0.2
 """Seconds an open epoch waits after a read that returned nothing (a source that returns at once when it
 cannot deliver more, such as a full acknowledgement window) before it reads again."""
+DEFAULT_AGE_SECONDS = 1.0
+"""The age at which an open epoch is due when the stream's limits set none."""
+
+Read = Callable[[EpochPipeline, ReadLimits, CancelToken], Awaitable[Coverage]]
+"""One read of the source session into the open epoch (the runner's, taking the session's turn)."""
 
 
 @dataclass(frozen=True)
 class Pending:
-    """What a tick found when its budget ended before the open epoch was sealed and certified."""
+    """What a tick found not certified yet: the reader's open epoch, or the reader starting.
+
+    ``phase`` is ``starting`` (taking the lease, opening the sessions), ``reading`` (the open epoch
+    reads; ``epoch``, ``rows`` and ``seconds`` describe it), ``recovering`` (the open epoch re-reads
+    what the destination committed before its certificate) or ``committing`` (the open epoch was
+    sealed and is being committed). ``committing`` names an earlier epoch being committed while
+    ``epoch`` is read (pipelined). ``age`` is the stream's epoch age: an open epoch older than it by
+    more than a read is inside a source transaction.
+    """
 
     phase: str
     epoch: EpochId | None
@@ -70,47 +72,60 @@ class Pending:
     seconds: float
     lease_wait: str | None = None
     """While the reader waits to take the lease: who holds it (``LeaseBusy.describe``)."""
+    committing: EpochId | None = None
+    age: float = DEFAULT_AGE_SECONDS
 
     def describe(self) -> str:
         """For people (the tick's skip reason)."""
         if self.lease_wait is not None:
             return (
                 f"waiting {self.seconds:.0f}s so far to take the lease: {self.lease_wait}; the first "
-                "epoch is sealed and certified as soon as it is taken (a holder that died cannot hand "
-                "over: its lease expires), and the next tick reports it"
+                "epoch is read, sealed and certified as soon as it is taken (a holder that died cannot "
+                "hand over: its lease expires), and a later tick reports it"
             )
         if self.phase == "starting" or self.epoch is None:
             return (
                 f"no epoch open yet: taking the lease and opening the sessions ({self.seconds:.1f}s so far); "
-                "the next tick seals the first epoch"
+                "epochs are then sealed in the background and a later tick reports them"
             )
         epoch = f"epoch {self.epoch.sequence}"
         if self.phase == "committing":
+            return f"{epoch} was sealed with {self.rows} rows and is being committed; a later tick reports it"
+        if self.committing is not None and self.rows == 0:
             return (
-                f"{epoch} was sealed with {self.rows} rows and is being committed; the next tick reports it"
+                f"epoch {self.committing.sequence} was sealed and is being committed; a later tick reports it"
             )
         if self.phase == "recovering":
             return (
                 f"{epoch} re-reads the source up to what the destination committed before its certificate "
                 f"({self.rows} rows so far, {self.seconds:.0f}s); it is sealed once it gets there"
             )
+        committing = (
+            "" if self.committing is None else f"; epoch {self.committing.sequence} is being committed"
+        )
+        if self.seconds <= self.age + READ_SLICE_SECONDS:
+            return (
+                f"{epoch} is open with {self.rows} rows read ({self.seconds:.1f}s); it is sealed at its "
+                f"next safe source boundary after {self.age:g}s, in the background{committing}"
+            )
         return (
             f"{epoch} is open for {self.seconds:.0f}s with {self.rows} rows read: the read in progress "
             "has not reached a safe source boundary yet (a source transaction still open); the rows wait "
-            "in the open epoch, invisible at the destination, and the epoch is sealed when the "
-            "transaction ends, on a later tick if need be"
+            "in the open epoch, invisible at a transactional destination, and the epoch is sealed when "
+            "the transaction ends"
         )
 
 
 class EpochClock:
-    """The seal requests of ticks and the state of the open epoch they are served by. One event loop.
+    """When the reader's open epoch is due, what ticks see of it, and when the reader stops. One loop.
 
-    ``requested`` counts seal requests, ``served`` the request the last ended epoch served (a seal, or
-    an empty epoch dropped).
+    ``requested`` counts seal requests (stops and hand-overs), ``served`` the request the last sealed
+    epoch served.
     """
 
     def __init__(self, limits: ReadLimits) -> None:
         self.limits = limits
+        self.age = DEFAULT_AGE_SECONDS if limits.age is None else limits.age
         self.requested = 0
         self.served = 0
         self.stopping = False
@@ -118,23 +133,20 @@ class EpochClock:
         self.phase = "starting"
         self.epoch: EpochId | None = None
         self.pipeline: EpochPipeline | None = None
+        self.committing: EpochId | None = None
+        self.committing_rows = 0
         self.since = 0.0
         self.last_tick = 0.0
-        self.quiet_until = 0.0
-        """Loop time before which no seal request is expected (the next tick's earliest time): reads
-        that end by then may be long ones."""
         self.stop_after: float | None = None
         self._sealing = 0
         self._event: asyncio.Event | None = None
 
-    def ticked(self, now: float, interval: float | None, stop_after: float | None) -> None:
-        """A tick came at loop time ``now``; the next comes ``interval`` seconds later at the earliest
-        (None: unknown); the reader stops when none came for ``stop_after`` seconds."""
+    def ticked(self, now: float, stop_after: float | None) -> None:
+        """A tick came at loop time ``now``; the reader stops when none came for ``stop_after`` seconds."""
         self.last_tick, self.stop_after = now, stop_after
-        self.quiet_until = 0.0 if interval is None else now + interval - TICK_GUARD_SECONDS
 
     def request(self) -> int:
-        """Ask the open epoch to seal at its next safe boundary; returns the request's number."""
+        """Ask the open epoch to be sealed at its next safe boundary; returns the request's number."""
         self.requested += 1
         self.changed()
         return self.requested
@@ -146,7 +158,8 @@ class EpochClock:
             self._event = None
 
     async def wait(self, timeout: float | None, cancel: CancelToken | None = None) -> None:
-        """Until something changes (a request, an epoch ended, a stop), ``cancel`` or ``timeout``."""
+        """Until something changes (a request, an epoch sealed or ended, a stop), ``cancel``, or
+        ``timeout``."""
         if self._event is None:
             self._event = asyncio.Event()
         waiters: set[asyncio.Future[object]] = {asyncio.ensure_future(self._event.wait())}
@@ -159,83 +172,106 @@ class EpochClock:
                 waiter.cancel()
 
     def begun(self, epoch: EpochId, pipeline: EpochPipeline, now: float) -> None:
+        """Epoch ``epoch`` is read now (the one before it, if any, is committing)."""
         self.epoch, self.pipeline, self.since, self.phase = epoch, pipeline, now, "reading"
+        self.changed()
 
-    def ended(self) -> None:
-        """The open epoch ended (certified, or dropped empty): its seal request is served."""
+    def sealed(self, epoch: EpochId) -> None:
+        """``epoch`` was sealed: it is committed now, and the next one read."""
+        self.committing = epoch
+        self.committing_rows = 0 if self.pipeline is None else self.pipeline.rows_read
         self.served = max(self.served, self._sealing)
-        self.epoch, self.pipeline, self.phase = None, None, "starting"
-        self.since = asyncio.get_running_loop().time()
+        if self.epoch == epoch:
+            self.epoch, self.pipeline, self.phase = None, None, "starting"
+        self.changed()
+
+    def ended(self, epoch: EpochId | None) -> None:
+        """``epoch`` ended: certified, dropped empty or failed (None: before it had an id)."""
+        if epoch is not None and self.committing == epoch:
+            self.committing = None
+        if epoch is None or self.epoch == epoch:
+            self.epoch, self.pipeline, self.phase = None, None, "starting"
+            self.since = asyncio.get_running_loop().time()
         self.changed()
 
     def going(self) -> bool:
         """False once the reader is asked to stop."""
         return not self.stopping
 
+    @property
+    def settled(self) -> bool:
+        """True when nothing read is waiting to be certified (no rows in the open epoch, nothing
+        committing) and the reader runs (not starting)."""
+        reading = self.pipeline is not None and self.pipeline.rows_read > 0
+        return self.phase != "starting" and not reading and self.committing is None
+
     def pending(self, now: float) -> Pending:
         rows = 0 if self.pipeline is None else self.pipeline.rows_read
-        return Pending(self.phase, self.epoch, rows, max(0.0, now - self.since))
+        seconds = max(0.0, now - self.since)
+        if self.phase == "starting" and self.committing is not None:
+            return Pending("committing", self.committing, self.committing_rows, seconds, age=self.age)
+        return Pending(self.phase, self.epoch, rows, seconds, committing=self.committing, age=self.age)
 
     def idle_too_long(self, now: float) -> bool:
         """True when no tick came for ``stop_after`` seconds: the reader stops."""
         return self.stop_after is not None and now - self.last_tick > self.stop_after
 
-    def slice(self, pipeline: EpochPipeline, now: float) -> ReadLimits | None:
-        """The limits of the next read into ``pipeline``'s epoch, begun at loop time ``now``; None when
-        the epoch is full. Its age: up to ``READ_SLICE_SECONDS`` while it ends before ``quiet_until``
-        and no seal is asked for, else ``SEAL_SLICE_SECONDS`` (never beyond the stream's own ``age``)."""
+    def due(self, pipeline: EpochPipeline, now: float) -> bool:
+        """Whether the open epoch is sealed at the end of the read in progress: it read something and
+        is old enough, full, or a seal was asked for."""
+        if not pipeline.has_evidence:
+            return False
+        return self.full(pipeline) or now - self.since >= self.age or self.requested > self._sealing
+
+    def full(self, pipeline: EpochPipeline) -> bool:
         limits = self.limits
-        records = None if limits.records is None else limits.records - pipeline.rows_written
-        size = None if limits.bytes is None else limits.bytes - pipeline.bytes_written
-        if (records is not None and records <= 0) or (size is not None and size <= 0):
-            return None
-        quiet = 0.0 if self.requested > self._sealing else self.quiet_until - now
-        age = min(READ_SLICE_SECONDS, max(SEAL_SLICE_SECONDS, quiet))
+        return (limits.records is not None and pipeline.rows_written >= limits.records) or (
+            limits.bytes is not None and pipeline.bytes_written >= limits.bytes
+        )
+
+    def slice(self, pipeline: EpochPipeline, now: float) -> ReadLimits:
+        """The limits of the next read into ``pipeline``'s epoch, begun at loop time ``now``: what is
+        left of its records and bytes, and an age that ends the read when the epoch becomes due (at
+        least ``SEAL_SLICE_SECONDS``, at most ``READ_SLICE_SECONDS``; the longest while it read
+        nothing: a read returns ``idle`` seconds after its last row anyway)."""
+        limits = self.limits
+        records = None if limits.records is None else max(1, limits.records - pipeline.rows_written)
+        size = None if limits.bytes is None else max(1, limits.bytes - pipeline.bytes_written)
+        left = self.since + self.age - now
+        if self.requested > self._sealing:
+            left = 0.0
+        if not pipeline.has_evidence:
+            left = READ_SLICE_SECONDS
+        age = min(READ_SLICE_SECONDS, max(SEAL_SLICE_SECONDS, left))
         return ReadLimits(
             records=records,
             bytes=size,
             idle=READ_IDLE_SECONDS if limits.idle is None else min(limits.idle, READ_IDLE_SECONDS),
-            age=age if limits.age is None else min(limits.age, age),
+            age=age,
         )
 
     async def read(
-        self,
-        session: StreamSession,
-        pipeline: EpochPipeline,
-        cancel: CancelToken,
-        recover_to: tuple[Position, ...],
+        self, read: Read, pipeline: EpochPipeline, cancel: CancelToken, recover_to: tuple[Position, ...]
     ) -> Coverage | None:
-        """Read into the open epoch until a seal request is due (after one read at least, never short of
-        ``recover_to``, the destination's watermark while recovering); the coverage of every read, or
-        None when cancelled, stopped, or no tick came for ``stop_after`` seconds."""
+        """Read into the open epoch until it is due (never short of ``recover_to``, the destination's
+        watermark while recovering); the coverage of every read, or None when cancelled, or stopped
+        with nothing read."""
         loop = asyncio.get_running_loop()
         coverage = Coverage()
-        reads = 0
-        # A read that found nothing before the seal was requested is not the epoch's last: one more
-        # read takes what reached the source before the tick (a read that returned rows ends the epoch
-        # at once, so a tick never waits on a further read of a busy source).
-        stale, asked = False, 0
-        while not (cancel.cancelled or self.stopping):
-            if self.idle_too_long(loop.time()):
-                self.stopping = self.stopped_idle = True
-                break
+        while not cancel.cancelled:
+            now = loop.time()
             recovering = bool(recover_to) and not reaches(coverage, recover_to)
             self.phase = "recovering" if recovering else "reading"
-            limits = self.slice(pipeline, loop.time())
-            full = limits is None
-            due = full or self.requested > self._sealing or loop.time() - self.since >= MAX_OPEN_SECONDS
-            if stale and self.requested > asked and not full:
-                due = False
-            if reads and not recovering and due:
+            if not recovering and self.due(pipeline, now):
                 self._sealing = self.requested
                 self.phase = "committing"
                 return coverage
-            if limits is None:  # full while recovering: read on to the destination's watermark
+            if self.stopping and not pipeline.has_evidence:
+                return None
+            limits = self.slice(pipeline, now)
+            if recovering and self.full(pipeline):  # read on to the destination's watermark
                 limits = ReadLimits(idle=READ_IDLE_SECONDS, age=READ_SLICE_SECONDS)
-            asked = self.requested
-            more = await session.read(pipeline, limits, cancel)
-            reads += 1
-            stale = more.empty
+            more = await read(pipeline, limits, cancel)
             if cancel.cancelled:
                 break
             coverage = merge(coverage, more)

@@ -2,7 +2,9 @@
 reconciled with what the sink last committed, aborted and rewound, dropped.
 
 The continuous runner (:mod:`.continuous`) owns one :class:`StreamSessions` and calls it from its
-single commit order; nothing here decides the order of an epoch's steps.
+single commit order; nothing here decides the order of an epoch's steps. The source session takes one
+call at a time (the :class:`StreamSession` contract) while two epochs are in flight (one read while the
+other commits, :mod:`.pipelined`): every read, lag and acknowledgement takes :attr:`StreamSessions.turn`.
 """
 
 import asyncio
@@ -10,10 +12,12 @@ import logging
 
 from faucet_dagster.pipeline import EpochPipeline
 from faucet_dagster.protocol import (
+    CancelToken,
     Coverage,
     EpochId,
     FaucetError,
     Position,
+    ReadLimits,
     StreamingSinkSession,
     StreamSession,
     UncertainOutcome,
@@ -46,6 +50,10 @@ class StreamSessions:
         self.next_sequence = 0
         self.recover_to: tuple[Position, ...] = ()
         self.adopted: Coverage | None = None
+        self.turn = asyncio.Lock()
+        """Held by each call on the source session (read, lag, acknowledgement): one at a time."""
+        self.closing_sink: StreamingSinkSession | None = None
+        """A sink session whose ``close_session`` is in progress."""
         self._atomic = spec.sink.capabilities().atomic_watermark
         self._adopts = not spec.source.capabilities().deterministic and self._atomic
 
@@ -120,6 +128,13 @@ class StreamSessions:
         self.source = opening.result()
         await self.close_source(cause)
 
+    async def read(
+        self, session: StreamSession, pipeline: EpochPipeline, limits: ReadLimits, cancel: CancelToken
+    ) -> Coverage:
+        """One read of ``session`` into ``pipeline``, in its turn."""
+        async with self.turn:
+            return await session.read(pipeline, limits, cancel)
+
     def certify(self, epoch: EpochId, coverage: Coverage) -> None:
         """``epoch`` with ``coverage`` is certified: the positions and the sequence move on."""
         self.certified = advance(self.certified, coverage)
@@ -133,19 +148,19 @@ class StreamSessions:
     async def abort(
         self,
         epoch: EpochId,
-        pipeline: EpochPipeline | None,
+        pipeline: EpochPipeline,
         *,
         rewind: bool,
         cause: BaseException | None = None,
     ) -> None:
-        """Abort ``epoch`` at the sink; with ``rewind``, close the source session so it reopens at the
-        certified positions. Failures while cleaning up are attached to ``cause`` (or raised)."""
-        if pipeline is not None:
-            inflight = await pipeline.discard()
-            if inflight is not None and cause is not None and inflight is not cause:
-                cause.add_note(f"a batch in flight failed too: {inflight!r}")
+        """Abort ``epoch`` at the sink (if its pipeline began it there); with ``rewind``, close the
+        source session so it reopens at the certified positions. Failures while cleaning up are
+        attached to ``cause`` (or raised)."""
+        inflight = await pipeline.discard()
+        if inflight is not None and cause is not None and inflight is not cause:
+            cause.add_note(f"a batch in flight failed too: {inflight!r}")
         sink = self.sink
-        if sink is not None:
+        if sink is not None and pipeline.begun:
             try:
                 await sink.abort_epoch(epoch)
             except FaucetError as exc:
@@ -181,6 +196,7 @@ class StreamSessions:
         self.adopted = None
         if session is None:
             return
+        self.closing_sink = session
         try:
             await session.close_session()
         except UncertainOutcome as exc:
@@ -192,3 +208,5 @@ class StreamSessions:
             if cause is None:
                 raise
             cause.add_note(f"closing the sink session failed too: {exc}")
+        finally:
+            self.closing_sink = None

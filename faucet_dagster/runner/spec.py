@@ -1,19 +1,22 @@
-"""What a continuous stream is (:class:`StreamSpec`), its defaults, and the small values the runner
-reports (:class:`CutShort`) or routes through (:class:`StoreDeadLetterRoute`)."""
+"""What a continuous stream is (:class:`StreamSpec`), its defaults, what it is planned and piped as
+(:func:`continuous_plan`, :func:`stream_pipeline`), and the small values the runner reports
+(:class:`CutShort`) or routes through (:class:`StoreDeadLetterRoute`)."""
 
 import asyncio
 import os
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from faucet_dagster.pipeline import DeadLetterRoute, PipelineOptions, ResourceSchema
+from faucet_dagster.pipeline import DeadLetterRoute, Pipeline, PipelineOptions, ResourceSchema
 from faucet_dagster.pipeline.schema import BadRowPolicy
+from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import (
     Delivery,
     EpochId,
     Membership,
+    Mode,
     ReadLimits,
     RejectedRecord,
     StreamingSink,
@@ -22,7 +25,9 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.state import StateStore
 
-DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=10.0)
+DEFAULT_EPOCH_LIMITS = ReadLimits(records=50_000, bytes=None, idle=1.0, age=1.0)
+"""An epoch ends at the first safe boundary after 50,000 records or a second: what a row waits, at
+most, before its epoch is committed and visible (a source transaction still ends it only at its end)."""
 DEFAULT_LEASE_SECONDS = 15.0
 
 
@@ -33,9 +38,11 @@ class StreamSpec:
     ``schemas`` declares resources' schemas (others are inferred; every resource is keyed by
     ``key``). ``limits`` are the per-epoch read targets: an epoch run in one call
     (:meth:`~faucet_dagster.runner.continuous.StreamRunner.run_epoch`) ends at the first safe boundary
-    after any of them; an epoch read between ticks stops reading at the first safe boundary after
-    ``limits.records`` rows or ``limits.bytes`` bytes until a tick seals it (its memory bound: nothing
-    is dropped). ``lease_seconds`` is how long a lease lives without renewal (the runner renews it in
+    after any of them; an epoch read under a sensor is sealed at the first safe boundary after it is
+    ``limits.age`` seconds old (or has read something, when older), or holds ``limits.records`` rows
+    or ``limits.bytes`` bytes (its memory bound: nothing is dropped). ``pipeline.read_ahead_bytes``
+    bounds what the epoch read while the one before it commits holds. ``lease_seconds`` is how long a
+    lease lives without renewal (the runner renews it in
     the background every third of that): how long a worker that died without releasing it holds the
     stream up.
     """
@@ -96,6 +103,34 @@ class CutShort:
             "certified. If this repeats, one source transaction is larger than one call's budget reads: "
             "give the call a larger budget, or run the stream under a sensor, whose epochs span ticks"
         )
+
+
+def continuous_plan(spec: StreamSpec) -> Plan:
+    """The planner's verdict on ``spec`` run continuously (raises :class:`PlanError` when refused)."""
+    return plan(
+        spec.source.capabilities(),
+        spec.sink.capabilities(),
+        Mode.CONTINUOUS,
+        spec.policy,
+        spec.key,
+        delivery=spec.delivery,
+        durable_state=True,
+        dead_letter=spec.dead_letter,
+    )
+
+
+def stream_pipeline(spec: StreamSpec, store: StateStore, dead_letters: DeadLetterRoute | None) -> Pipeline:
+    """``spec``'s pipeline: its schemas keyed by the stream's key, its dead letters routed to
+    ``dead_letters`` or, by default, to the state store."""
+    schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
+    default = spec.default_schema or ResourceSchema()
+    return Pipeline(
+        schemas,
+        default_schema=replace(default, key=default.key or spec.key),
+        # Always a route: a source whose own policy dead-letters undecodable records needs one too.
+        dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
+        options=spec.pipeline,
+    )
 
 
 def default_worker_id() -> str:

@@ -20,9 +20,9 @@ AssetKeyLike = dg.AssetKey | str | Sequence[str]
 class FaucetStream:
     """One continuous stream: read ``resources`` from ``source``, write them to ``sink`` with ``policy``.
 
-    ``schemas`` declares resources' schemas (others are inferred). ``limits.records`` and
-    ``limits.bytes`` bound an epoch (by default it is sealed at the first safe boundary after 50,000
-    records, without waiting for a tick). ``state_url`` selects the state store
+    ``schemas`` declares resources' schemas (others are inferred). ``limits.age``, ``limits.records``
+    and ``limits.bytes`` bound an epoch (by default it is sealed in the background at the first safe
+    boundary after a second or 50,000 records; a tick reports it). ``state_url`` selects the state store
     (default: ``$FAUCET_STATE_URL``, else a SQLite file under ``$DAGSTER_HOME``). ``lease_seconds`` is
     how long a worker that died without releasing the stream holds it up (a live one renews its lease
     in the background). ``workers`` above 1 runs the stream in that many long-running Dagster runs

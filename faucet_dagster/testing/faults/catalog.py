@@ -38,6 +38,9 @@ Every case injects one fault (:mod:`.scenarios` runs it). Kinds of fault:
               run's crash and its rerun: see :mod:`faucet_dagster.testing.faults.lagging`.
 ``snapshot_crash``  a change source with ``snapshot`` killed after the sink committed the snapshot's
               epoch, rows it read changed at the source, then recovered (:mod:`.cdc_variants`).
+``failed_commit``  the sink refuses an epoch's commit (``fail`` at ``during_sink_commit``) while the
+              next epoch is read ahead: both are rolled back and read again from the certified
+              positions by the same worker, which goes on (a retryable failure).
 """
 
 from dataclasses import dataclass
@@ -71,6 +74,7 @@ class FaultKind(StrEnum):
     RETENTION = "retention"
     PAGE_CRASH = "page_crash"
     SNAPSHOT_CRASH = "snapshot_crash"
+    FAILED_COMMIT = "failed_commit"
 
 
 class Moment(StrEnum):
@@ -152,6 +156,8 @@ class Fault:
             return "exit, sink frozen"
         if self.kind is FaultKind.STOP:
             return "stop, resumed after the window"
+        if self.kind is FaultKind.FAILED_COMMIT:
+            return "fail@commit, read ahead"
         return f"{self.kind} source"
 
 
@@ -204,6 +210,8 @@ def named_faults(pair: Pair) -> list[Fault]:
         faults.append(Fault(FaultKind.RETENTION))
     if pair.mode is Mode.BOUNDED:
         faults.append(Fault(FaultKind.PAGE_CRASH))
+    if pair.mode is Mode.CONTINUOUS:
+        faults.append(Fault(FaultKind.FAILED_COMMIT))
     return faults
 
 

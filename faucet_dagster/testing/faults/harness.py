@@ -153,7 +153,7 @@ def describe(case: ScheduledCase) -> str:
     extra = ""
     if case.fault.kind is FaultKind.RANDOM:
         extra = f" {params.random_delay:.2f}s after step {params.random_after}"
-    elif case.fault.kind in (FaultKind.POINT, FaultKind.ZOMBIE):
+    elif case.fault.kind in (FaultKind.POINT, FaultKind.ZOMBIE, FaultKind.FAILED_COMMIT):
         extra = f" hit {params.hit}"
     elif case.fault.kind is FaultKind.RESTART:
         unit = "epochs" if case.pair.mode is Mode.CONTINUOUS else "pages"

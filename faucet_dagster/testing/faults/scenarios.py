@@ -116,7 +116,9 @@ def _zombie(case: Case, fault: Fault) -> CaseOutcome:
             return recovered_outcome(case, False, False, notes)
         time.sleep(0.02)
     time.sleep(case.params.lease_seconds + 0.3)  # past the owner's lease
-    certified_before = owner.count("certified")  # every event it wrote before stopping is read by now
+    # What the owner certified before it stopped, from the store (its events of them may come after
+    # SIGCONT: a pipelined worker reports an epoch once it is acknowledged).
+    certified_before = _certified_by(case, owner)
     successor = case.start(case.spec("successor", stop_after_epochs=2))
     successor_code = case.finish(successor)
     took_over = successor_code == EXIT_DONE and successor.count("certified") > 0
@@ -128,10 +130,15 @@ def _zombie(case: Case, fault: Fault) -> CaseOutcome:
     refused = owner_code == EXIT_HALTED and error is not None and error.data.get("kind") == "ownership_lost"
     if not refused:
         notes.append(f"the resumed owner exited with {owner_code}: {describe_event(error) or owner.tail()}")
-    if owner.count("certified") > certified_before:
+    if _certified_by(case, owner) != certified_before:
         notes.append("the resumed owner certified an epoch after its lease expired")
         refused = False
     return recovered_outcome(case, True, took_over and refused, notes)
+
+
+def _certified_by(case: Case, worker: WorkerProcess) -> list[int]:
+    """The sequences of the certificates ``worker`` persisted."""
+    return [c.sequence for c in case.certificates() if c.worker == worker.spec.worker_id]
 
 
 def _part_way(case: Case, fault: str, notes: list[str]) -> tuple[WorkerProcess, bool]:
@@ -269,6 +276,20 @@ def _first_run(case: Case, notes: list[str]) -> tuple[list[EpochCertificate], se
     return case.certificates(), all_keys(case.produced)
 
 
+def _failed_commit(case: Case, fault: Fault) -> CaseOutcome:
+    """The ``hit``-th commit is refused while the next epoch is read ahead; the worker retries (a
+    retryable failure) from the certified positions and finishes on its own."""
+    notes: list[str] = []
+    worker = case.start(case.spec("w1"), case.arming(Point.DURING_SINK_COMMIT, Action.FAIL))
+    code = case.finish(worker)
+    fired = case.fired() and worker.count("retry") > 0
+    if not fired:
+        notes.append(f"the commit was not refused as scheduled (exit {code}): {worker.tail()}")
+    if code != EXIT_DONE:
+        notes.append(f"the worker exited with {code}: {describe_event(worker.error())}")
+    return recovered_outcome(case, fired, code == EXIT_DONE, notes)
+
+
 def _recreate(case: Case, fault: Fault) -> CaseOutcome:
     notes: list[str] = []
     before, stored = _first_run(case, notes)
@@ -320,6 +341,7 @@ _RUNNERS: dict[FaultKind, Callable[[Case, Fault], CaseOutcome]] = {
     FaultKind.PURGE: _purge,
     FaultKind.DDL: _ddl,
     FaultKind.SNAPSHOT_CRASH: _snapshot_crash,
+    FaultKind.FAILED_COMMIT: _failed_commit,
     FaultKind.RETENTION: retention,
     FaultKind.PAGE_CRASH: page_crash,
 }

@@ -74,6 +74,10 @@ class WorkerSpec:
     deadline_seconds: float = 60.0
     bookmark_file: str = ""
     batch_size: int = 500
+    pipelined: bool = True
+    """Continuous: epochs pipelined as under a sensor (``run_epochs``: the next read while the last
+    commits); False runs one epoch at a time (``run_epoch``), for cases whose premise is an order of
+    events across epochs."""
     groups: int = 0
     """Continuous: 0 runs the stream as one runner; above 0, as one member of a stream divided into
     that many partition groups (:class:`~faucet_dagster.runner.members.MemberWorker`), until a clean

@@ -5,14 +5,15 @@
 exits with one of the codes of :mod:`.spec`.
 
 Continuous specs drive :class:`~faucet_dagster.runner.continuous.StreamRunner`, the runner the
-sensor uses, epoch after epoch, with the state store of ``state_url``: exactly what sensor ticks do,
-minus Dagster. Bounded specs run :func:`~faucet_dagster.runner.bounded.run_bounded_sync` once from
-the bookmark and commit token in ``bookmark_file`` and persist the new ones there after the
-connectors closed, as the bounded assets do with Dagster's run storage.
+sensor uses, epoch after epoch (pipelined: the next epoch read while the last commits), with the state
+store of ``state_url``: what the sensor's reader does, minus Dagster. Bounded specs run
+:func:`~faucet_dagster.runner.bounded.run_bounded_sync` once from the bookmark and commit token in
+``bookmark_file`` and persist the new ones there after the connectors closed, as the bounded assets
+do with Dagster's run storage.
 
 The connectors are the registered ones, built from the spec's configs. Two thin wrappers add fault
-points without changing behaviour: every streaming sink session marks ``after_apply`` and
-``during_sink_close``, and PostgreSQL sinks open their connections through
+points without changing behaviour: every streaming sink session marks ``after_apply``,
+``during_sink_commit`` and ``during_sink_close``, and PostgreSQL sinks open their connections through
 :func:`pointed_connect`, whose cursors mark ``during_copy`` and ``after_copy``. A fault is armed only
 through the environment (:mod:`.points`): the controller sets it for the process it means to break.
 """
@@ -40,6 +41,7 @@ from psycopg.copy import AsyncWriter
 from faucet_dagster.pipeline import PipelineOptions
 from faucet_dagster.protocol import (
     CommitToken,
+    ConnectionFailed,
     Coverage,
     EpochCertificate,
     EpochId,
@@ -63,7 +65,7 @@ from faucet_dagster.protocol import (
 from faucet_dagster.runner.bounded import run_bounded_sync
 from faucet_dagster.runner.bounded_values import PageReport, SyncSettings
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
-from faucet_dagster.runner.faults import Point, fault_point
+from faucet_dagster.runner.faults import InjectedFailure, Point, fault_point
 from faucet_dagster.runner.members import MemberWorker
 from faucet_dagster.state import StateStore
 from faucet_dagster.testing.faults.spec import (
@@ -75,6 +77,9 @@ from faucet_dagster.testing.faults.spec import (
     Target,
     WorkerSpec,
 )
+
+STEP_SECONDS = 2.0
+"""The budget of one ``run_epochs`` call of a continuous worker (the events follow each call)."""
 
 # -- fault points in the sinks -------------------------------------------------------------------
 
@@ -119,6 +124,10 @@ class PointedSinkSession(StreamingSinkSession):
         fault_point(Point.AFTER_APPLY)
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
+        try:
+            fault_point(Point.DURING_SINK_COMMIT)
+        except InjectedFailure as exc:
+            raise ConnectionFailed(f"the destination refused the commit of {epoch}", where="fault") from exc
         return await self._inner.commit_epoch(epoch, coverage)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
@@ -246,6 +255,7 @@ class _Epochs:
 
     def __init__(self, spec: WorkerSpec, store: StateStore) -> None:
         stream = stream_spec(spec)
+        self._pipelined = spec.pipelined
         self._driver: MemberWorker | StreamRunner = (
             MemberWorker(stream, store, groups=spec.groups, worker_id=spec.worker_id)
             if spec.groups
@@ -255,12 +265,20 @@ class _Epochs:
     def cancel(self) -> None:
         self._driver.cancel()
 
-    async def step(self) -> list[EpochCertificate]:
-        """One epoch (a stream) or one round, an epoch per group held (a member)."""
-        if isinstance(self._driver, MemberWorker):
-            return await self._driver.run_round()
-        certificate = await self._driver.run_epoch()
-        return [] if certificate is None else [certificate]
+    async def step(self, on_certified: Callable[[EpochCertificate], None]) -> None:
+        """Epochs for a few seconds, pipelined as under a sensor, or one epoch (a stream), or one
+        round of every group held (a member); ``on_certified`` is called with each certificate as
+        soon as its epoch is acknowledged."""
+        driver = self._driver
+        if isinstance(driver, MemberWorker):
+            certificates = await driver.run_round()
+        elif self._pipelined:
+            await driver.run_epochs(STEP_SECONDS, on_certified=on_certified)
+            return
+        else:
+            certificates = [c for c in [await driver.run_epoch()] if c is not None]
+        for certificate in certificates:
+            on_certified(certificate)
 
     async def close(self) -> None:
         await self._driver.close()
@@ -277,6 +295,20 @@ async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) ->
     deadline = loop.time() + spec.deadline_seconds
     code = EXIT_DONE
     certified = 0
+
+    def on_certified(certificate: EpochCertificate) -> None:
+        nonlocal certified
+        certified += 1
+        events.emit(
+            "certified",
+            stream=certificate.stream,
+            sequence=certificate.sequence,
+            rows=sum(certificate.row_counts.values()),
+            fencing_token=certificate.fencing_token,
+        )
+        if spec.stop_after_epochs is not None and certified == spec.stop_after_epochs:
+            loop.call_later(spec.stop_delay, stop.request)
+
     try:
         while not stop.requested:
             if loop.time() >= deadline:
@@ -284,23 +316,12 @@ async def run_continuous(spec: WorkerSpec, events: Events, stop: StopRequest) ->
                 code = EXIT_DEADLINE
                 break
             try:
-                certificates = await epochs.step()
+                await epochs.step(on_certified)
             except FaucetError as exc:
                 if await retried(exc, spec, events):
                     continue
                 code = EXIT_HALTED
                 break
-            for certificate in certificates:
-                certified += 1
-                events.emit(
-                    "certified",
-                    stream=certificate.stream,
-                    sequence=certificate.sequence,
-                    rows=sum(certificate.row_counts.values()),
-                    fencing_token=certificate.fencing_token,
-                )
-                if spec.stop_after_epochs is not None and certified == spec.stop_after_epochs:
-                    loop.call_later(spec.stop_delay, stop.request)
             # Checked after an epoch ran, so even a worker with nothing left opens its sessions (and
             # halts on a source that changed under the certified positions).
             if spec.targets and reached(
