@@ -52,7 +52,7 @@ import time
 import dagster as dg
 
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
-from faucet_dagster.streams.sensor import FaucetStream, build_stream_defs
+from faucet_dagster import FaucetStream, build_stream_defs
 
 stream = FaucetStream(
     name=os.environ["T_STREAM"],

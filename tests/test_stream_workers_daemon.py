@@ -40,7 +40,7 @@ import dagster as dg
 
 from faucet_dagster.protocol import ReadLimits
 from faucet_dagster.declarations.resources import FaucetConnection
-from faucet_dagster.streams.sensor import FaucetStream, build_stream_defs
+from faucet_dagster import FaucetStream, build_stream_defs
 
 kafka = FaucetConnection(
     connector="kafka",
