@@ -26,7 +26,7 @@ from faucet_nats.config import NatsSourceConfig
 from faucet_nats.source import NatsStreamSource
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
-from stream_ticks import ticks_reporting
+from stream_ticks import ticks_reporting, sensor_context
 
 from faucet_dagster.cli.main import main
 from faucet_dagster.components import FaucetComponent
@@ -269,7 +269,7 @@ def test_messages_published_while_sensor_ticks_run_land_once_and_are_reported_on
         while True:
             ticks += 1
             assert ticks < 200, "the stream did not catch up"
-            data = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+            data = sensor.evaluate_tick(sensor_context(sensor, instance, cursor))
             if data.asset_events and not lost_once:
                 lost_once = True  # this tick "timed out": Dagster never stored its events or cursor
                 continue
@@ -522,7 +522,7 @@ def test_a_tick_skips_while_another_worker_holds_the_lease_and_fails_on_an_uncer
     env.publish(10)
     sensor = faucet_stream_sensor(faucet_stream(env), budget_seconds=2)
     held = env.store.acquire_lease(env.stream, "another-code-server", 30)
-    data = sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
+    data = sensor.evaluate_tick(sensor_context(sensor))
     assert not [event for event in data.asset_events if isinstance(event, dg.AssetMaterialization)]
     assert "waiting on a lease another worker holds" in str(data.skip_message)
     assert env.ids() == []
@@ -531,9 +531,9 @@ def test_a_tick_skips_while_another_worker_holds_the_lease_and_fails_on_an_uncer
     env.store.mark_uncertain(env.stream, "the previous worker's close timed out")
     env.store.release_lease(held)
     with pytest.raises(Exception, match="faucet streams release"):
-        sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
+        sensor.evaluate_tick(sensor_context(sensor))
     env.store.release(env.stream)
-    data = sensor.evaluate_tick(dg.build_sensor_context(cursor=None))
+    data = sensor.evaluate_tick(sensor_context(sensor))
     assert len(data.asset_events) == 3 and env.ids() == list(range(10))  # certificate, its check, health
 
 
