@@ -6,6 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import dagster as dg
 
+# What define_asset_job returns; dagster 1.13 does not export the type publicly.
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+
 from faucet_dagster.declarations.code_location import declaring_line, with_code_reference
 from faucet_dagster.declarations.declared import DECLARED
 from faucet_dagster.declarations.preflight import check_streams
@@ -43,7 +46,7 @@ def build_stream_defs(
     assets: list[dg.AssetSpec | dg.AssetsDefinition] = []
     checks: list[dg.AssetChecksDefinition] = []
     sensors: list[dg.SensorDefinition] = []
-    jobs: list[dg.UnresolvedAssetJobDefinition] = []
+    jobs: list[UnresolvedAssetJobDefinition] = []
     for stream in streams:
         spec = with_code_reference(specs.get(stream.name) or stream.asset_spec(), declared_at)
         if stream.workers > 1:

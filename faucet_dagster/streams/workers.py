@@ -36,6 +36,9 @@ import time
 from collections.abc import Iterator, Sequence
 
 import dagster as dg
+
+# What define_asset_job returns; dagster 1.13 does not export the type publicly.
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 from sqlalchemy.exc import SQLAlchemyError
 
 from faucet_dagster.runner.members import MemberWorker, group_stream
@@ -116,7 +119,7 @@ def worker_assets(
     return _worker
 
 
-def worker_job(stream: FaucetStream, assets: dg.AssetsDefinition) -> dg.UnresolvedAssetJobDefinition:
+def worker_job(stream: FaucetStream, assets: dg.AssetsDefinition) -> UnresolvedAssetJobDefinition:
     """The per-stream job of worker runs: the worker asset's op, without the asset's checks."""
     return dg.define_asset_job(
         name=worker_job_name(stream),
@@ -219,7 +222,7 @@ def _targets(
 
 def workers_sensor(
     stream: FaucetStream,
-    job: dg.UnresolvedAssetJobDefinition,
+    job: UnresolvedAssetJobDefinition,
     targets: Sequence[AssetTarget],
     *,
     minimum_interval_seconds: int = 30,
@@ -338,7 +341,7 @@ def build_worker_defs(
     dg.AssetsDefinition,
     Sequence[dg.AssetChecksDefinition],
     dg.SensorDefinition,
-    dg.UnresolvedAssetJobDefinition,
+    UnresolvedAssetJobDefinition,
 ]:
     """The worker asset(s), their checks, the workers sensor and the worker job of a stream with
     workers."""
