@@ -50,7 +50,9 @@ class SensorTicks:
 
 
 def sensor_context(
-    sensor: dg.SensorDefinition, instance: dg.DagsterInstance | None = None, cursor: str | None = None
+    sensor: dg.SensorDefinition,
+    instance: dg.DagsterInstance | None = None,
+    cursor: str | None = None,
 ) -> dg.SensorEvaluationContext:
     """A context for one tick of a stream's ``sensor``, with the definitions its asset selection (the
     stream's sink asset) resolves against, as the daemon's code server has them."""
