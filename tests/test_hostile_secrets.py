@@ -18,9 +18,8 @@ from typing import Any
 
 import dagster as dg
 import pytest
-from test_hostile_nats_auth import NatsServerWithUsers
-
 from stream_ticks import sensor_context
+from test_hostile_nats_auth import NatsServerWithUsers
 
 from faucet_dagster.cli.main import main
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint

@@ -18,7 +18,7 @@ import pytest
 from faucet_nats.source import NatsStreamSession
 from faucet_postgres.codecs import PostgresLsnCodec
 from kafka_topics import create_topic, produce_json
-from stream_ticks import ticks_reporting, sensor_context
+from stream_ticks import sensor_context, ticks_reporting
 
 from faucet_dagster.cli.main import main
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
@@ -27,7 +27,6 @@ from faucet_dagster.protocol import (
     EpochCertificate,
     ReadLimits,
     SourceLag,
-    UncertainOutcome,
     WritePolicy,
 )
 from faucet_dagster.runner import continuous

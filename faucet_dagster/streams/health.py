@@ -69,8 +69,10 @@ def remedy_of(stream: str, failure: FaucetError) -> str:
 
 def halt_stall(halt: Halt) -> Stall:
     """A stream halted on an error (ERROR): its runner tries again from the certified positions on
-    each tick. The key is the error: a halt reported once is not reported again while it lasts."""
-    return Stall(f"halted on {halt.reason}", halt.remedy, dg.AssetCheckSeverity.ERROR, f"halt:{halt.reason}")
+    each tick. The key is the error's type: a halt reported once is not reported again while it lasts,
+    whatever its message says from tick to tick (a server that went away, then refuses connections)."""
+    kind = halt.reason.split(":", 1)[0]
+    return Stall(f"halted on {halt.reason}", halt.remedy, dg.AssetCheckSeverity.ERROR, f"halt:{kind}")
 
 
 def lease_stall(stream: str, lease_seconds: float, holder: str | None, *, mine: bool, detail: str) -> Stall:
