@@ -160,6 +160,15 @@ class Report:
     def newest(self) -> EpochCertificate:
         return max(self.certificates, key=lambda certificate: certificate.created_at)
 
+    @property
+    def touched(self) -> bool:
+        """Whether the certificates wrote any of this report's resources (rows or receipts)."""
+        return self.rows > 0 or any(
+            receipt.resource in (self.resources or ())
+            for certificate in self.certificates
+            for receipt in certificate.receipts
+        )
+
     def rows_in(self, certificate: EpochCertificate) -> int:
         """The rows ``certificate`` sealed of this report's resources."""
         return sum(
@@ -366,6 +375,8 @@ def report_events(
     evaluation = certificate_evaluation(certificates, previous or {})
     for target in targets:
         report = Report(tuple(certificates), target.resources)
+        if target.resources is not None and not report.touched:
+            continue  # a replicated table these epochs did not change: nothing to report for it
         events.append(
             dg.AssetMaterialization(
                 asset_key=target.key, description=report.describe(), metadata=report_metadata(report)

@@ -127,11 +127,17 @@ def faucet_stream_sensor(
     ``budget_seconds`` caps the time a tick spends waiting for its seal, commits included (default: see
     :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
     code location; a default tick that starts the stream's reader waits ``STARTING_TICK_BUDGET``).
-    ``targets`` are the assets the reports materialize (default: the sink asset, ``asset_key``); the
-    sensor's ``asset_selection``. Endpoints given by resource key become its required resources.
+    ``targets`` are the assets the reports materialize (default: the sink asset, ``asset_key``, or one
+    per resource: :meth:`FaucetStream.asset_targets`); the sensor's ``asset_selection``. Endpoints given by resource key become its required resources.
     """
     check_streams([stream], declared_by="faucet_stream_sensor")
-    chosen = tuple(targets or (AssetTarget(stream.asset_spec(asset_key).key),))
+    chosen = tuple(
+        targets
+        or (
+            AssetTarget(spec.key, resources)
+            for spec, resources in stream.asset_targets(stream.asset_spec(asset_key))
+        )
+    )
     resource_keys = {
         endpoint.resource_key for endpoint in (stream.source, stream.sink) if endpoint.resource_key
     }
