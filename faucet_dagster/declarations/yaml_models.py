@@ -390,9 +390,29 @@ def clean_errors(model: type[BaseModel]) -> type[BaseModel]:
         except ValidationError as exc:
             return RefusedAttributes(tuple(_readable_errors(model, exc)))
 
+    def json_schema(cls: type[BaseModel], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return readable_schema(model.model_json_schema(*args, **kwargs))
+
     validator: Any = model_validator(mode="wrap")
-    cleaned: type[BaseModel] = type(model.__name__, (model,), {"_readable": validator(classmethod(readable))})
+    cleaned: type[BaseModel] = type(
+        model.__name__,
+        (model,),
+        {"_readable": validator(classmethod(readable)), "model_json_schema": classmethod(json_schema)},
+    )
     return cleaned
+
+
+def readable_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema ``dg check yaml`` and editors read: every field documented as Dagster derives
+    it, but no value refused by it. A JSON-schema refusal of a list reads "is not valid under any of
+    the given schemas" with the whole list echoed, its secrets too, at the list's first line; the
+    component's own check (:func:`clean_errors`, when the definitions load: ``dg check defs``) names
+    the field's line and the key it likely meant, never the value."""
+    properties = {
+        name: {"anyOf": [field, {}], "description": field.get("description", "")}
+        for name, field in schema.get("properties", {}).items()
+    }
+    return {**schema, "properties": properties}
 
 
 def _readable_errors(model: type[BaseModel], exc: ValidationError) -> list[InitErrorDetails]:

@@ -128,7 +128,8 @@ def faucet_stream_sensor(
     :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
     code location; a default tick that starts the stream's reader waits ``STARTING_TICK_BUDGET``).
     ``targets`` are the assets the reports materialize (default: the sink asset, ``asset_key``, or one
-    per resource: :meth:`FaucetStream.asset_targets`); the sensor's ``asset_selection``. Endpoints given by resource key become its required resources.
+    per resource: :meth:`FaucetStream.asset_targets`); the sensor's ``asset_selection``. Endpoints given
+    by resource key become its required resources.
     """
     check_streams([stream], declared_by="faucet_stream_sensor")
     chosen = tuple(
