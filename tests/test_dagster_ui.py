@@ -165,6 +165,15 @@ def test_the_stream_asset_lists_its_sensor_and_the_sync_its_running_schedule(ui:
     assert schedule["scheduleState"]["status"] == "RUNNING", (
         "the orders sync is scheduled hourly from the start"
     )
+    if os.environ.get("FAUCET_UI_TOUR"):  # a sync's materialization to show: the example's command one
+        subprocess.run(
+            [sys.executable, "-m", "example_project"],
+            cwd=ui.project,
+            env=ui.env,
+            check=True,
+            capture_output=True,
+        )
+        _tour(ui, "sync")
 
 
 def test_each_tick_says_what_it_did_where_the_ui_shows_a_tick(ui: UiDeployment) -> None:
@@ -248,13 +257,18 @@ def test_a_stopped_server_halts_the_stream_on_every_tick_and_fails_its_health_on
 
 
 TOUR = {
+    "sync": {
+        "sync-asset-automation-and-checks": "/assets/orders",
+        "sync-materialization-events": "/assets/orders?view=events",
+    },
     "stream": {
         "stream-asset-automation": "/assets/order_events_nats",
         "stream-sensor-ticks": f"/locations/example_project/sensors/{NATS_SENSOR}",
-        "stream-throughput-plots": "/assets/order_events_nats?view=plots",
         "stream-certificate-events": "/assets/order_events_nats?view=events",
     },
-    "halted": {"stream-health-check": "/assets/order_events_nats?view=checks"},
+    "halted": {
+        "stream-health-check-halted": "/assets/order_events_nats?view=checks&checkDetail=faucet_stream_health"
+    },
 }
 
 
@@ -278,7 +292,7 @@ def _tour(ui: UiDeployment, part: str) -> None:
                     "--disable-component-update",
                     "--disable-sync",
                     f"--user-data-dir={profile}",
-                    "--window-size=1600,1000",
+                    "--window-size=1600,1800",
                     "--virtual-time-budget=20000",
                     f"--screenshot={Path(folder) / f'{name}.png'}",
                     f"{ui.url}{page}",

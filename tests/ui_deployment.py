@@ -53,6 +53,8 @@ class UiDeployment:
         )
         self.home = root / "dagster_home"
         self.home.mkdir()
+        # No onboarding dialog over the pages, no telemetry from a test.
+        (self.home / "dagster.yaml").write_text("nux:\n  enabled: false\ntelemetry:\n  enabled: false\n")
         self.env = {**os.environ, **env, "DAGSTER_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
