@@ -59,59 +59,60 @@ def sync_check_results(
     (None: unknown, a first run)."""
     checks, result = sync.checks, outcome.result
     results = []
-    if checks.no_dead_letters and dg.AssetCheckKey(key, DEAD_LETTERS_CHECK) in selected:
-        dead = result.rows_dead_lettered
-        results.append(
-            dg.AssetCheckResult(
-                asset_key=key,
-                check_name=DEAD_LETTERS_CHECK,
-                passed=dead == 0,
-                severity=dg.AssetCheckSeverity.ERROR,
-                description=f"{dead} row(s) dead-lettered"
-                + ("" if dead == 0 else ": read them at the sync's dead_letter destination"),
-                metadata={"faucet/rows_dead_lettered": dg.MetadataValue.text(str(dead))},
+
+    def check(
+        name: str, passed: bool, severity: dg.AssetCheckSeverity, description: str, **metadata: str
+    ) -> None:
+        if dg.AssetCheckKey(key, name) in selected:
+            results.append(
+                dg.AssetCheckResult(
+                    asset_key=key,
+                    check_name=name,
+                    passed=passed,
+                    severity=severity,
+                    description=description,
+                    metadata={
+                        f"faucet/{label}": dg.MetadataValue.text(value) for label, value in metadata.items()
+                    },
+                )
             )
+
+    if checks.no_dead_letters:
+        dead = result.rows_dead_lettered
+        check(
+            DEAD_LETTERS_CHECK,
+            dead == 0,
+            dg.AssetCheckSeverity.ERROR,
+            f"{dead} row(s) dead-lettered"
+            + ("" if dead == 0 else ": read them at the sync's dead_letter destination"),
+            rows_dead_lettered=str(dead),
         )
-    if checks.row_count_drop is not None and dg.AssetCheckKey(key, ROW_COUNT_CHECK) in selected:
+    if checks.row_count_drop is not None:
         now = outcome.table_rows
         known = now is not None and previous_table_rows is not None
         floor = 0 if previous_table_rows is None else previous_table_rows * (1 - checks.row_count_drop)
         passed = not known or (now or 0) >= floor
-        results.append(
-            dg.AssetCheckResult(
-                asset_key=key,
-                check_name=ROW_COUNT_CHECK,
-                passed=passed,
-                severity=dg.AssetCheckSeverity.ERROR,
-                description=(
-                    "no earlier row count to compare with"
-                    if not known
-                    else f"the table holds {now} rows, {previous_table_rows} after the previous run"
-                    + ("" if passed else f" (at least {floor:.0f} expected): rows were deleted or replaced")
-                ),
-                metadata={
-                    "faucet/table_rows": dg.MetadataValue.text("unknown" if now is None else str(now)),
-                    "faucet/previous_table_rows": dg.MetadataValue.text(
-                        "unknown" if previous_table_rows is None else str(previous_table_rows)
-                    ),
-                },
-            )
+        check(
+            ROW_COUNT_CHECK,
+            passed,
+            dg.AssetCheckSeverity.ERROR,
+            "no earlier row count to compare with"
+            if not known
+            else f"the table holds {now} rows, {previous_table_rows} after the previous run"
+            + ("" if passed else f" (at least {floor:.0f} expected): rows were deleted or replaced"),
+            table_rows="unknown" if now is None else str(now),
+            previous_table_rows="unknown" if previous_table_rows is None else str(previous_table_rows),
         )
-    if checks.bookmark_advances and dg.AssetCheckKey(key, BOOKMARK_CHECK) in selected:
+    if checks.bookmark_advances:
         moved = result.rows_read > 0 and result.bookmark != previous.bookmark
-        results.append(
-            dg.AssetCheckResult(
-                asset_key=key,
-                check_name=BOOKMARK_CHECK,
-                passed=moved,
-                severity=dg.AssetCheckSeverity.WARN,
-                description=(
-                    f"read {result.rows_read} new row(s); the bookmark moved"
-                    if moved
-                    else "nothing new since the previous run: the bookmark did not move (has the source "
-                    "stopped growing?)"
-                ),
-            )
+        check(
+            BOOKMARK_CHECK,
+            moved,
+            dg.AssetCheckSeverity.WARN,
+            f"read {result.rows_read} new row(s); the bookmark moved"
+            if moved
+            else "nothing new since the previous run: the bookmark did not move (has the source "
+            "stopped growing?)",
         )
     return results
 
