@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
     # Dagster integration: shared declarations and the component
     "FaucetConnection": "faucet_dagster.declarations.resources",
     "FaucetEndpoint": "faucet_dagster.declarations.resources",
-    "FaucetAssetAttributes": "faucet_dagster.components",
+    "FaucetAssetAttributes": "faucet_dagster.declarations.yaml_models",
     "FaucetComponent": "faucet_dagster.components",
     # The values a declaration names (no Dagster import)
     "BadRowPolicy": "faucet_dagster.pipeline",

@@ -42,254 +42,44 @@ continuous ``streams``, sit beside ``syncs`` and share the same ``connections``:
 """
 
 import json
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import dagster as dg
-from dagster.components.resolved.context import ResolutionContext
-from dagster.components.resolved.core_models import resolve_asset_spec_update_kwargs_to_mapping
-from dagster.components.resolved.errors import ResolutionException
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, PrivateAttr
 
 from faucet_dagster.declarations.code_location import with_code_reference
-from faucet_dagster.declarations.preflight import PairCheck, check_pairs, stream_check
+from faucet_dagster.declarations.preflight import FieldPath, PairCheck, check_pairs, stream_check
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
+from faucet_dagster.declarations.yaml_models import (
+    ConnectionModel,
+    DeclarationError,
+    EndpointModel,
+    RefusedAttributes,
+    StreamModel,
+    SyncModel,
+    _field,
+    apply_asset_attributes,
+    clean_errors,
+)
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import ConfigError, Delivery, ReadLimits, WritePolicy
-from faucet_dagster.runner.bounded_values import DEFAULT_BATCH_SIZE
-from faucet_dagster.runner.continuous import DEFAULT_EPOCH_LIMITS, DEFAULT_LEASE_SECONDS
 from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.definitions import build_stream_defs
 from faucet_dagster.syncs.assets import FaucetTranslator, faucet_sync_assets
-from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData
+from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData, SyncChecks
 from faucet_dagster.syncs.partitions import faucet_partitions_sensor
 from faucet_dagster.syncs.schedules import faucet_schedule
 
-DeliveryName = Literal["effectively_once", "at_least_once"]
-
-
-def _field(description: str, **kwargs: Any) -> dg.Resolver:
-    """A plain field with its description (shown by editors and ``dg`` docs)."""
-    resolver: dg.Resolver = dg.Resolver.default(description=description, **kwargs)
-    return resolver
-
-
-class _Located(dg.Resolvable):
-    """Resolution that names where a value was refused: a pydantic error while a model is resolved
-    becomes Dagster's :class:`ResolutionException` naming each field's YAML path and its
-    ``file:line``, never the value (it may be a secret: pydantic and Dagster's snippets echo it)."""
-
-    @classmethod
-    def resolve_from_model(cls, context: ResolutionContext, model: BaseModel) -> Any:
-        if not isinstance(model, BaseModel):
-            # A scalar where a mapping belongs (Dagster iterates a string given for a list).
-            path = _declared_path(context, context.path)
-            raise ResolutionException(
-                f"{_line(context, path)}{'.'.join(map(str, path))}: expected a mapping of "
-                f"{cls.__name__} fields, not a {type(model).__name__}"
-            )
-        try:
-            return super().resolve_from_model(context, model)
-        except ValidationError as exc:
-            raise ResolutionException(_refusal(context, cls.__name__, exc)) from None
-
-
-def _refusal(context: ResolutionContext, model: str, exc: ValidationError) -> str:
-    """Each problem as ``file:line - yaml.path: message``, without the input."""
-    lines = []
-    for error in exc.errors(include_input=False, include_url=False):
-        path = [*context.path, *error["loc"]]
-        lines.append(f"{_line(context, path)}{'.'.join(map(str, path))}: {error['msg']}")
-    return f"invalid {model}:\n" + "\n".join(lines)
-
-
-def _declared_path(context: ResolutionContext, path: Sequence[str | int]) -> list[str | int]:
-    """The longest prefix of ``path`` the YAML declares (all of it without source positions)."""
-    tree = context.source_position_tree
-    found = list(path)
-    while tree is not None and found and tree.lookup(found) is None:
-        found.pop()
-    return found
-
-
-def _line(context: ResolutionContext, path: Sequence[str | int]) -> str:
-    """``file:line - `` of ``path`` (or of its closest declared ancestor); empty without positions."""
-    tree = context.source_position_tree
-    if tree is None:
-        return ""
-    position, _ = tree.lookup_closest_and_path(list(path), trace=None)
-    return f"{position.filename}:{position.start.line} - "
-
-
-class ConnectionModel(dg.Model, _Located):
-    """A named connector config shared by endpoints."""
-
-    connector: Annotated[str, _field("An installed faucet connector: files, sql, postgres, kafka, nats.")]
-    config: Annotated[
-        dict[str, Any],
-        _field("The connector's config shared by its endpoints; secrets as {env: NAME}, read at run time."),
-    ] = {}
-
-
-class EndpointModel(dg.Model, _Located):
-    """One side of a sync: a ``connection`` of this component or an installed ``connector``."""
-
-    connection: Annotated[str | None, _field("A connection of this component, by name.")] = None
-    connector: Annotated[str | None, _field("An installed connector, when no connection is named.")] = None
-    config: Annotated[
-        dict[str, Any], _field("This endpoint's own config, merged key by key over the connection's.")
-    ] = {}
-
-
-class FaucetAssetAttributes(dg.AssetAttributesModel):  # type: ignore[misc,valid-type]
-    """Dagster's asset attributes (as in ``AssetSpec``), applied over the asset a sync or stream
-    becomes: ``key``, ``key_prefix``, ``group_name``, ``description``, ``metadata``, ``tags``,
-    ``kinds``, ``owners``, ``deps``, ``code_version``, ``automation_condition``,
-    ``freshness_policy``, ``skippable``. ``tags`` and ``metadata`` are merged, the others replace
-    faucet's defaults. ``group`` is the older spelling of ``group_name``."""
-
-    key: str | None = Field(None, description="The asset key, slash-separated: `raw/orders`.")
-    group: str | None = Field(None, description="The older spelling of group_name.")
-    partitions_def: None = Field(
-        None, description="Not settable: a sync's partitions are its source's shards."
-    )
-
-
-def _resolve_asset(context: dg.ResolutionContext, model: Any) -> Mapping[str, Any]:
-    resolved = dict(resolve_asset_spec_update_kwargs_to_mapping(context, model))
-    if getattr(model, "group", None) is not None:
-        resolved.setdefault("group_name", model.group)
-    return resolved
-
-
-AssetAttributes = Annotated[
-    Mapping[str, Any],
-    dg.Resolver(
-        _resolve_asset,
-        model_field_type=FaucetAssetAttributes,
-        description="Dagster asset attributes applied over the default spec (see FaucetAssetAttributes).",
-    ),
-]
-
-
-def apply_asset_attributes(spec: dg.AssetSpec, attributes: Mapping[str, Any]) -> dg.AssetSpec:
-    """``spec`` with resolved asset ``attributes`` applied as Dagster's components apply a
-    ``translation``: ``tags`` and ``metadata`` merged, ``key_prefix`` prefixing the key, the rest
-    replaced. ``partitions_def`` stays faucet's (a sync's partitions are its source's shards)."""
-    changes = {name: value for name, value in attributes.items() if name != "partitions_def"}
-    if "code_version" in changes:
-        changes["code_version"] = str(changes["code_version"])
-    prefix = changes.pop("key_prefix", None)
-    if prefix is not None:
-        changes["key"] = dg.AssetKey.from_coercible(changes.get("key", spec.key)).with_prefix(prefix)
-    merged = {name: changes.pop(name) for name in ("tags", "metadata") if name in changes}
-    spec = spec.replace_attributes(**changes)
-    return spec.merge_attributes(**merged) if merged else spec
-
-
-class SyncModel(dg.Model, _Located):
-    """A bounded sync: one asset, materialized by reading ``source`` and writing ``sink``."""
-
-    name: Annotated[str, _field("The sync's name: its asset key unless `asset.key` says otherwise.")]
-    source: Annotated[EndpointModel, _field("What the sync reads.")]
-    sink: Annotated[EndpointModel, _field("What the sync writes; its config's `mode` is the write policy.")]
-    delivery: Annotated[
-        DeliveryName | None,
-        _field("The guarantee to insist on: the definitions fail to load when the plan cannot reach it."),
-    ] = None
-    batch_size: Annotated[int, _field("Rows a page (0: one page).")] = DEFAULT_BATCH_SIZE
-    evolve_schema: Annotated[
-        bool, _field("Add new source columns to the destination instead of failing the run.")
-    ] = False
-    dead_letter: Annotated[
-        EndpointModel | None, _field("Where rows that cannot be converted or written go (it must append).")
-    ] = None
-    description: Annotated[str | None, _field("The asset's description.")] = None
-    schedule: Annotated[str | None, _field("A cron schedule materializing the sync (every partition).")] = (
-        None
-    )
-    asset: AssetAttributes = {}
-
-
-class StreamSchemaModel(dg.Model, _Located):
-    """A resource's declared schema: ``columns`` maps names to Arrow types (``int64 not null``);
-    without ``columns`` the schema is inferred. ``on_bad_row``: ``halt`` or ``dead_letter``.
-    ``on_missing_field``: a record lacking a field lands with null there (``null``, counted in the
-    certificate) or does not fit (``refuse``: a strict schema)."""
-
-    columns: Annotated[
-        dict[str, str] | None, _field("Column name to Arrow type (`int64 not null`); none: inferred.")
-    ] = None
-    key: Annotated[list[str], _field("The resource's key columns (default: the stream's key).")] = []
-    on_bad_row: Annotated[
-        Literal["halt", "dead_letter"], _field("A row that does not fit: halt the stream or dead-letter it.")
-    ] = "halt"
-    on_missing_field: Annotated[
-        Literal["null", "refuse"], _field("A record lacking a field: null there (counted), or a bad row.")
-    ] = "null"
-
-
-class StreamEpochModel(dg.Model, _Located):
-    """How big an epoch gets. Under the sensor, an epoch is sealed in the background at the first safe
-    boundary after it is ``age_seconds`` old (a second by default: how long a row waits to become
-    visible) or holds ``records`` or ``bytes``; a tick reports it. ``idle_seconds`` caps each read
-    into it (at most 0.5 s)."""
-
-    records: Annotated[int | None, _field("Records an open epoch holds at most.")] = (
-        DEFAULT_EPOCH_LIMITS.records
-    )
-    bytes: Annotated[int | None, _field("Bytes an open epoch holds at most.")] = DEFAULT_EPOCH_LIMITS.bytes
-    idle_seconds: Annotated[float | None, _field("Seconds without a record.")] = DEFAULT_EPOCH_LIMITS.idle
-    age_seconds: Annotated[float | None, _field("Seconds an epoch reads before it is sealed.")] = (
-        DEFAULT_EPOCH_LIMITS.age
-    )
-
-
-class StreamModel(dg.Model, _Located):
-    """A continuous stream: a sensor runs its epochs, their certificates materialize the sink asset.
-
-    ``resources`` are what the source reads (a NATS stream, Kafka topics); ``policy`` and ``key`` how
-    the sink applies them; ``running`` starts the sensor without a click in the UI. ``enabled: false``
-    leaves the stream out of the definitions (no asset, check or sensor): a template such as
-    ``"{{ env.EVENTS_URL is not none }}"`` declares a stream only where its servers are configured.
-    """
-
-    name: Annotated[str, _field("The stream's name: its sink asset's key unless `asset.key` says otherwise.")]
-    enabled: Annotated[bool, _field("false leaves the stream out of the definitions.")] = True
-    source: Annotated[EndpointModel, _field("What the stream reads.")]
-    sink: Annotated[EndpointModel, _field("What the stream writes.")]
-    resources: Annotated[list[str], _field("What the source reads: NATS streams, Kafka topics, tables.")]
-    policy: Annotated[
-        Literal["append", "upsert", "versioned_upsert", "apply_changes", "delete"],
-        _field("How the sink applies records."),
-    ] = "append"
-    key: Annotated[list[str], _field("Key columns (upsert, apply_changes, delete).")] = []
-    delivery: Annotated[
-        DeliveryName | None,
-        _field("The guarantee to insist on: the definitions fail to load when the plan cannot reach it."),
-    ] = None
-    schemas: Annotated[dict[str, StreamSchemaModel], _field("Declared schemas, by resource.")] = {}
-    epoch: Annotated[StreamEpochModel, _field("Where an epoch ends.")] = StreamEpochModel()
-    lease_seconds: Annotated[
-        float, _field("How long a stopped holder's lease lives without renewal (renewed while it lives).")
-    ] = DEFAULT_LEASE_SECONDS
-    state_url: Annotated[
-        str | None, _field("The state store (default: $FAUCET_STATE_URL, else SQLite under $DAGSTER_HOME).")
-    ] = None
-    minimum_interval_seconds: Annotated[int, _field("Seconds between two sensor ticks.")] = 30
-    budget_seconds: Annotated[
-        float | None, _field("Seconds a tick may run epochs for, commits included (default: shared).")
-    ] = None
-    running: Annotated[bool, _field("Start the sensor without a click in the UI.")] = False
-    description: Annotated[str | None, _field("The sink asset's description.")] = None
-    workers: Annotated[
-        int, _field("Long-running Dagster runs dividing the stream's partitions (1: the sensor runs it).")
-    ] = 1
-    groups: Annotated[
-        int | None, _field("Partition groups the workers divide (default: workers; fixed once certified).")
-    ] = None
-    asset: AssetAttributes = {}
+# Dagster 1.13's component loading rebuilds a component's asset checks with a beta parameter of its own
+# (repository_data.py converts them back through AssetsDefinition(execution_type=...)): a BetaWarning on
+# every load that no user code asked for. This one message only.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Parameter `execution_type` of function `AssetsDefinition.__init__` is currently in beta",
+)
 
 
 class FaucetComponentScaffolder(dg.Scaffolder[Any]):
@@ -346,14 +136,29 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
 
     _lines: dict[str, dict[int, tuple[str, int]]] = PrivateAttr(default_factory=dict)
     """The ``defs.yaml`` line of each sync and stream, by kind and index, when loaded from YAML."""
+    _positions: Any = PrivateAttr(default=None)
+    """The ``defs.yaml`` source positions (Dagster's tree), when loaded from YAML."""
+
+    @classmethod
+    def get_model_cls(cls) -> type[BaseModel] | None:
+        """Dagster's model of the attributes, refusing a value with readable errors (the field's own
+        line, a suggestion for a misspelt key, no union noise: see
+        :func:`~faucet_dagster.declarations.yaml_models.clean_errors`)."""
+        model = super().get_model_cls()
+        return None if model is None else clean_errors(model)
 
     @classmethod
     def load(cls, attributes: Any, context: dg.ComponentLoadContext) -> "FaucetComponent":
         """Dagster's loading, keeping where each sync and stream is declared (the loading context
-        holds the YAML's source positions; ``build_defs``' does not)."""
+        holds the YAML's source positions; ``build_defs``' does not). Attributes the model refused
+        are one :class:`DeclarationError` naming each field's line."""
+        tree = context.resolution_context.source_position_tree
+        if isinstance(attributes, RefusedAttributes):
+            raise DeclarationError(attributes.describe(tree), where=_declared_in(context))
         component = super().load(attributes, context)
         assert isinstance(component, FaucetComponent)
         component._lines = _declaration_lines(context)
+        component._positions = tree
         return component
 
     @classmethod
@@ -371,8 +176,10 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         """Every sync's and stream's definitions, after every config was parsed and every pair planned
         (no I/O): one mistake anywhere fails the load, naming this file, the declaration and each
         problem."""
-        where = _declared_in(context)
-        self.check(where)
+        try:
+            self.check(_declared_in(context))
+        except ConfigError as exc:  # shown as it is, without Dagster's drawing of the component tree
+            raise DeclarationError(exc.message, where=exc.where) from None
         return dg.Definitions.merge(
             self.build_sync_defs(self._lines.get("syncs")),
             self.build_stream_defs(self._lines.get("streams")),
@@ -381,21 +188,47 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
 
     def check(self, where: str = "FaucetComponent") -> None:
         """Parse every connector config and plan every pair of this component, without I/O; raise one
-        ConfigError listing every problem (``where``: the component's file)."""
+        ConfigError listing every problem (``where``: the component's file), each starting with the
+        ``defs.yaml`` line of its field when the component was loaded from YAML."""
         connections = self._connections()
         problems: list[str] = []
         checks: list[PairCheck] = []
-        for sync in self.syncs:
+        paths: dict[str, tuple[str, int]] = {}
+        for index, sync in enumerate(self.syncs):
             try:
                 checks.append(self._sync(sync, connections).pair_check())
+                paths[checks[-1].where] = ("syncs", index)
             except ConfigError as exc:
-                problems.append(f"sync {sync.name}: {exc.message}")
-        for model in (model for model in self.streams if model.enabled):
+                problems.append(f"{self._line(('syncs', index))}sync {sync.name}: {exc.message}")
+        for index, model in enumerate(self.streams):
+            if not model.enabled:
+                continue
             try:
                 checks.append(stream_check(_stream(model, connections)))
+                paths[checks[-1].where] = ("streams", index)
             except ConfigError as exc:
-                problems.append(f"stream {model.name}: {exc.message}")
-        check_pairs(checks, where=where, problems=problems)
+                problems.append(f"{self._line(('streams', index))}stream {model.name}: {exc.message}")
+
+        def locate(check: PairCheck, field: FieldPath) -> str | None:
+            declared = paths.get(check.where)
+            return None if declared is None else self._line((*declared, *field)).removesuffix(" - ") or None
+
+        check_pairs(checks, where=where, problems=problems, locate=locate)
+
+    def _line(self, path: FieldPath) -> str:
+        """``file:line - `` of the attribute at ``path`` (a connector config key written in the
+        endpoint, else in its connection), or of its closest declared ancestor; empty without YAML."""
+        tree = self._positions
+        if tree is None:
+            return ""
+        attributes = ["attributes", *path]
+        if len(path) >= 4 and path[3] == "config" and tree.lookup(attributes) is None:
+            endpoint = getattr(getattr(self, str(path[0]))[int(path[1])], str(path[2]), None)
+            connection = getattr(endpoint, "connection", None)
+            if connection is not None and tree.lookup(["attributes", "connections", connection, *path[3:]]):
+                attributes = ["attributes", "connections", connection, *path[3:]]
+        position, _ = tree.lookup_closest_and_path(attributes, trace=None)
+        return f"{position.filename}:{position.start.line} - "
 
     def _connections(self) -> dict[str, FaucetConnection]:
         return {name: _shared_connection(model) for name, model in self.connections.items()}
@@ -442,11 +275,21 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             sync = self._sync(model, connections)
             [asset] = faucet_sync_assets([sync], translator=translator)
             assets.append(asset)
-            if asset.partitions_def is not None:
-                sensors.append(faucet_partitions_sensor(sync))
+            if isinstance(asset.partitions_def, dg.DynamicPartitionsDefinition):
+                sensors.append(
+                    faucet_partitions_sensor(
+                        sync, asset_key=asset.key, run_new_partitions=model.run_new_partitions
+                    )
+                )
             if model.schedule is not None:
+                status = dg.DefaultScheduleStatus.RUNNING if model.schedule_running else None
                 schedules.append(
-                    faucet_schedule(asset, model.schedule, name=f"{asset.node_def.name}_schedule")
+                    faucet_schedule(
+                        asset,
+                        model.schedule,
+                        name=f"{asset.node_def.name}_schedule",
+                        default_status=status or dg.DefaultScheduleStatus.STOPPED,
+                    )
                 )
         return dg.Definitions(assets=assets, schedules=schedules, sensors=sensors)
 
@@ -463,6 +306,14 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
             if model.dead_letter is None
             else _endpoint(model.dead_letter, connections, f"{where} dead_letter"),
             description=model.description,
+            retry_policy=None if model.retry_policy is None else model.retry_policy.policy(),
+            pool=model.pool,
+            checks=SyncChecks(
+                no_dead_letters=model.checks.no_dead_letters,
+                row_count_drop=model.checks.row_count_drop,
+                bookmark_advances=model.checks.bookmark_advances,
+            ),
+            time_partitions=None if model.partitions is None else model.partitions.definition(),
         )
 
 
@@ -551,6 +402,7 @@ def _stream(model: StreamModel, connections: Mapping[str, FaucetConnection]) -> 
         description=model.description,
         workers=model.workers,
         groups=model.groups,
+        asset_per_resource=model.asset_per_resource,
     )
 
 
@@ -571,4 +423,4 @@ class _AttributesTranslator(FaucetTranslator):
         return spec if not attributes else apply_asset_attributes(spec, attributes)
 
 
-__all__ = ["FaucetAssetAttributes", "FaucetComponent", "FaucetComponentScaffolder", "apply_asset_attributes"]
+__all__ = ["FaucetComponent", "FaucetComponentScaffolder", "apply_asset_attributes"]

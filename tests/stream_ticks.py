@@ -31,15 +31,26 @@ class SensorTicks:
         """The sequence of every certificate the ticks reported, in order."""
 
     def tick(self) -> SensorExecutionData:
-        result = self.sensor.evaluate_tick(
-            dg.build_sensor_context(instance=self.instance, cursor=self.cursor)
-        )
+        result = self.sensor.evaluate_tick(sensor_context(self.sensor, self.instance, self.cursor))
         self.cursor = result.cursor
         self.results.append(result)
-        for event in result.asset_events or ():
-            if isinstance(event, dg.AssetMaterialization):
-                self.reported.append(int(str(event.metadata["faucet/sequence"].value)))
+        materializations = [e for e in result.asset_events or () if isinstance(e, dg.AssetMaterialization)]
+        assert len(materializations) <= 1, "one materialization a tick, whatever the epochs certified"
+        for event in materializations:
+            self.reported.extend(reported_sequences(event))
         return result
+
+    def until_halted(self, what: str) -> SensorExecutionData:
+        """Tick until a tick says the stream is halted (``halted since ...``); that tick's result. A tick
+        does not wait for the stream's background reader: what the reader meets halts a later tick,
+        how much later depending on the machine's speed."""
+        ends = time.monotonic() + DRAIN_SECONDS
+        while True:
+            result = self.tick()
+            if str(result.skip_message).startswith("halted since "):
+                return result
+            assert time.monotonic() < ends, f"{what}: no tick said halted within {DRAIN_SECONDS:.0f}s"
+            time.sleep(0.2)
 
     def until(self, done: Callable[[], bool], what: str) -> None:
         """Tick until ``done()``, for at most :data:`DRAIN_SECONDS`: how much one tick drains within
@@ -48,6 +59,26 @@ class SensorTicks:
         while not done():
             assert time.monotonic() < ends, f"{what} not within {DRAIN_SECONDS:.0f}s"
             self.tick()
+
+
+def sensor_context(
+    sensor: dg.SensorDefinition,
+    instance: dg.DagsterInstance | None = None,
+    cursor: str | None = None,
+) -> dg.SensorEvaluationContext:
+    """A context for one tick of a stream's ``sensor``, with the definitions its asset selection (the
+    stream's sink asset) resolves against, as the daemon's code server has them."""
+    selection = sensor.asset_selection
+    keys = list(getattr(selection, "selected_keys", ())) if selection is not None else []
+    defs = dg.Definitions(assets=[dg.AssetSpec(key) for key in keys], sensors=[sensor])
+    return dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs)
+
+
+def reported_sequences(materialization: dg.AssetMaterialization) -> list[int]:
+    """The sequence of each certificate a tick's materialization reports (its ``faucet/certificates``)."""
+    table = materialization.metadata["faucet/certificates"]
+    assert isinstance(table, dg.TableMetadataValue)
+    return [int(str(record.data["sequence"])) for record in table.records]
 
 
 def evaluate_ticks(
@@ -85,21 +116,6 @@ def evaluate_ticks(
     finally:
         close_cached_streams()
         store.close()
-
-
-def first_failure(tick: Callable[[], object], what: str) -> Exception:
-    """Call ``tick`` (a sensor tick) until it raises, for at most :data:`DRAIN_SECONDS`; the exception.
-
-    A tick does not wait for the stream's background reader: a failure the reader meets is raised by
-    a later tick, how much later depending on the machine's speed."""
-    ends = time.monotonic() + DRAIN_SECONDS
-    while True:
-        try:
-            tick()
-        except Exception as exc:  # noqa: BLE001 - what the caller checks
-            return exc
-        assert time.monotonic() < ends, f"{what}: no tick failed within {DRAIN_SECONDS:.0f}s"
-        time.sleep(0.2)
 
 
 def ticks_reporting(

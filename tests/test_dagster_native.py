@@ -3,6 +3,7 @@ definitions that load without a broker, and automation conditions on a sync's as
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path
     assert checked.returncode != 0, output
     assert "mistakes/defs/shop/defs.yaml" in output
     for expected in (
-        "sync misspelt: sink: sql sink config: tabel: Extra inputs are not permitted",
+        "sync misspelt: sink: sql sink config: tabel: Extra inputs are not permitted (did you mean `table`?)",
         "sync misspelt: sink: sql sink config: table: Field required",
         "sync no_url: sink: sql sink config: url: Field required",
         "sync no_url: sink: sql sink config: mode: Input should be",
@@ -92,6 +93,9 @@ def test_dg_check_defs_names_the_file_the_sync_and_every_violation(project: Path
         "stream refused_stream: refused by the planner: [order-dependent-policy]",
     ):
         assert expected in output, output
+    # Each problem starts with the line of its field; the message comes first, without Dagster's tree.
+    assert re.search(r"defs\.yaml:\d+ - sync misspelt: sink: sql sink config: tabel", output), output
+    assert "├──" not in output, output
     # A secret is read when a run builds the connector: checking needs no value for it.
     assert "late_bound" not in output and "FAUCET_TEST_UNSET_URL" not in output
 
@@ -128,6 +132,16 @@ UNRESOLVABLE = [
         "defs.yaml:8 - attributes.streams.0.delivery: Input should be 'effectively_once' or 'at_least_once'",
     ),
     (f"  syncs: {SECRET}\n", "defs.yaml:3 - attributes.syncs: expected a mapping of SyncModel fields"),
+    (
+        f"""\
+  syncs:
+    - name: orders
+      source: {{connector: files, config: {{paths: [x/*.csv]}}}}
+      sink: {{connector: sql, config: {{url: "sqlite:///w.db", table: orders}}}}
+      shedule: {SECRET}
+""",
+        "defs.yaml:7 - attributes.syncs.0.shedule: Extra inputs are not permitted (did you mean `schedule`?)",
+    ),
 ]
 
 
@@ -145,6 +159,8 @@ def test_dg_check_defs_names_the_field_and_line_dagster_cannot_resolve_never_the
     assert checked.returncode != 0, output
     assert f"unresolved/defs/shop/{expected}" in output, output
     assert SECRET not in output, output
+    # The message first: no drawing of the component tree before it, no union branch beside it.
+    assert "├──" not in output and "└──" not in output and "syncs.str" not in output, output
 
 
 def test_a_bounded_kafka_sync_loads_without_a_broker() -> None:

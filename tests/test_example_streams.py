@@ -171,7 +171,9 @@ def test_with_the_variables_each_stream_certifies_its_events_in_one_sensor_tick(
             cursor, reported, ends = None, 0, time.monotonic() + 300
             while reported < EVENTS:
                 assert time.monotonic() < ends, f"{name}: {reported} of {EVENTS} events reported"
-                result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+                result = sensor.evaluate_tick(
+                    dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs)
+                )
                 cursor = result.cursor
                 for event in result.asset_events:
                     instance.report_runless_asset_event(event)
@@ -185,14 +187,15 @@ def test_with_the_variables_each_stream_certifies_its_events_in_one_sensor_tick(
             assert materializations, f"{name}: no certificate materialization"
             assert all(m is not None for m in materializations)
             metadata = [m.metadata for m in materializations if m is not None]
-            assert [int(str(m["faucet/sequence"].value)) for m in metadata] == list(
-                range(1, len(metadata) + 1)
-            )
+            sequences = [
+                int(str(r.data["sequence"])) for m in metadata for r in m["faucet/certificates"].value.records
+            ]
+            assert sequences == list(range(1, len(sequences) + 1))
             assert sum(int(str(m["faucet/rows_written"].value)) for m in metadata) == EVENTS
             assert {m["faucet/delivery"].value for m in metadata} == {"effectively_once"}
             coverage = metadata[-1]["faucet/coverage"].value
             assert isinstance(coverage, dg.TableMetadataValue)
-            assert {row.data["source"] for row in coverage.records} == {source}
+            assert {row.data["domain"].split("/")[0] for row in coverage.records} == {source}
             checks = instance.event_log_storage.get_asset_check_execution_history(
                 dg.AssetCheckKey(key, CERTIFICATE_CHECK), limit=100
             )

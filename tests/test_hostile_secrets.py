@@ -18,6 +18,7 @@ from typing import Any
 
 import dagster as dg
 import pytest
+from stream_ticks import sensor_context
 from test_hostile_nats_auth import NatsServerWithUsers
 
 from faucet_dagster.cli.main import main
@@ -208,7 +209,7 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
                 # The stream's reader opens its sessions in the background: a failure to open them is
                 # raised by the tick during which it happens, or by the next one.
                 for _ in range(6):
-                    outcome = sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
+                    outcome = sensor.evaluate_tick(sensor_context(sensor, instance))
                     texts.append(str(outcome.skip_message))
                     time.sleep(1)
             except (FaucetError, dg.DagsterError) as exc:  # the tick fails: its error is searched too

@@ -18,7 +18,7 @@ import pytest
 from faucet_nats.source import NatsStreamSession
 from faucet_postgres.codecs import PostgresLsnCodec
 from kafka_topics import create_topic, produce_json
-from stream_ticks import first_failure, ticks_reporting
+from stream_ticks import SensorTicks, sensor_context, ticks_reporting
 
 from faucet_dagster.cli.main import main
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
@@ -27,15 +27,14 @@ from faucet_dagster.protocol import (
     EpochCertificate,
     ReadLimits,
     SourceLag,
-    UncertainOutcome,
     WritePolicy,
 )
 from faucet_dagster.runner import continuous
 from faucet_dagster.runner.continuous import StreamRunner
 from faucet_dagster.state import StateStore
-from faucet_dagster.streams.certificates import certificate_metadata
 from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.health import HEALTH_CHECK, health_check
+from faucet_dagster.streams.reports import Report, report_metadata
 from faucet_dagster.streams.runner_cache import close_cached_streams
 from faucet_dagster.streams.sensor import faucet_stream_sensor, tick_budget
 from faucet_dagster.testing import PostgresServer
@@ -151,29 +150,43 @@ def test_each_certificate_carries_its_lag_behind_the_nats_head_and_the_epochs_nu
     sensor = faucet_stream_sensor(env.stream(records=1_000), budget_seconds=20)
     with dg.instance_for_test() as instance:
         results = ticks_reporting(sensor, 3, instance)
-    metadata = [m.metadata for result in results for m in materializations(result)]
+    reports = [(m.metadata, m.description) for result in results for m in materializations(result)]
     result = results[-1]
-    # Every message was stored before the first tick: each epoch's lag is what the later epochs read.
-    assert [value(m, "faucet/lag_positions") for m in metadata] == [1_500, 500, 0]
-    assert {value(m, "faucet/lag_unit") for m in metadata} == {"messages"}
-    assert all(value(m, "faucet/lag_seconds") >= 0 for m in metadata)
-    assert value(metadata[-1], "faucet/lag_seconds") == 0
-    # The epoch's rows have their own key; dagster/row_count would mean the table's rows.
-    assert [value(m, "faucet/rows_written") for m in metadata] == [1_000, 1_000, 500]
-    assert all("dagster/row_count" not in m for m in metadata)
-    assert {value(m, "dagster/table_name") for m in metadata} == {
+    # One materialization a tick, whatever it certified: its numbers are the tick's, its lag the newest
+    # certificate's, the one the tick's reason states (never an older epoch's lag beside "lag 0").
+    assert sum(value(m, "faucet/epochs") for m, _ in reports) == 3
+    assert sum(value(m, "faucet/rows_written") for m, _ in reports) == 2_500
+    for m, description in reports:
+        assert str(description).startswith("certified ")
+        lag = value(m, "faucet/lag_positions")
+        assert f"lag {lag} messages" in str(description) or (lag == 0 and "lag 0 messages" in description)
+    [[last, _]] = [r for r in reports[-1:]]
+    assert value(last, "faucet/lag_positions") == 0 and value(last, "faucet/lag_seconds") == 0
+    assert "lag 0 messages (caught up)" in str(result.skip_message)
+    assert {value(m, "faucet/lag_unit") for m, _ in reports} == {"messages"}
+    # The epochs' rows have their own key; dagster/row_count would mean the table's rows.
+    assert all("dagster/row_count" not in m for m, _ in reports)
+    assert {value(m, "dagster/table_name") for m, _ in reports} == {
         f"{database_name(env.postgres_url)}.public.{env.table}"
     }
-    for m in metadata:
-        assert (
-            isinstance(m["faucet/epoch_seconds"], dg.FloatMetadataValue)
-            and value(m, "faucet/epoch_seconds") > 0
-        )
-        assert isinstance(m["faucet/rows_per_second"], dg.FloatMetadataValue)
-        assert value(m, "faucet/rows_per_second") > 0
-        assert isinstance(m["faucet/lag_positions"], dg.IntMetadataValue)
-    [passed] = health(result)
-    assert passed.passed and value(passed.metadata, "faucet/lag_positions") == 0
+    for m, _ in reports:
+        # Numbers a plot draws are numbers; identifiers a plot must not draw are text.
+        for measure in ("faucet/rows_per_second", "faucet/busy_seconds"):
+            assert isinstance(m[measure], dg.FloatMetadataValue) and value(m, measure) > 0
+        for measure in ("faucet/epochs", "faucet/rows_written", "faucet/lag_positions"):
+            assert isinstance(m[measure], dg.IntMetadataValue)
+        for identifier in ("faucet/first_sequence", "faucet/last_sequence", "faucet/fencing_token"):
+            assert isinstance(m[identifier], dg.TextMetadataValue)
+        assert value(m, "faucet/rows_dead_lettered") == "0"
+        assert "blake2b-256" in value(m, "faucet/digest_covers")
+        domains = [record.data["domain"] for record in value(m, "faucet/coverage").records]
+        assert domains == [f"nats/{env.name}"], "a domain is shown without its incarnation"
+    sequences = [
+        int(record.data["sequence"]) for m, _ in reports for record in value(m, "faucet/certificates").records
+    ]
+    assert sequences == [1, 2, 3]
+    [passed] = [e for r in results for e in health(r)]  # reported once: when the stream first certified
+    assert passed.passed
     assert "stalled" not in str(result.skip_message)
 
     certificates = env.store.certificates(env.name)
@@ -234,55 +247,71 @@ def test_the_kafka_lag_is_the_offsets_after_each_certified_partition_end(
 # -- a stalled stream ------------------------------------------------------------------------------
 
 
-def test_a_stalled_stream_fails_the_health_check_with_the_reason_and_the_remedy(env: NatsEnv) -> None:
+def test_a_stalled_stream_fails_the_health_check_once_with_the_reason_and_the_remedy(env: NatsEnv) -> None:
     env.publish(10)
     stream = env.stream()
+    key = stream.asset_spec().key
     sensor = faucet_stream_sensor(stream, budget_seconds=5)
+    on_demand = health_check(env.state_url, [env.name], key)
     with dg.instance_for_test() as instance:
-        # Another worker holds the lease: a warning, not "0 runs requested".
+        # Another worker holds the lease: a warning naming it, not "0 runs requested".
         held = env.store.acquire_lease(env.name, "another-code-server", 30)
-        result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
+        result = sensor.evaluate_tick(sensor_context(sensor, instance, None))
         [waiting] = health(result)
         assert not waiting.passed and waiting.severity == dg.AssetCheckSeverity.WARN
-        assert "waiting on a lease another worker holds" in value(waiting.metadata, "faucet/reason")
-        assert "another-code-server" in value(waiting.metadata, "faucet/reason")
+        assert "waiting on a lease another worker holds: another-code-server" in value(
+            waiting.metadata, "faucet/reason"
+        )
         assert f"faucet streams release {env.name}" in value(waiting.metadata, "faucet/remedy")
         assert str(result.skip_message).startswith("stalled: waiting on a lease")
         assert "Remedy:" in str(result.skip_message) and materializations(result) == []
-        env.store.release_lease(held)
 
-        # Marked uncertain: the tick fails with the remedy, and the check fails on the asset too (the
-        # reader meets the mark in the background; a later tick raises it).
+        # Marked uncertain (before the lease is released, so that the background reader, waiting on the
+        # lease, finds the stream uncertain, not free): the stream is halted. The tick does not fail (its
+        # stack trace would fill the daemon's log on every tick): it says so, and the check fails once,
+        # with the remedy. A later tick says halted, once the reader met the mark.
         env.store.mark_uncertain(env.name, "the previous worker's close timed out")
-        raised = first_failure(
-            lambda: sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None)), "uncertain"
+        env.store.release_lease(held)
+        ticks = SensorTicks(sensor, instance)
+        ticks.cursor = result.cursor
+        first = ticks.until_halted("uncertain")
+        [failing] = health(first)
+        assert not failing.passed and failing.severity == dg.AssetCheckSeverity.ERROR
+        assert "halted on UncertainOutcome" in str(failing.description)
+        assert "faucet streams release" in value(failing.metadata, "faucet/remedy")
+        reasons = [str(first.skip_message)]
+        for _ in range(2):
+            later = ticks.tick()
+            reasons.append(str(later.skip_message))
+            assert health(later) == [], "a halt is reported to the check once, not on every tick"
+        assert [reason.split(": ", 1)[0].split(" (")[-1] for reason in reasons] == [
+            "1 tick)",
+            "2 ticks)",
+            "3 ticks)",
+        ]
+        assert all(
+            r.startswith("halted since ") and "Remedy:" in r and "faucet streams release" in r
+            for r in reasons
         )
-        assert isinstance(raised, UncertainOutcome), raised
-        assert any("Remedy:" in note and "faucet streams release" in note for note in raised.__notes__)
-        key = stream.asset_spec().key
-        [record] = instance.event_log_storage.get_asset_check_execution_history(
-            dg.AssetCheckKey(key, HEALTH_CHECK), limit=10
-        )
-        assert record.event is not None and record.event.dagster_event is not None
-        evaluation = record.event.dagster_event.event_specific_data
-        assert isinstance(evaluation, dg.AssetCheckEvaluation)
-        assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-        assert "halted on UncertainOutcome" in evaluation.description
-        on_demand = health_check(stream)()
-        assert not on_demand.passed and "marked uncertain" in str(on_demand.description)
+        evaluated = on_demand()
+        assert not evaluated.passed and "marked uncertain" in str(evaluated.description)
 
-        # Released: the stream certifies again and the check passes.
+        # Released: the stream certifies again and the check passes again.
         env.store.release(env.name)
-        [result] = [r for r in ticks_reporting(sensor, 1, instance) if r.asset_events]
-        assert len(materializations(result)) == 1 and [e.passed for e in health(result)] == [True]
-        assert health_check(stream)().passed
+        released = len(ticks.results)
+        ticks.until(lambda: bool(ticks.reported), "a certificate after the release")
+        after = ticks.results[released:]
+        assert sum(len(materializations(r)) for r in after) == 1
+        assert [e.passed for r in after for e in health(r)] == [True]
+        assert on_demand().passed
 
 
-def test_a_healthy_tick_leaves_the_dagster_instance_closed_its_reason_says_what_it_certified(
+def test_a_tick_writes_what_it_did_to_its_log_and_an_idle_one_leaves_the_instance_closed(
     env: NatsEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The code server evaluates a tick with an instance ref: ``context.log`` would open the instance
-    (and store the tick's log at its end) on every tick, inside the daemon's serial sensor loop."""
+    """The code server evaluates a tick with an instance ref: ``context.log`` opens the instance (and
+    stores the tick's log at its end), inside the daemon's serial sensor loop. A tick that reported
+    something writes its summary there ("View logs"); one with nothing to say leaves it closed."""
     env.publish(10)
     sensor = faucet_stream_sensor(env.stream(), budget_seconds=20)
     # Certified in the background; the tick below reports it (its cursor is none: from the store's mark).
@@ -295,22 +324,30 @@ def test_a_healthy_tick_leaves_the_dagster_instance_closed_its_reason_says_what_
         return from_ref(ref)
 
     monkeypatch.setattr(dg.DagsterInstance, "from_ref", staticmethod(counting))
-    with (
-        dg.instance_for_test() as instance,
-        dg.SensorEvaluationContext(
+
+    def tick(instance: dg.DagsterInstance, cursor: str | None, n: int) -> Any:
+        with dg.SensorEvaluationContext(
             instance_ref=instance.get_ref(),
             last_tick_completion_time=None,
             last_run_key=None,
-            cursor=None,
-            log_key=["faucet", sensor.name, "tick"],
+            cursor=cursor,
+            log_key=["faucet", sensor.name, str(n)],
             repository_name="__repository__",
+            repository_def=sensor_context(sensor).repository_def,
             sensor_name=sensor.name,
-        ) as context,
-    ):
-        result = sensor.evaluate_tick(context)
-    assert len(materializations(result)) == 1 and [e.passed for e in health(result)] == [True]
-    assert str(result.skip_message).startswith("certified 1 epoch (1 to 1), 10 rows; lag ")
-    assert opened == []
+        ) as context:
+            return sensor.evaluate_tick(context)
+
+    with dg.instance_for_test() as instance:
+        result = tick(instance, None, 1)
+        assert len(materializations(result)) == 1 and [e.passed for e in health(result)] == [True]
+        assert str(result.skip_message).startswith("certified 1 epoch (1 to 1), 10 rows; lag ")
+        assert materializations(result)[0].description == result.skip_message
+        assert opened, "the tick's summary went to its log"
+        opened.clear()
+        idle = tick(instance, result.cursor, 2)
+        assert idle.asset_events == [] and "nothing new" in str(idle.skip_message)
+        assert opened == []
 
 
 def test_the_default_budget_leaves_what_a_tick_costs_the_daemon_out_of_the_streams_share(
@@ -332,14 +369,14 @@ def test_a_default_tick_that_starts_the_reader_leaves_the_first_epoch_to_the_bac
     env.publish(10)
     sensor = faucet_stream_sensor(env.stream())  # the default budget
     with dg.instance_for_test() as instance:
-        first = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=None))
+        first = sensor.evaluate_tick(sensor_context(sensor, instance, None))
         assert materializations(first) == [] and health(first) == []
         assert str(first.skip_message).startswith("started reading in this process")
         ends = time.monotonic() + 120
         while not env.store.certificates(env.name):
             assert time.monotonic() < ends, "the first epoch was not certified in the background"
             time.sleep(0.1)
-        second = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+        second = sensor.evaluate_tick(sensor_context(sensor, instance, first.cursor))
     [materialization] = materializations(second)
     assert value(materialization.metadata, "faucet/rows_written") == 10
     assert [e.passed for e in health(second)] == [True]
@@ -421,5 +458,5 @@ def test_a_source_that_cannot_say_its_lag_still_certifies_without_it(
         certificate = one_epoch(env.stream(), env.store)
         assert certificate.lag == () and sum(certificate.row_counts.values()) == 10
         assert time.monotonic() - started < 30
-    metadata = certificate_metadata(certificate)
+    metadata = report_metadata(Report((certificate,)))
     assert "faucet/lag_positions" not in metadata and "faucet/rows_written" in metadata

@@ -31,7 +31,7 @@ import pytest
 from dagster._core.definitions.sensor_definition import SensorExecutionData
 from faucet_postgres import pgoutput
 from faucet_postgres.codecs import PostgresLsnCodec
-from stream_ticks import chained_ends
+from stream_ticks import chained_ends, reported_sequences, sensor_context
 
 from faucet_dagster.cli.main import main
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
@@ -157,16 +157,23 @@ class Ticker:
         self.instance = instance
         self.cursor: str | None = None
         self.reported: list[int] = []
+        self.tables: set[str] = set()
+        """The ``dagster/table_name`` of every asset a tick materialized."""
 
     def tick(self) -> SensorExecutionData:
-        result = self.sensor.evaluate_tick(
-            dg.build_sensor_context(instance=self.instance, cursor=self.cursor)
-        )
+        result = self.sensor.evaluate_tick(sensor_context(self.sensor, self.instance, self.cursor))
         self.cursor = result.cursor
+        sequences: set[int] = set()  # a replica of several tables reports to each table's asset
         for event in result.asset_events:
             if isinstance(event, dg.AssetMaterialization):
                 assert event.metadata["faucet/delivery"].value == "effectively_once"
-                self.reported.append(int(str(event.metadata["faucet/sequence"].value)))
+                sequences.update(reported_sequences(event))
+                name = event.metadata.get("dagster/table_name")
+                assert name is not None, event.asset_key
+                path = event.asset_key.path  # one asset per table when the replica has several
+                assert len(path) == 1 or path[-1] == str(name.value).rsplit(".", 1)[-1]
+                self.tables.add(str(name.value))
+        self.reported.extend(sorted(sequences))
         return result
 
     def until_caught_up(self, replication: "Replication", tables: Sequence[str]) -> None:
@@ -333,6 +340,8 @@ def test_a_mixed_workload_through_sensor_ticks_leaves_the_replica_identical(
     replication.assert_identical(tables)
     certificates = replication.store.certificates(replication.name)
     assert ticker.reported == [certificate.sequence for certificate in certificates], "each reported once"
+    # One asset per replicated table (``<stream>/public/<table>``), each naming its own table.
+    assert {name.rsplit(".", 1)[-1] for name in ticker.tables} == set(tables)
     chained(certificates)
     consistent(certificates)
     commits, change_rows = commit_positions(replication.source_url, observer, publication)
@@ -517,10 +526,11 @@ def test_a_slot_advanced_dropped_or_recreated_is_an_explicit_error_and_nothing_i
     replication.execute("INSERT INTO orders VALUES (20, 'new incarnation', 1, '{}', now())")
     with dg.instance_for_test() as instance:
         ticker = Ticker(replication.stream(tables), instance, budget=10)
-        # The first tick reports the certified epoch before failing; the next one has only the failure.
+        # The first tick reports the certified epoch before failing; the next one says the stream halted.
         assert ticker.tick().asset_events and ticker.reported == [1]
-        with pytest.raises(IncarnationChanged, match="belongs to incarnation"):
-            ticker.tick()
+        halted = str(ticker.tick().skip_message)
+        assert halted.startswith("halted since ") and IncarnationChanged.__name__ in halted
+        assert "belongs to incarnation" in halted
     assert "advanced out of band" in str(errors["advanced"]) and "dropped" in str(errors["dropped"])
     assert replication.rows("orders", replication.target_url) == before, "nothing was written"
     assert len(replication.store.certificates(replication.name)) == 1

@@ -1,9 +1,13 @@
-"""``workers: 2`` under a real ``dagster-daemon run`` with the default run launcher: the sensor requests
-two long-running worker runs, their members split a 12-partition Kafka topic's partition groups, a
+"""``workers: 3`` lowered to 2 under a real ``dagster-daemon run`` with the default run launcher: the
+sensor requests three long-running worker runs, their members split a 12-partition Kafka topic's three
+partition groups. The code location is then changed to ``workers: 2`` (the daemon reloads it within a
+minute): the run of the slot that is gone is retired (it closes at certified positions, releases its
+leases and succeeds) and its group moves to the others, the stream keeping its three groups. Meanwhile a
 kill -9 of one run's process makes the sensor mark that run failed and request a replacement, and the
 stream goes on: every message in PostgreSQL once, each partition owned by one fenced worker at a time.
 Stopping the sensor (``dagster sensor stop``) then stops both workers: each closes at certified
-positions, releases its leases and its run succeeds.
+positions, releases its leases, its run succeeds, and every certificate the workers made is reported
+to Dagster (the last ones by the workers themselves, as no tick will come).
 """
 
 import json
@@ -16,6 +20,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import dagster as dg
@@ -24,9 +29,11 @@ import psycopg
 import pytest
 from kafka_topics import create_topic, produce
 
+from faucet_dagster.protocol import EpochCertificate
 from faucet_dagster.runner.members import group_stream
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import MemberRegistry
+from faucet_dagster.streams.worker_runs import SLOT_TAG
 from faucet_dagster.streams.workers import STREAM_TAG
 from faucet_dagster.testing.faults.members import check_ownership
 
@@ -55,10 +62,14 @@ stream = FaucetStream(
     state_url=os.environ["T_POSTGRES"],
     limits=ReadLimits(records=2_000, idle=0.3, age=2.0),
     lease_seconds=3.0,
-    workers=2,
+    workers=int(os.environ.get("T_WORKERS", "3")),
 )
 defs = build_stream_defs([stream], minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING)
 """
+
+
+def _created(certificate: EpochCertificate) -> float:
+    return datetime.fromisoformat(certificate.created_at).timestamp()
 
 
 def wait_for(what: str, condition: Callable[[], bool], daemon: subprocess.Popen[bytes], log: Path) -> None:
@@ -112,7 +123,7 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
     store = StateStore(postgres_url)
     publisher = threading.Thread(target=publish, daemon=True)
     publisher.start()
-    groups = [group_stream(stream, g, 2) for g in range(2)]
+    groups = [group_stream(stream, g, 3) for g in range(3)]
 
     def runs(*statuses: dg.DagsterRunStatus) -> list[dg.DagsterRun]:
         wanted = list(statuses) or list(dg.DagsterRunStatus)
@@ -132,15 +143,20 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
     alive: list[psutil.Process] = []
     try:
         wait_for(
-            "two worker runs certify, one group each",
-            lambda: len(certifying_workers()) == 2 and all(store.certificates(name) for name in groups),
+            "three worker runs certify, one group each",
+            lambda: len(certifying_workers()) == 3 and all(store.certificates(name) for name in groups),
             daemon,
             log,
         )
         first = certifying_workers()
         assert first <= {run.run_id for run in runs(dg.DagsterRunStatus.STARTED)}
-        assert len(runs()) == 2, "exactly two worker runs were requested"
-        victim = sorted(first)[0]
+        assert len(runs()) == 3, "exactly three worker runs were requested"
+        # The operator lowers the workers to 2; the daemon reloads the code location within a minute.
+        (tmp_path / "streams.py").write_text(
+            textwrap.dedent(PROJECT).replace('os.environ.get("T_WORKERS", "3")', '"2"')
+        )
+        [retired] = [run.run_id for run in runs() if run.tags.get(SLOT_TAG) == "2"]
+        victim = sorted(first - {retired})[0]
         pid = pid_of(victim)
         assert pid is not None, "the worker run logs its process id"
         os.kill(pid, signal.SIGKILL)
@@ -150,6 +166,27 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
                 instance.get_run_by_id(victim) is not None
                 and instance.get_run_by_id(victim).status is dg.DagsterRunStatus.FAILURE  # type: ignore[union-attr]
                 and bool(certifying_workers() - first)
+            ),
+            daemon,
+            log,
+        )
+        wait_for(
+            "the worker of the slot that is gone leaves and succeeds",
+            lambda: instance.get_run_by_id(retired).status is dg.DagsterRunStatus.SUCCESS,  # type: ignore[union-attr]
+            daemon,
+            log,
+        )
+        said = " ".join(e.user_message or "" for e in instance.all_logs(retired))
+        assert f"member {retired} left (it was retired: stream {stream} now has 2 workers" in said, said[
+            -2000:
+        ]
+        left = time.time()
+        # Its group moved: every group certifies again, by the remaining workers.
+        wait_for(
+            "every group certified after the retirement by another worker",
+            lambda: all(
+                any(c.worker != retired and _created(c) > left for c in store.certificates(name))
+                for name in groups
             ),
             daemon,
             log,
@@ -182,8 +219,8 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
         )
         assert stopped_by.returncode == 0, stopped_by.stderr.decode()[-3000:]
         wait_for(
-            "both worker runs succeed after the sensor stopped",
-            lambda: len(runs(dg.DagsterRunStatus.SUCCESS)) == 2,
+            "both worker runs succeed after the sensor stopped (the retired one succeeded before)",
+            lambda: len(runs(dg.DagsterRunStatus.SUCCESS)) == 3,
             daemon,
             log,
         )
@@ -205,8 +242,10 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
         for process in alive:
             process.kill()
     assert not alive, "every worker stopped when its sensor stopped (or, after a failure, on SIGTERM)"
-    assert len(runs()) == 3, "no run requested once the sensor stopped"
-    stopped = [run for run in runs() if run.run_id != victim and pid_of(run.run_id) is not None]
+    assert len(runs()) == 4, "three runs, and the killed one's replacement: no run once the sensor stopped"
+    stopped = [
+        run for run in runs() if run.run_id not in (victim, retired) and pid_of(run.run_id) is not None
+    ]
     assert len(stopped) == 2
     for run in stopped:
         said = " ".join(e.user_message or "" for e in instance.all_logs(run.run_id))
@@ -217,7 +256,16 @@ def test_two_worker_runs_split_the_partitions_and_a_killed_one_is_replaced(
     assert ids == list(range(total)), "every message exactly once"
     ownership = check_ownership({name: store.certificates(name) for name in groups})
     assert sorted(int(domain.partition) for domain in ownership) == list(range(PARTITIONS))
-    assert len({worker for item in ownership.values() for _, worker in item.owners}) >= 3
+    assert len({worker for item in ownership.values() for _, worker in item.owners}) >= 4
+    # Every certificate the workers made was reported to Dagster once, the last ones after the stop.
+    made = sorted((c.stream, c.sequence) for name in groups for c in store.certificates(name))
+    reported = sorted(
+        (str(row.data["stream"]), int(str(row.data["sequence"])))
+        for record in instance.fetch_materializations(dg.AssetKey([stream]), limit=10_000).records
+        if record.asset_materialization is not None
+        for row in record.asset_materialization.metadata["faucet/certificates"].value.records  # type: ignore[attr-defined]
+    )
+    assert reported == made, f"{len(reported)} of {len(made)} certificates reported"
     lapsed = MemberRegistry(store).lapsed(stream)
     assert all(lapsed.get(run.run_id, 0.0) is None for run in stopped), "each left the membership"
     store.close()

@@ -90,7 +90,7 @@ def test_a_worker_that_keeps_failing_is_backed_off_and_reported(
 
     with StateStore(stream.state_url) as store:
         registry = MemberRegistry(store)
-        [slot, _] = census(
+        [slot, _], _ = census(
             instance,
             name,
             job.name,
@@ -142,7 +142,7 @@ def test_the_health_check_names_a_worker_whose_member_lease_lapsed(
         assert not checked.passed and said in str(checked.description)
 
         # Lapsed for longer than three leases: dead, an error; the sensor marks the run failed.
-        slots = census(
+        slots, _ = census(
             instance, name, job.name, 2, (), {run.run_id: 100.0}, lease_seconds=stream.lease_seconds
         )
         assert slots[0].state is SlotState.LAPSED and slots[0].dead

@@ -9,9 +9,10 @@ than 63 bytes; others: SQLAlchemy's dialect limit) are refused here, naming them
 """
 
 import functools
+from datetime import datetime
 from typing import Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from faucet_dagster.protocol import (
     POSTGRES_MAX_IDENTIFIER_BYTES,
@@ -109,6 +110,14 @@ class SqlTable(SqlConnection):
         return self
 
 
+class CursorWindow(BaseModel):
+    """Rows whose cursor is at or after ``start`` and before ``end`` (a time-window partition)."""
+
+    model_config = ConfigDict(extra="forbid")
+    start: datetime
+    end: datetime
+
+
 class SqlSourceConfig(SqlTable):
     """An incremental read of one table in ascending ``(cursor, key...)`` order.
 
@@ -118,13 +127,21 @@ class SqlSourceConfig(SqlTable):
     order and resumed after the last key. ``columns`` reads only those columns (empty: all).
     ``row_values`` chooses how ``(cursor, key) > (...)`` is written: ``auto`` uses a row-value
     comparison on dialects known to support it (PostgreSQL, SQLite, MySQL, MariaDB, DuckDB) and the
-    expanded ``c > x OR (c = x AND k > y)`` form elsewhere.
+    expanded ``c > x OR (c = x AND k > y)`` form elsewhere. ``cursor_window`` reads only the rows whose
+    (time) cursor is in ``[start, end)``: one time-window partition of a bounded sync.
     """
 
     cursor: str | None = None
     key: list[str] = Field(default_factory=list)
     columns: list[str] | None = None
     row_values: Literal["auto", "native", "expanded"] = "auto"
+    cursor_window: CursorWindow | None = None
+
+    @model_validator(mode="after")
+    def _window_needs_cursor(self) -> Self:
+        if self.cursor_window is not None and not self.cursor:
+            raise ValueError("cursor_window (time partitions) needs a cursor: the table's time column")
+        return self
 
     def configured_names(self) -> list[str]:
         return [

@@ -29,6 +29,7 @@ an Arrow record batch with the column types reflected from the table (stable acr
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
 import pyarrow as pa
@@ -62,6 +63,8 @@ class _ReadPlan:
     schema: pa.Schema
     converters: tuple[Converter | None, ...]
     upper: tuple[Any, ...] | None
+    window: tuple[sa.ColumnElement[bool], ...]
+    """``start <= cursor < end`` of the config's ``cursor_window`` (empty without one)."""
     native: bool
     plain_rows: bool
     unique_order: bool
@@ -153,9 +156,11 @@ class SqlSource(KeysetSource):
             order = tuple(table.c[name] for name in order_names)
             selected = tuple(table.c[name] for name in dict.fromkeys([*output, *order_names]))
             types = [arrow_type(table.c[name].type) for name in output]
+            window = self._window(table)
             upper_row = conn.execute(
                 sa.select(*order)
                 .where(*(column.is_not(None) for column in order))
+                .where(*window)
                 .order_by(*(column.desc() for column in order))
                 .limit(1)
             ).first()
@@ -180,10 +185,18 @@ class SqlSource(KeysetSource):
             schema=pa.schema([pa.field(name, kind) for name, kind in zip(output, types, strict=True)]),
             converters=converters,
             upper=None if upper_row is None else tuple(upper_row),
+            window=window,
             native=native[self.config.row_values],
             plain_rows=plain,
             unique_order=not self.config.key,
         )
+
+    def _window(self, table: sa.Table) -> tuple[sa.ColumnElement[bool], ...]:
+        window = self.config.cursor_window
+        if window is None or self.config.cursor is None:
+            return ()
+        column = table.c[self.config.cursor]
+        return (column >= _bound(column, window.start), column < _bound(column, window.end))
 
     def _read_page(
         self, plan: _ReadPlan, after: tuple[Any, ...] | None, batch_size: int
@@ -195,6 +208,7 @@ class SqlSource(KeysetSource):
             sa.select(*plan.selected)
             .where(*(column.is_not(None) for column in plan.order))
             .where(_compare(plan.order, plan.upper, "<=", plan.native))
+            .where(*plan.window)
             .order_by(*plan.order)
         )
         if after is not None:
@@ -285,6 +299,17 @@ class SqlSource(KeysetSource):
                     )
                 )
         return found
+
+
+def _bound(column: sa.Column[Any], moment: datetime) -> Any:
+    """``moment`` as the cursor column compares it: a date for a DATE column, naive UTC for a
+    timestamp without time zone, else as is."""
+    kind = column.type
+    if isinstance(kind, sa.DateTime):
+        return moment if kind.timezone else moment.astimezone(UTC).replace(tzinfo=None)
+    if isinstance(kind, sa.Date):
+        return moment.astimezone(UTC).date()
+    return moment
 
 
 def _batch_of_rows(rows: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.RecordBatch | None:

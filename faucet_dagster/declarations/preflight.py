@@ -12,7 +12,8 @@ and is left to the run, which reads it; a pair that cannot be built without such
 its run. A connection given by resource key is only known at run time and is checked there too.
 """
 
-from collections.abc import Iterator, Mapping, Sequence
+import difflib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -40,6 +41,25 @@ ENV_PLACEHOLDER = "<faucet: set from an environment variable at run time>"
 """What stands for a variable's value while the definitions load (never a valid URL or number)."""
 
 FieldPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a declaration, and the field it is about (``("sink", "config", "tabel")``,
+    relative to the declaration; empty when it is about the pair as a whole)."""
+
+    text: str
+    field: FieldPath = ()
+
+    def __str__(self) -> str:
+        return self.text
+
+    def within(self, prefix: str | int) -> "Problem":
+        return Problem(f"{prefix}: {self.text}", (prefix, *self.field))
+
+
+Locate = Callable[["PairCheck", FieldPath], str | None]
+"""Where a declaration's field was written (``defs.yaml:33``), or None."""
 
 
 @dataclass(frozen=True)
@@ -103,13 +123,22 @@ def check_streams(streams: Sequence[StreamDeclaration], *, declared_by: str) -> 
     check_pairs([stream_check(stream) for stream in streams], where=where)
 
 
-def check_pairs(checks: Sequence[PairCheck], *, where: str, problems: Sequence[str] = ()) -> None:
+def check_pairs(
+    checks: Sequence[PairCheck],
+    *,
+    where: str,
+    problems: Sequence[str] = (),
+    locate: Locate | None = None,
+) -> None:
     """Raise one :class:`ConfigError` listing every problem of ``checks`` (``where``: the file or
     function that declared them) after the ``problems`` already found, or return when there are none:
-    every config parses and every pair is accepted."""
+    every config parses and every pair is accepted. ``locate`` says where each problem's field was
+    written (``defs.yaml:33``), which then starts its line."""
     problems = list(problems)
     for check in checks:
-        problems.extend(f"{check.where}: {problem}" for problem in pair_problems(check))
+        for problem in located_problems(check):
+            line = None if locate is None else locate(check, problem.field)
+            problems.append(f"{line + ' - ' if line else ''}{check.where}: {problem}")
     if problems:
         raise ConfigError(
             f"{len(problems)} problem(s) in the faucet declarations:\n"
@@ -120,26 +149,31 @@ def check_pairs(checks: Sequence[PairCheck], *, where: str, problems: Sequence[s
 
 def pair_problems(check: PairCheck) -> list[str]:
     """Every problem of one declaration: configs that do not parse, then the planner's violations."""
+    return [str(problem) for problem in located_problems(check)]
+
+
+def located_problems(check: PairCheck) -> list[Problem]:
+    """:func:`pair_problems`, each with the field it is about."""
     bounded = check.mode is Mode.BOUNDED
     built: list[Any] = []
     try:
         source, source_problems = build_offline(check.source, Role.SOURCE if bounded else Role.STREAM_SOURCE)
         sink, sink_problems = build_offline(check.sink, Role.SINK if bounded else Role.STREAMING_SINK)
         built = [source, sink]
-        problems = [f"source: {p}" for p in source_problems] + [f"sink: {p}" for p in sink_problems]
+        problems = [p.within("source") for p in source_problems] + [p.within("sink") for p in sink_problems]
         dead_letter = None
         if check.dead_letter is not None:
             dead_letter, dead_letter_problems = build_offline(check.dead_letter, Role.SINK)
             built.append(dead_letter)
-            problems.extend(f"dead_letter: {p}" for p in dead_letter_problems)
+            problems.extend(p.within("dead_letter") for p in dead_letter_problems)
             if (
                 isinstance(dead_letter, Sink)
                 and WritePolicy.APPEND not in dead_letter.supported_write_modes()
             ):
-                problems.append("dead_letter: the dead-letter sink cannot append")
+                problems.append(Problem("dead_letter: the dead-letter sink cannot append", ("dead_letter",)))
         if source is None or sink is None or (check.dead_letter is not None and dead_letter is None):
             return problems  # not buildable now (a problem above, or a value only the run knows)
-        return problems + _plan_problems(check, source, sink)
+        return problems + [Problem(text) for text in _plan_problems(check, source, sink)]
     finally:
         _close(connector for connector in built if connector is not None)
 
@@ -177,37 +211,75 @@ def _plan_problems(check: PairCheck, source: Any, sink: Any) -> list[str]:
     return []
 
 
-def build_offline(endpoint: FaucetEndpoint, role: Role) -> tuple[object | None, list[str]]:
+def build_offline(endpoint: FaucetEndpoint, role: Role) -> tuple[object | None, list[Problem]]:
     """The connector in ``role``, built without I/O and without reading environment references
-    (``None`` when it cannot be built now), and its config's problems. The caller closes it."""
+    (``None`` when it cannot be built now), and its config's problems (each with its field, under
+    ``config``; a misspelt key with the field it likely meant). The caller closes it."""
     if isinstance(endpoint.connection, str):
         return None, []  # a resource key: its connection is only known at run time
     connection = endpoint.connection
     try:
         spec = connection.spec()
     except ConfigError as exc:
-        return None, [exc.message]
+        return None, [Problem(exc.message, ("connector",))]
     role_spec = spec.roles.get(role)
     if role_spec is None:
         roles = ", ".join(sorted(r.value for r in spec.roles))
-        return None, [f"connector {spec.name!r} has no {role.value} role (it has: {roles})"]
+        return None, [
+            Problem(f"connector {spec.name!r} has no {role.value} role (it has: {roles})", ("connector",))
+        ]
     raw = merge_config(connection.config, endpoint.config)
     env_paths: list[FieldPath] = []
     placeheld = _placehold(raw, (), env_paths)
     try:
         config = role_spec.config_model.model_validate(placeheld)
     except ValidationError as exc:
-        problems = [
-            f"{spec.name} {role.value} config: {'.'.join(str(p) for p in error['loc']) or '<root>'}: "
-            f"{error['msg']}"
-            for error in exc.errors(include_input=False)
-            if not _env_bound(tuple(error["loc"]), env_paths)
-        ]
+        errors = [e for e in exc.errors(include_input=False) if not _env_bound(tuple(e["loc"]), env_paths)]
+        missing = {str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"]}
+        problems = []
+        for error in errors:
+            loc = tuple(error["loc"])
+            hint = ""
+            if error["type"] == "extra_forbidden" and loc:
+                hint = did_you_mean(str(loc[-1]), missing or _fields_at(role_spec.config_model, loc[:-1]))
+            problems.append(
+                Problem(
+                    f"{spec.name} {role.value} config: {'.'.join(str(p) for p in loc) or '<root>'}: "
+                    f"{error['msg']}{hint}",
+                    ("config", *loc),
+                )
+            )
         return None, problems
     try:
         return role_spec.factory(config), []
     except FaucetError as exc:
-        return None, [] if env_paths else [exc.message]
+        return None, [] if env_paths else [Problem(exc.message, ("config",))]
+
+
+def did_you_mean(word: str, candidates: Iterator[str] | Sequence[str] | set[str]) -> str:
+    """`` (did you mean `table`?)`` when one of ``candidates`` is close to ``word``, else empty."""
+    found = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean `{found[0]}`?)" if found else ""
+
+
+def _fields_at(model: Any, loc: FieldPath) -> list[str]:
+    """The field names of the (nested) pydantic model at ``loc`` of ``model`` (empty when unknown)."""
+    for part in loc:
+        fields = getattr(model, "model_fields", {})
+        info = fields.get(part) if isinstance(part, str) else None
+        annotation = getattr(info, "annotation", None)
+        model = next(
+            (
+                arg
+                for arg in (annotation, *getattr(annotation, "__args__", ()))
+                if hasattr(arg, "model_fields")
+            ),
+            None,
+        )
+        if model is None:
+            return []
+    fields = getattr(model, "model_fields", {})
+    return [*fields, *(info.alias for info in fields.values() if info.alias)]
 
 
 def _placehold(value: Any, path: FieldPath, found: list[FieldPath]) -> Any:
@@ -254,11 +326,15 @@ def _close(connectors: Iterator[object]) -> None:
 
 __all__ = [
     "ENV_PLACEHOLDER",
+    "Locate",
     "PairCheck",
+    "Problem",
     "StreamDeclaration",
     "build_offline",
     "check_pairs",
     "check_streams",
+    "did_you_mean",
+    "located_problems",
     "pair_problems",
     "stream_check",
 ]

@@ -1,48 +1,54 @@
-"""Epoch certificates as Dagster sees them: a materialization of the sink asset per certificate, its
-``faucet_epoch_certificate`` check evaluation, and the problems that check looks for (receipts that do
-not add up, a replica that diverged, a gap in the chain)."""
+"""The ``faucet_epoch_certificate`` check and the problems it looks for in stored certificates:
+receipts that do not add up, a replica that diverged, a gap in the chain. A tick evaluates it over the
+certificates it reports (:mod:`.reports`); executed on demand, it reads the state store."""
 
-import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import dagster as dg
 
 from faucet_dagster.protocol import EpochCertificate, compare_positions
 from faucet_dagster.protocol.positions import Position
 from faucet_dagster.state import StateStore
-from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
-from faucet_dagster.streams.health import lag_metadata, metadata_table, table_metadata, throughput_metadata
 
 CERTIFICATE_CHECK = "faucet_epoch_certificate"
 
 
-MAX_REPORTS_PER_TICK = 500
+MAX_REPORTS_PER_TICK = 250
+"""The most certificates one tick reports (in one materialization); a backlog is reported over ticks."""
 
 
 def certificate_check(
-    stream: FaucetStream, asset_key: AssetKeyLike | None = None
+    state_url: str | None, streams: Callable[[StateStore], Sequence[str]], asset_key: dg.AssetKey
 ) -> dg.AssetChecksDefinition:
-    """The ``faucet_epoch_certificate`` check: the stored certificates chain and add up.
+    """The ``faucet_epoch_certificate`` check of ``asset_key``: the certificates stored under the names
+    ``streams(store)`` gives (the stream's own, or its partition groups') add up and chain.
 
-    Evaluated by the sensor for every certificate it reports; executed on demand, it re-checks the
-    last ``MAX_REPORTS_PER_TICK`` certificates of the stream in the state store.
+    Evaluated by the sensor over the certificates each tick reports; executed on demand, it re-checks
+    each name's last ``MAX_REPORTS_PER_TICK`` certificates (shared between them) in the state store.
     """
-    key = stream.asset_spec(asset_key).key
 
-    @dg.asset_check(asset=key, name=CERTIFICATE_CHECK, description="Epoch certificates chain and add up.")
+    @dg.asset_check(
+        asset=asset_key, name=CERTIFICATE_CHECK, description="Epoch certificates chain and add up."
+    )
     def _check() -> dg.AssetCheckResult:
-        with StateStore(stream.state_url) as store:
-            last = store.last_certificate(stream.name)
-            after = 0 if last is None else max(0, last.sequence - MAX_REPORTS_PER_TICK)
-            certificates = store.certificates(stream.name, after=after)
-        problems = [problem for certificate in certificates for problem in certificate_problems(certificate)]
-        problems.extend(chain_problems(certificates))
+        problems: list[str] = []
+        checked = 0
+        with StateStore(state_url) as store:
+            names = streams(store)
+            per_stream = max(1, MAX_REPORTS_PER_TICK // max(1, len(names)))
+            for name in names:
+                last = store.last_certificate(name)
+                after = 0 if last is None else max(0, last.sequence - per_stream)
+                certificates = store.certificates(name, after=after)
+                checked += len(certificates)
+                problems.extend(p for c in certificates for p in certificate_problems(c))
+                prefix = f"{name}: " if len(names) > 1 else ""
+                problems.extend(prefix + problem for problem in chain_problems(certificates))
         return dg.AssetCheckResult(
             passed=not problems,
             metadata={
-                "faucet/certificates_checked": len(certificates),
-                "faucet/problems": "\n".join(problems),
+                "faucet/certificates_checked": dg.MetadataValue.int(checked),
+                "faucet/problems": dg.MetadataValue.text("\n".join(problems)),
             },
         )
 
@@ -96,86 +102,10 @@ def chain_problems(certificates: Sequence[EpochCertificate]) -> list[str]:
     return problems
 
 
-def certificate_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """The certificate as asset metadata: epoch, coverage and receipts tables, counts, digest, token,
-    and the numbers Dagster plots (throughput, lag)."""
-    coverage = metadata_table(
-        dict.fromkeys(("source", "resource", "partition", "incarnation", "start", "end"), "string"),
-        [
-            {
-                "source": item.domain.source,
-                "resource": item.domain.resource,
-                "partition": item.domain.partition,
-                "incarnation": item.domain.incarnation,
-                "start": item.start or "",
-                "end": item.end,
-            }
-            for item in certificate.coverage
-        ],
-    )
-    receipts = metadata_table(
-        {"resource": "string", "rows_written": "int", "rows_skipped": "int", "details": "string"},
-        [
-            {
-                "resource": receipt.resource,
-                "rows_written": receipt.rows_written,
-                "rows_skipped": receipt.rows_skipped,
-                "details": json.dumps(dict(receipt.details), sort_keys=True),
-            }
-            for receipt in certificate.receipts
-        ],
-    )
-    return {
-        "faucet/epoch": str(certificate.epoch),
-        "faucet/sequence": certificate.sequence,
-        "faucet/coverage": coverage,
-        "faucet/receipts": receipts,
-        "faucet/rows_written": sum(receipt.rows_written for receipt in certificate.receipts),
-        "faucet/row_counts": dict(certificate.row_counts),
-        "faucet/rows_dead_lettered": sum(certificate.dead_lettered.values()),
-        "faucet/rows_missing_fields": {
-            resource: dict(fields) for resource, fields in certificate.missing_fields.items()
-        },
-        "faucet/digest": certificate.digest,
-        "faucet/fencing_token": certificate.fencing_token,
-        "faucet/worker": certificate.worker,
-        "faucet/delivery": certificate.delivery.value,
-        "faucet/timings": dict(certificate.timings),
-        "faucet/certified_at": certificate.created_at,
-        "faucet/certificate": dg.MetadataValue.json(json.loads(certificate.to_json())),
-        **throughput_metadata(certificate),
-        **lag_metadata(certificate.lag),
-        **table_metadata(certificate),
-    }
-
-
-def certificate_events(
-    certificate: EpochCertificate, asset_key: dg.AssetKey
-) -> tuple[dg.AssetMaterialization, dg.AssetCheckEvaluation]:
-    """The materialization of the sink asset for ``certificate`` and its check evaluation."""
-    problems = certificate_problems(certificate)
-    materialization = dg.AssetMaterialization(
-        asset_key=asset_key,
-        description=f"certified epoch {certificate.epoch}",
-        metadata=certificate_metadata(certificate),
-    )
-    evaluation = dg.AssetCheckEvaluation(
-        asset_key=asset_key,
-        check_name=CERTIFICATE_CHECK,
-        passed=not problems,
-        metadata={"faucet/epoch": str(certificate.epoch), "faucet/problems": "\n".join(problems)},
-        severity=dg.AssetCheckSeverity.ERROR,
-        description="the certificate's receipts add up to its sealed rows" if not problems else problems[0],
-    )
-    return materialization, evaluation
-
-
 __all__ = [
     "CERTIFICATE_CHECK",
     "MAX_REPORTS_PER_TICK",
     "certificate_check",
-    "certificate_events",
-    "certificate_metadata",
     "certificate_problems",
     "chain_problems",
 ]

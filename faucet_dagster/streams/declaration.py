@@ -27,7 +27,9 @@ class FaucetStream:
     how long a worker that died without releasing the stream holds it up (a live one renews its lease
     in the background). ``workers`` above 1 runs the stream in that many long-running Dagster runs
     (:mod:`faucet_dagster.streams.workers`), its partitions divided into ``groups`` partition groups
-    (default: ``workers``; fixed once certified).
+    (default: ``workers`` for a new stream, else the number it was certified with: fixed once
+    certified). ``asset_per_resource`` gives each resource (each replicated table) its own sink asset,
+    ``<asset key>/<resource>``; by default a change-data-capture stream of several tables does.
     """
 
     name: str
@@ -44,6 +46,9 @@ class FaucetStream:
     description: str | None = None
     workers: int = 1
     groups: int | None = None
+    asset_per_resource: bool | None = None
+    """One sink asset per resource (a replica's tables) instead of one for the stream; default: for a
+    change-data-capture stream (``apply_changes``) of several resources."""
 
     def __post_init__(self) -> None:
         if self.workers < 1 or (self.groups is not None and self.groups < 1):
@@ -74,6 +79,34 @@ class FaucetStream:
             lease_seconds=self.lease_seconds,
         )
 
+    @property
+    def assets_per_resource(self) -> bool:
+        """Whether each resource is its own sink asset (see ``asset_per_resource``)."""
+        if self.asset_per_resource is not None:
+            return self.asset_per_resource
+        return self.policy is WritePolicy.APPLY_CHANGES and len(self.resources) > 1
+
+    def asset_targets(
+        self, spec: dg.AssetSpec | None = None
+    ) -> list[tuple[dg.AssetSpec, frozenset[str] | None]]:
+        """The sink assets and the resources each stands for: ``spec`` (default :meth:`asset_spec`)
+        for the stream, or with :attr:`assets_per_resource` one spec per resource, its key
+        ``spec.key`` followed by the resource's dotted parts (``shop_replica/public/orders``)."""
+        base = spec or self.asset_spec()
+        if not self.assets_per_resource:
+            return [(base, None)]
+        return [
+            (
+                base.replace_attributes(
+                    key=dg.AssetKey([*base.key.path, *(_key_part(part) for part in resource.split("."))]),
+                    description=f"{resource}, replicated by faucet stream {self.name} "
+                    f"({self.source.label} to {self.sink.label}).",
+                ),
+                frozenset([resource]),
+            )
+            for resource in self.resources
+        ]
+
     def asset_spec(self, key: AssetKeyLike | None = None) -> dg.AssetSpec:
         """The sink asset the stream's certificates materialize (key ``[name]`` unless given)."""
         kinds = {"faucet"} | {c for c in (self.source.connector, self.sink.connector) if c is not None}
@@ -88,6 +121,11 @@ class FaucetStream:
                 "faucet/mode": "continuous",
             },
         )
+
+
+def _key_part(text: str) -> str:
+    """``text`` as an asset key part: letters, digits and underscores."""
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in text) or "_"
 
 
 __all__ = ["AssetKeyLike", "FaucetStream"]

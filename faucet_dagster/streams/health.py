@@ -1,109 +1,28 @@
-"""Stream health as Dagster metadata and check evaluations: the lag, the numbers Dagster plots, stalls.
+"""Stream health: why a stream stalls, what the operator does about it, and the
+``faucet_stream_health`` check.
 
-* :func:`lag_metadata`, :func:`throughput_metadata`, :func:`table_metadata`: the parts of a certificate's
-  metadata that Dagster plots on the asset's Plots tab (lag behind the source's head, epoch seconds,
-  rows per second) and Dagster's standard table keys a stream can state exactly;
-* :func:`tick_health`: the ``faucet_stream_health`` evaluation of a tick, passing when it certified,
-  failing with the reason and the operator's remedy when the stream stalled (:class:`Stall`: halted on
-  an error, uncertain, waiting on a lease), and the tick's log lines;
+* :class:`Stall` and its makers: halted on an error (:func:`halt_stall`, the remedy by the error's
+  kind), waiting on a lease another worker holds or this process lost (:func:`lease_stall`, naming the
+  real holder), marked uncertain (:func:`uncertain_stall`);
+* :func:`health_evaluation`: the check's evaluation, failing with a stall's reason and remedy, or
+  passing with the newest lag. A sensor reports it when the stream's health changes (a stall begins,
+  changes or ends), not on every tick;
 * :func:`stored_health`, :func:`check_result`: the evaluation an executed check returns, from the
   state store (one piece of code for streams on one owner and on workers).
 """
 
-import contextlib
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
 
-# Dagster's own set of the standard table keys; dagster 1.13 exports it from here only.
-from dagster._core.definitions.metadata import TableMetadataSet
-
-from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError, OwnershipLost, SourceLag
+from faucet_dagster.protocol import EpochCertificate, ErrorKind, FaucetError
 from faucet_dagster.state import StateStore, StateStoreUnavailable
-from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
+from faucet_dagster.streams.cursor import Halt
+from faucet_dagster.streams.reports import lag_metadata
 
 HEALTH_CHECK = "faucet_stream_health"
-logger = logging.getLogger(__name__)
-
-
-def metadata_table(columns: Mapping[str, str], rows: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
-    """A metadata table of ``rows`` with ``columns`` (name to Dagster column type), in that order."""
-    return dg.TableMetadataValue(
-        records=[dg.TableRecord({name: row[name] for name in columns}) for row in rows],
-        schema=dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in columns.items()]),
-    )
-
-
-def throughput_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """The epoch's seconds (its timed steps, lease to commit) and the rows it sealed per second: numbers
-    Dagster plots on the asset's Plots tab."""
-    seconds = sum(certificate.timings.values())
-    rows = sum(certificate.row_counts.values())
-    return {
-        "faucet/epoch_seconds": dg.MetadataValue.float(round(seconds, 3)),
-        "faucet/rows_per_second": dg.MetadataValue.float(round(rows / seconds, 1) if seconds > 0 else 0.0),
-    }
-
-
-def lag_metadata(lag: Sequence[SourceLag]) -> dict[str, Any]:
-    """How far the source's head was ahead of the certified coverage (empty when the source cannot tell).
-
-    ``faucet/lag_positions`` sums ``behind`` over the domains (in ``faucet/lag_unit``: messages,
-    offsets, WAL bytes); ``faucet/lag_seconds`` is the largest lag in time, present only when every
-    domain knows its times; ``faucet/lag`` is the table per domain.
-    """
-    if not lag:
-        return {}
-    units = sorted({item.unit for item in lag})
-    seconds = [item.seconds for item in lag]
-    metadata: dict[str, Any] = {
-        "faucet/lag_positions": dg.MetadataValue.int(sum(item.behind for item in lag)),
-        "faucet/lag_unit": dg.MetadataValue.text(", ".join(units)),
-        "faucet/lag": metadata_table(
-            {
-                "domain": "string",
-                "position": "string",
-                "head": "string",
-                "behind": "int",
-                "unit": "string",
-                "seconds": "string",
-            },
-            [
-                {
-                    "domain": str(item.domain),
-                    "position": item.position or "",
-                    "head": item.head or "",
-                    "behind": item.behind,
-                    "unit": item.unit,
-                    "seconds": "" if item.seconds is None else f"{item.seconds:.3f}",
-                }
-                for item in lag
-            ],
-        ),
-    }
-    known = [value for value in seconds if value is not None]
-    if known and len(known) == len(seconds):
-        metadata["faucet/lag_seconds"] = dg.MetadataValue.float(round(max(known), 3))
-    return metadata
-
-
-def table_metadata(certificate: EpochCertificate) -> dict[str, Any]:
-    """Dagster's table keys a stream can state exactly: ``dagster/table_name`` (database.schema.table)
-    when every receipt names the same table with its database. Never ``dagster/row_count``: that is the
-    table's rows, which a sink cannot count cheaply and exactly (the epoch's are ``faucet/rows_written``)."""
-    names = {
-        f"{receipt.details['database']}.{receipt.details['table']}"
-        if receipt.details.get("database") and receipt.details.get("table")
-        else None
-        for receipt in certificate.receipts
-    }
-    if len(names) != 1 or None in names:
-        return {}
-    [name] = names
-    return dict(TableMetadataSet(table_name=name))
 
 
 # -- health: lag and stalls -------------------------------------------------------------------
@@ -130,45 +49,63 @@ _REMEDIES: Mapping[ErrorKind, str] = {
 
 @dataclass(frozen=True)
 class Stall:
-    """Why a tick certified nothing while the stream has work, and what the operator does about it."""
+    """Why a stream makes no progress, and what the operator does about it. ``key`` stays the same
+    while the stall does (a tick reports the health check again only when it changes)."""
 
     reason: str
     remedy: str
     severity: dg.AssetCheckSeverity
+    key: str
 
     def describe(self) -> str:
         return f"stalled: {self.reason}. Remedy: {self.remedy}"
 
 
-def stall_of(
-    stream: str,
-    lease_seconds: float,
-    *,
-    failure: FaucetError | None = None,
-    lost: OwnershipLost | None = None,
-) -> Stall | None:
-    """The stall a tick's outcome means (None: the stream is healthy, idle, or inside a source
-    transaction that spans ticks).
+def remedy_of(stream: str, failure: FaucetError) -> str:
+    """What the operator does about ``failure`` of ``stream``, by the error's kind."""
+    remedy = _REMEDIES.get(failure.kind, "read the error; the next tick runs the stream again")
+    return remedy.format(stream=stream)
 
-    A failure halts the stream (ERROR, remedy by the error's kind); a lease another worker holds
-    holds it up (WARN).
+
+def halt_stall(halt: Halt) -> Stall:
+    """A stream halted on an error (ERROR): its runner tries again from the certified positions on
+    each tick. The key is the error's type: a halt reported once is not reported again while it lasts,
+    whatever its message says from tick to tick (a server that went away, then refuses connections)."""
+    kind = halt.reason.split(":", 1)[0]
+    return Stall(f"halted on {halt.reason}", halt.remedy, dg.AssetCheckSeverity.ERROR, f"halt:{kind}")
+
+
+def lease_stall(stream: str, lease_seconds: float, holder: str | None, *, mine: bool, detail: str) -> Stall:
+    """A stream whose lease this process does not hold (WARN), naming the real holder.
+
+    ``holder`` is the live holder the state store names (None: nobody holds it now); ``mine``: that
+    holder is this process itself (it lost its lease, for example while the state store could not
+    be reached, and takes it again), never "another worker".
     """
-    if failure is not None:
-        remedy = _REMEDIES.get(failure.kind, "read the error; the next tick runs the stream again")
+    if holder is not None and not mine:
         return Stall(
-            f"halted on {type(failure).__name__}: {failure}",
-            remedy.format(stream=stream),
-            dg.AssetCheckSeverity.ERROR,
-        )
-    if lost is not None:
-        return Stall(
-            f"waiting on a lease another worker holds: {lost}",
+            f"waiting on a lease another worker holds: {holder} ({detail})",
             "none while that worker runs (its certificates are reported here); if that process is gone, "
             f"the lease expires by itself within lease_seconds ({lease_seconds:.0f}s), or run "
             f"`faucet streams release {stream}` to take over at once (fencing stops the old worker)",
             dg.AssetCheckSeverity.WARN,
+            f"lease:{holder}",
         )
-    return None
+    who = "this process holds it again" if mine else "nobody holds it now"
+    return Stall(
+        f"this process lost its lease ({detail}); {who}",
+        "none: the next tick takes the lease again and resumes at the certified positions; if it recurs, "
+        "check that the state store answers within a third of lease_seconds "
+        f"({lease_seconds / 3:.0f}s)",
+        dg.AssetCheckSeverity.WARN,
+        "lease:lost",
+    )
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """``text`` on one line, at most ``limit`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def uncertain_stall(stream: str, reason: str | None) -> Stall:
@@ -177,6 +114,7 @@ def uncertain_stall(stream: str, reason: str | None) -> Stall:
         f"the stream is marked uncertain: {reason}",
         _REMEDIES[ErrorKind.UNCERTAIN_OUTCOME].format(stream=stream),
         dg.AssetCheckSeverity.ERROR,
+        f"uncertain:{reason}",
     )
 
 
@@ -186,13 +124,18 @@ def health_evaluation(
     """The ``faucet_stream_health`` evaluation: failing with the stall's reason and remedy, or passing
     with the lag as of ``last`` (the newest certificate)."""
     metadata: dict[str, Any] = (
-        {} if last is None else {"faucet/epoch": str(last.epoch), **lag_metadata(last.lag)}
+        {}
+        if last is None
+        else {"faucet/epoch": dg.MetadataValue.text(str(last.epoch)), **lag_metadata(last.lag)}
     )
     if stall is not None:
-        metadata |= {"faucet/reason": stall.reason, "faucet/remedy": stall.remedy}
+        metadata |= {
+            "faucet/reason": dg.MetadataValue.text(stall.reason),
+            "faucet/remedy": dg.MetadataValue.text(stall.remedy),
+        }
     lacking = describe_missing_fields(last)
     if lacking:
-        metadata["faucet/rows_missing_fields"] = lacking
+        metadata["faucet/rows_missing_fields"] = dg.MetadataValue.text(lacking)
     healthy = "the stream certifies epochs" + (f"; rows lacked fields: {lacking}" if lacking else "")
     return dg.AssetCheckEvaluation(
         asset_key=asset_key,
@@ -243,95 +186,26 @@ def check_result(evaluation: dg.AssetCheckEvaluation) -> dg.AssetCheckResult:
     )
 
 
-@dataclass(frozen=True)
-class TickHealth:
-    """What a tick adds for health: check evaluations to report, and a skip reason for a stalled tick."""
+def health_check(
+    state_url: str | None, streams: Sequence[str], asset_key: dg.AssetKey
+) -> dg.AssetChecksDefinition:
+    """The ``faucet_stream_health`` check of ``asset_key``, for a stream certified under ``streams``
+    (its name): the stream certifies epochs and is not stalled.
 
-    events: tuple[dg.AssetCheckEvaluation, ...] = ()
-    skip: str | None = None
-
-
-def tick_health(
-    context: dg.SensorEvaluationContext,
-    stream: str,
-    lease_seconds: float,
-    asset_key: dg.AssetKey,
-    certificates: Sequence[EpochCertificate],
-    *,
-    failure: FaucetError | None,
-    lost: OwnershipLost | None,
-) -> TickHealth:
-    """Log what the tick certified (epochs, rows, lag) and say whether the stream stalled.
-
-    A tick that reports certificates passes the health check, unless it also failed. A stalled tick
-    reporting nothing gets the failing evaluation and its description as the skip reason; when it is
-    about to fail (``failure``), the evaluation goes to the instance at once (the failed tick reports
-    no events) and the remedy is added to the error, which the tick shows.
-
-    Only a stall is written to the tick's own log (``context.log``, which opens the Dagster instance
-    in the code server and stores the log at the tick's end: a tenth of a second to a second per tick
-    on a loaded machine, inside the daemon's serial sensor loop). A healthy tick's reason says what
-    it certified already; that line goes to the process's log.
+    Reported by the sensor when the stream's health changes: failing with the reason and the remedy
+    when it stalls, passing again when it makes progress. Executed on demand, it reads the state store:
+    failing while the stream is marked uncertain, else passing with the lag of the last certificate.
     """
-    # Certificates reported mean progress, whoever certified them; a failure after them still halts.
-    healthy = bool(certificates) and failure is None
-    stall = None if healthy else stall_of(stream, lease_seconds, failure=failure, lost=lost)
-    if certificates:
-        line = f"stream {stream}: {describe_certified(certificates)}"
-        if stall is None:
-            logger.info(line)
-        else:
-            context.log.info(line)
-    if stall is None:
-        if not certificates:
-            return TickHealth()
-        return TickHealth((health_evaluation(asset_key, None, certificates[-1]),))
-    context.log.warning(f"stream {stream} {stall.describe()}")
-    evaluation = health_evaluation(asset_key, stall, certificates[-1] if certificates else None)
-    if failure is not None and not certificates:
-        failure.add_note(f"Remedy: {stall.remedy}")
-        # A context built without an instance (tests) has nowhere to report: the failed tick says it all.
-        with contextlib.suppress(dg.DagsterInvariantViolationError):
-            context.instance.report_runless_asset_event(evaluation)
-        return TickHealth()
-    return TickHealth((evaluation,), stall.describe())
-
-
-def describe_certified(certificates: Sequence[EpochCertificate]) -> str:
-    """What a tick reported, for people: ``certified 3 epochs (12 to 14), 13500 rows; lag ...``."""
-    rows = sum(sum(certificate.row_counts.values()) for certificate in certificates)
-    epochs = "1 epoch" if len(certificates) == 1 else f"{len(certificates)} epochs"
-    return (
-        f"certified {epochs} ({certificates[0].sequence} to {certificates[-1].sequence}), {rows} rows; "
-        f"lag {describe_lag(certificates[-1].lag)}"
-    )
-
-
-def describe_lag(lag: Sequence[SourceLag]) -> str:
-    """The lag for people, per domain, or why it is unknown."""
-    if not lag:
-        return "unknown (the source does not say where its head is)"
-    return "; ".join(item.describe() for item in lag)
-
-
-def health_check(stream: FaucetStream, asset_key: AssetKeyLike | None = None) -> dg.AssetChecksDefinition:
-    """The ``faucet_stream_health`` check: the stream certifies epochs and is not stalled.
-
-    Evaluated by the sensor on every tick that certifies (passing, with the lag) or stalls (failing
-    with the reason and the remedy). Executed on demand, it reads the state store: failing while the
-    stream is marked uncertain, else passing with the lag of the last certificate.
-    """
-    key = stream.asset_spec(asset_key).key
 
     @dg.asset_check(
-        asset=key,
+        asset=asset_key,
         name=HEALTH_CHECK,
         description="The stream certifies epochs: not halted, uncertain or waiting on a lease.",
     )
     def _check() -> dg.AssetCheckResult:
         try:
-            with StateStore(stream.state_url) as store:
-                return check_result(stored_health(store, key, [stream.name]))
+            with StateStore(state_url) as store:
+                return check_result(stored_health(store, asset_key, streams))
         except StateStoreUnavailable as exc:  # within the store's timeout: "state store unreachable: ..."
             return dg.AssetCheckResult(
                 passed=False, severity=dg.AssetCheckSeverity.ERROR, description=str(exc)

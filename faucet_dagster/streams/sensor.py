@@ -1,60 +1,68 @@
-"""Continuous streams as Dagster sensors: each tick seals the open epoch, certifies it, reports it.
+"""Continuous streams as Dagster sensors: each tick reports what the stream certified since the last.
 
 Declare a :class:`FaucetStream` (source and sink endpoints, resources, policy) and turn it into
-definitions with :func:`build_stream_defs` (the sink asset, its certificate check and the sensor), or
-into the sensor alone with :func:`faucet_stream_sensor`.
+definitions with :func:`build_stream_defs` (the sink asset, its certificate and health checks and the
+sensor), or into the sensor alone with :func:`faucet_stream_sensor`. The sensor targets the sink asset
+(``asset_selection``), so the asset's page lists the sensor under its automations and the sensor's
+page names the asset; it never requests runs.
 
-Between ticks, the stream's runner reads into its open epoch in the background of the code server
-process (:mod:`faucet_dagster.runner.open_epoch`). A tick:
+Between ticks, the stream's runner reads, seals, commits and certifies epochs in the background of the
+code server process (:mod:`faucet_dagster.runner`). A tick:
 
-1. reads the cursor (``{"reported_through": N}``): Dagster received the reports of certificates up
-   to ``N``; the state store's report mark is moved there (a fresh cursor starts from that mark);
-2. asks the runner to seal the open epoch at its next safe boundary and waits, within a budget
-   (:func:`tick_budget`), until it is committed, certified and acknowledged (and the next ones too
-   while the epochs sealed are full: a backlog); the first tick of a process starts the reader (with
-   the default budget it does not wait: the first epoch is certified in the background and the next
-   tick reports it). An epoch inside a source transaction stays open until the transaction ends,
-   over as many ticks as that takes;
-3. returns one ``AssetMaterialization`` of the sink asset per certificate after ``N`` (the ones
-   certified now, and any a timed-out tick lost, since its cursor never advanced) with the certificate
-   as metadata, plus an ``AssetCheckEvaluation`` of the ``faucet_epoch_certificate`` check, and the
-   new cursor. Dagster stores the events and the cursor together, so each certificate is reported
-   once. The tick's reason (Dagster shows a tick without run requests by it) says what it did:
-   ``certified 3 epochs (12 to 14), 13500 rows; lag ...``, what is still open, or why the stream
-   stalled. The tick's ``faucet_stream_health`` evaluation passes when it certified and fails, with the
-   reason and the operator's remedy, when the stream stalled (:mod:`faucet_dagster.streams.health`).
+1. reads the cursor (:mod:`.cursor`): the certificates Dagster received reports of, the health it
+   last reported, a halt in progress; the state store's report marks are moved there;
+2. asks the runner for its tick (:meth:`~faucet_dagster.runner.continuous.StreamRunner.tick`): a seal
+   of the open epoch, waited for within a budget (:func:`tick_budget`); the first tick of a process
+   starts the reader;
+3. reports every certificate stored since the last report in **one** ``AssetMaterialization`` of the
+   sink asset (:mod:`.reports`: coverage merged per domain, first and last sequence, rows summed, the
+   newest lag, a table of the certificates) with **one** ``faucet_epoch_certificate`` evaluation,
+   whatever the number of epochs; and the ``faucet_stream_health`` evaluation when the stream's health
+   changed (a stall began, changed or ended);
+4. says what it did in one line (:func:`tick_summary`), which Dagster shows as the tick's reason (a
+   sensor that requests no run has its ticks listed as skipped, the reason in their tooltip and details,
+   and in the daemon's log), writes it to the tick's log ("View logs") when the tick reported something
+   or the stream is stalled, and describes the report on the asset page (the materialization's
+   description).
 
-The runner (its open source and sink sessions, its open epoch and its lease) is cached per code-server
-process, behind a lock per stream: ticks run on different threads, and a tick that finds the previous
-one still running reports what is certified and skips. The cache is an optimisation: all positions,
-sequences and leases are read from the state store when a runner opens its sessions, and an open epoch
-lost with its process is rolled back and read again by the next owner.
+A stream halted on an error (a server down, a record it refuses) says so on every tick until it makes
+progress again: ``halted since <time> (<n> ticks): <error>. Remedy: ...``. The tick does not fail
+(a failing tick would log its whole stack trace to the daemon's log on every tick); the health check
+fails once with the reason and the remedy, the tick's own log says it, and the process log says it in
+one line when the halt begins and then at most every five minutes (:data:`~.cursor.HALT_LOG_SECONDS`).
+A stall on a lease names the real holder: another worker, or this very process when it lost its lease.
 
-The runner's lease is short (15 s by default) and renewed in the background on the process's event
-loop while the process lives. A process that stops (the daemon replacing its code server, a reload,
-SIGTERM, Ctrl-C, a normal exit) closes its runners before the interpreter's thread pools shut down, so
-each lease is released; a newer process that finds a live lease asks its holder to hand over (the
-holder seals its open epoch if it can, within seconds) and takes the stream. Another worker holding
-the stream's live lease otherwise makes a tick skip (that worker runs the stream). A reader no tick
-reached for ``READER_STOP_SECONDS`` (or four intervals) stops and releases its lease. A stream marked
-uncertain fails every tick until an operator runs ``faucet streams release``.
+The runner (its open sessions, its open epoch and its lease) is cached per code-server process
+(:mod:`.runner_cache`), behind a lock per stream: ticks run on different threads, and a tick that
+finds the previous one still running reports what is certified and skips. The cache is an
+optimisation: all positions, sequences and leases are read from the state store when a runner opens
+its sessions. A stream marked uncertain is halted until an operator runs ``faucet streams release``.
 """
 
-import json
 import logging
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import dagster as dg
 
 from faucet_dagster.declarations.preflight import check_streams
-from faucet_dagster.protocol import ConfigError, FaucetError, OwnershipLost
+from faucet_dagster.protocol import ConfigError, EpochCertificate, FaucetError, OwnershipLost
 from faucet_dagster.runner.open_epoch import Pending
-from faucet_dagster.state import StateStoreUnavailable
-from faucet_dagster.streams.certificates import MAX_REPORTS_PER_TICK, certificate_events
+from faucet_dagster.state import StateStore, StateStoreUnavailable
+from faucet_dagster.streams.cursor import PASSING, Halt, StreamCursor, parse_cursor
 from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
-from faucet_dagster.streams.health import describe_certified, tick_health
-from faucet_dagster.streams.runner_cache import cached_runner, stream_loop
+from faucet_dagster.streams.health import (
+    Stall,
+    halt_stall,
+    health_evaluation,
+    lease_stall,
+    one_line,
+    remedy_of,
+)
+from faucet_dagster.streams.reports import AssetTarget, Report, report_events, unreported
+from faucet_dagster.streams.runner_cache import StreamHandle, cached_runner, stream_loop
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +78,6 @@ STARTING_TICK_BUDGET = 0.0
 the daemon replaces its own every 60 s). Taking the lease, opening the sessions and the first read take
 seconds, which the daemon's serial sensor loop would spend waiting; the tick's seal request stands, so
 the first epoch is sealed after one read and certified in the background, and the next tick reports it."""
-EXIT_CLOSE_SECONDS = 10.0
-"""How long a stopping process waits for its streams to close before it exits anyway."""
 READER_STOP_SECONDS = 60.0
 """A stream's reader stops (rolling its open epoch back, releasing its lease) when no tick came for this
 long, or four sensor intervals if longer: the sensor was stopped, or the daemon ticks another process."""
@@ -79,7 +85,6 @@ STARTED_READING = (
     "started reading in this process: the first epoch is sealed after one read and certified in the "
     "background; the next tick reports it"
 )
-CURSOR_VERSION = 1
 
 
 def tick_budget(requested: float | None = None, *, interval: float = 30.0, streams: int = 1) -> float:
@@ -115,16 +120,25 @@ def faucet_stream_sensor(
     budget_seconds: float | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
     streams_sharing: int = 1,
+    targets: Sequence[AssetTarget] | None = None,
 ) -> dg.SensorDefinition:
-    """A sensor running ``stream``'s epochs on each tick and reporting each certificate once.
+    """A sensor running ``stream`` and reporting what it certified, one materialization a tick.
 
-    ``budget_seconds`` caps the time a tick spends running epochs, commits included (default: see
+    ``budget_seconds`` caps the time a tick spends waiting for its seal, commits included (default: see
     :func:`tick_budget`, the interval shared between the ``streams_sharing`` stream sensors of the
     code location; a default tick that starts the stream's reader waits ``STARTING_TICK_BUDGET``).
-    Endpoints given by resource key become the sensor's required resources.
+    ``targets`` are the assets the reports materialize (default: the sink asset, ``asset_key``, or one
+    per resource: :meth:`FaucetStream.asset_targets`); the sensor's ``asset_selection``. Endpoints given
+    by resource key become its required resources.
     """
     check_streams([stream], declared_by="faucet_stream_sensor")
-    key = stream.asset_spec(asset_key).key
+    chosen = tuple(
+        targets
+        or (
+            AssetTarget(spec.key, resources)
+            for spec, resources in stream.asset_targets(stream.asset_spec(asset_key))
+        )
+    )
     resource_keys = {
         endpoint.resource_key for endpoint in (stream.source, stream.sink) if endpoint.resource_key
     }
@@ -134,7 +148,12 @@ def faucet_stream_sensor(
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
         required_resource_keys=resource_keys or None,
-        description=f"Runs the epochs of faucet stream {stream.name} and reports their certificates.",
+        asset_selection=[target.key for target in chosen],
+        description=(
+            f"Runs faucet stream {stream.name} ({stream.source.label} to {stream.sink.label}) and reports "
+            "what it certified since the last tick: one materialization a tick. It requests no runs: "
+            "each tick is listed as skipped, its reason saying what it did."
+        ),
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         budget = tick_budget(budget_seconds, interval=minimum_interval_seconds, streams=streams_sharing)
@@ -143,7 +162,7 @@ def faucet_stream_sensor(
         return _tick(
             context,
             stream,
-            key,
+            chosen,
             budget,
             stop_after,
             starting_budget=starting,
@@ -153,36 +172,69 @@ def faucet_stream_sensor(
     return _sensor
 
 
-# -- certificates as Dagster events ------------------------------------------------------------
-
-
 # -- the tick ----------------------------------------------------------------------------------
 
 
-def parse_cursor(cursor: str | None) -> int | None:
-    """The certificate sequence Dagster received reports up to, from a tick cursor (None: no cursor)."""
-    if not cursor:
-        return None
+@dataclass(frozen=True)
+class RunnerOutcome:
+    """What the runner's part of a tick came to."""
+
+    failure: FaucetError | None = None
+    lost: OwnershipLost | None = None
+    pending: Pending | None = None
+    busy: bool = False
+    """A previous tick still runs the stream's epochs (this one only reports)."""
+    started: bool = False
+    """This tick started the reader."""
+
+    def progressed(self) -> bool:
+        """Whether the runner showed it works: its seal was served, or an epoch is open (its sessions
+        opened). A reader just started, or still taking the lease, shows nothing yet."""
+        if self.failure is not None or self.lost is not None or self.busy:
+            return False
+        return self.pending is None or self.pending.epoch is not None
+
+    def describe(self) -> str:
+        if self.busy:
+            return "a previous tick is still running this stream's epochs"
+        if self.started and self.pending is not None and self.pending.epoch is None:
+            return STARTED_READING
+        if self.pending is not None:
+            return self.pending.describe()
+        return "no new certified epoch: the source had nothing new"
+
+
+def _run_runner(
+    handle: StreamHandle,
+    stream: FaucetStream,
+    budget: float,
+    stop_after: float | None,
+    starting_budget: float | None,
+    interval: float | None,
+) -> RunnerOutcome:
+    if not handle.lock.acquire(blocking=False):
+        return RunnerOutcome(busy=True)
     try:
-        raw = json.loads(cursor)
-        value = raw["reported_through"]
-        if raw.get("version") != CURSOR_VERSION or isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(cursor)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(
-            f"the sensor cursor {cursor!r} is not a faucet stream cursor", where="sensor cursor"
-        ) from None
-    return value
-
-
-def format_cursor(reported_through: int) -> str:
-    return json.dumps({"version": CURSOR_VERSION, "reported_through": reported_through})
+        pending = stream_loop().run(
+            handle.runner.tick(
+                budget, stop_after=stop_after, starting_budget=starting_budget, interval=interval
+            )
+        )
+    except OwnershipLost as exc:
+        return RunnerOutcome(lost=exc)
+    except FaucetError as exc:
+        return RunnerOutcome(failure=exc)
+    finally:
+        handle.lock.release()
+    if pending is not None and pending.lease_wait is not None:  # stalled on a lease, as a refused one is
+        return RunnerOutcome(lost=OwnershipLost(pending.lease_wait, where=stream.name), pending=pending)
+    return RunnerOutcome(pending=pending, started=handle.runner.started is True)
 
 
 def _tick(
     context: dg.SensorEvaluationContext,
     stream: FaucetStream,
-    asset_key: dg.AssetKey,
+    targets: Sequence[AssetTarget],
     budget: float,
     stop_after: float | None = None,
     *,
@@ -190,83 +242,115 @@ def _tick(
     interval: float | None = None,
 ) -> dg.SensorResult:
     began = time.perf_counter()
+    cursor = parse_cursor(context.cursor, stream.name)
     handle = cached_runner(stream.name, stream.state_url, lambda: stream.build_spec(context.resources))
     store = handle.store
-    confirmed = parse_cursor(context.cursor)
-    if confirmed is None:
-        reported = store.reported_through(stream.name)
-    else:
-        store.mark_reported(stream.name, confirmed)
-        reported = confirmed
-    failure: FaucetError | None = None
-    lost: OwnershipLost | None = None
-    skip = "no new certified epoch: the source had nothing new"
-    pending: Pending | None = None
-    if handle.lock.acquire(blocking=False):
-        try:
-            pending = stream_loop().run(
-                handle.runner.tick(
-                    budget, stop_after=stop_after, starting_budget=starting_budget, interval=interval
-                )
-            )
-        except OwnershipLost as exc:
-            lost = exc
-            skip = f"another worker runs this stream: {exc}"
-        except FaucetError as exc:
-            failure = exc
-        else:
-            if pending is not None:
-                skip = pending.describe()
-                if handle.runner.started and pending.lease_wait is None and pending.epoch is None:
-                    skip = STARTED_READING
-                if pending.lease_wait is not None:  # stalled on a lease, as a refused one is
-                    lost = OwnershipLost(pending.lease_wait, where=stream.name)
-        finally:
-            handle.lock.release()
-    else:
-        skip = "a previous tick is still running this stream's epochs"
-    ran = time.perf_counter() - began
-    if isinstance(failure, StateStoreUnavailable):
-        raise failure  # "state store unreachable": asking it for certificates would wait its timeout again
-    certificates = store.certificates(stream.name, after=reported, limit=MAX_REPORTS_PER_TICK)
-    health = tick_health(
-        context,
-        stream.name,
-        stream.lease_seconds,
-        asset_key,
-        certificates,
-        failure=failure,
-        lost=lost,
-    )
-    if failure is not None:
-        if not certificates:
-            raise failure
-        # Report what is certified first; the next tick runs the stream again and raises if it still fails.
-        context.log.error(
-            f"stream {stream.name} failed after certifying epochs; reporting them first: {failure}"
-        )
-    events: list[dg.AssetMaterialization | dg.AssetCheckEvaluation] = []
-    for certificate in certificates:
-        events.extend(certificate_events(certificate, asset_key))
-    events.extend(health.events)
+    outcome = _run_runner(handle, stream, budget, stop_after, starting_budget, interval)
+    if isinstance(outcome.failure, StateStoreUnavailable):
+        raise outcome.failure  # "state store unreachable": asking it again would wait its timeout again
+    found = unreported(store, [stream.name], cursor.reported_through)
+    certificates = found.certificates
+    now = time.time()
+    stall, halt = _judge(stream, store, handle.runner.worker_id, outcome, cursor, bool(certificates), now)
+    events = report_events(certificates, targets, found.previous)
+    health = stall.key if stall is not None else PASSING if (certificates or outcome.progressed()) else None
+    if health is not None and health != cursor.health:
+        newest = certificates[-1] if certificates else store.last_certificate(stream.name)
+        events.extend(health_evaluation(target.key, stall, newest) for target in targets)
+    summary = tick_summary(outcome, certificates, stall, halt)
+    if halt is not None and (cursor.halt is None or halt.log_due(now)):
+        still = "" if cursor.halt is None else "still "
+        logger.error("faucet stream %s %s%s", stream.name, still, summary)
+        halt = Halt(halt.reason, halt.remedy, halt.since, halt.ticks, logged=now)
+    elif halt is None and cursor.halt is not None:
+        logger.warning("faucet stream %s runs again after %d halted ticks", stream.name, cursor.halt.ticks)
+    if stall is not None:
+        context.log.warning(summary)
+    elif certificates or (health is not None and health != cursor.health):
+        context.log.info(summary)
     logger.debug(
-        "stream %s: tick of %.3fs (%.3fs running epochs), %d certificates reported",
+        "stream %s: tick of %.3fs, %d certificates reported",
         stream.name,
         time.perf_counter() - began,
-        ran,
         len(certificates),
     )
-    cursor = format_cursor(certificates[-1].sequence if certificates else reported)
-    if certificates:  # Dagster shows a tick without run requests by its skip reason: say what it did
-        skip = describe_certified(certificates) + ("" if pending is None else f"; {skip}")
-    return dg.SensorResult(asset_events=events, cursor=cursor, skip_reason=health.skip or skip)
+    next_cursor = StreamCursor(found.marks, health=health if health is not None else cursor.health, halt=halt)
+    return dg.SensorResult(asset_events=events, cursor=next_cursor.format(), skip_reason=summary)
+
+
+def _judge(
+    stream: FaucetStream,
+    store: StateStore,
+    worker_id: str,
+    outcome: RunnerOutcome,
+    cursor: StreamCursor,
+    reported: bool,
+    now: float,
+) -> tuple[Stall | None, Halt | None]:
+    """The stall this tick found (None: the stream works, or is idle) and the halt it carries on.
+
+    A failure halts the stream (since when the cursor says it already was). A halted stream stays
+    halted until the runner shows progress (:meth:`RunnerOutcome.progressed`, or new certificates
+    without a failure), so a tick that merely restarted the reader still says halted."""
+    if outcome.failure is not None:
+        failure = outcome.failure
+        reason, remedy = (
+            f"{type(failure).__name__}: {one_line(str(failure))}",
+            remedy_of(stream.name, failure),
+        )
+        before = cursor.halt
+        halt = (
+            Halt(reason, remedy, now)
+            if before is None
+            else Halt(reason, remedy, before.since, before.ticks + 1, before.logged)
+        )
+        return halt_stall(halt), halt
+    if outcome.lost is not None:
+        return _lease_stall(stream, store, worker_id, outcome.lost), cursor.halt
+    if cursor.halt is not None and not (reported or outcome.progressed()):
+        halt = cursor.halt.again()
+        return halt_stall(halt), halt
+    return None, None
+
+
+def _lease_stall(stream: FaucetStream, store: StateStore, worker_id: str, lost: OwnershipLost) -> Stall:
+    """The stall of a tick that does not hold the lease, naming its real holder from the store."""
+    try:
+        [status] = store.status(stream.name)
+    except FaucetError:
+        holder = None
+    else:
+        holder = status.owner if status.lease_live else None
+    return lease_stall(
+        stream.name,
+        stream.lease_seconds,
+        holder,
+        mine=holder is not None and holder == worker_id,
+        detail=one_line(str(lost)),
+    )
+
+
+def tick_summary(
+    outcome: RunnerOutcome,
+    certificates: Sequence[EpochCertificate],
+    stall: Stall | None,
+    halt: Halt | None,
+) -> str:
+    """The tick in one line, for people: what it reported, what the stream is doing or why it stalled."""
+    reported = Report(tuple(certificates)).describe() if certificates else None
+    state: str | None
+    if halt is not None:
+        state = halt.describe(None if outcome.failure is not None else "the runner retries")
+    elif stall is not None:
+        state = stall.describe()
+    else:
+        state = None if reported and outcome.pending is None else outcome.describe()
+    return "; ".join(part for part in (reported, state) if part)
 
 
 __all__ = [
     "SENSOR_TIMEOUT_ENV",
     "STARTED_READING",
     "faucet_stream_sensor",
-    "format_cursor",
-    "parse_cursor",
     "tick_budget",
 ]

@@ -36,6 +36,8 @@ from faucet_dagster.streams.health import Stall
 STREAM_TAG = "faucet/stream"
 SLOT_TAG = "faucet/worker"
 """The run tag holding a worker run's slot (``0 .. workers-1``)."""
+RETIRE_TAG = "faucet/retired"
+"""The run tag the sensor adds to a worker run whose slot no longer exists (``<time> <reason>``)."""
 SENSOR_NAME_TAG = "dagster/sensor_name"
 """Dagster's tag naming the sensor that requested a run."""
 
@@ -138,9 +140,10 @@ def census(
     *,
     lease_seconds: float,
     now: float | None = None,
-) -> tuple[Slot, ...]:
+) -> tuple[tuple[Slot, ...], tuple[dg.DagsterRun, ...]]:
     """Every slot of ``stream``'s worker runs, read from ``instance`` and the member leases (``live``,
-    ``lapsed`` from :class:`~faucet_dagster.state.members.MemberRegistry`). Changes nothing.
+    ``lapsed`` from :class:`~faucet_dagster.state.members.MemberRegistry`), and the runs in progress
+    whose slot no longer exists (``workers`` was lowered: to retire). Changes nothing.
 
     A lapsed run is dead once its lease lapsed :data:`DEAD_AFTER_SECONDS` ago, and at least three
     leases (``lease_seconds``). A run in progress without a slot tag (launched by hand) fills the
@@ -152,7 +155,11 @@ def census(
     )
     by_slot: dict[int, Slot] = {}
     untagged: list[Slot] = []
+    extra: list[dg.DagsterRun] = []
     for run in running:
+        if _beyond(run, workers):
+            extra.append(run)
+            continue
         slot = _slot_of(run, workers)
         state, since = _run_state(instance, run, members, lapsed, now)
         dead = state is SlotState.LAPSED and (
@@ -170,7 +177,13 @@ def census(
     for slot in range(workers):
         found = by_slot.get(slot, Slot(slot, SlotState.EMPTY))
         slots.append(replace(found, failures=_failures(instance, stream, job_name, slot)))
-    return tuple(slots)
+    return tuple(slots), tuple(extra)
+
+
+def _beyond(run: dg.DagsterRun, workers: int) -> bool:
+    """Whether ``run`` holds a slot the stream no longer has (its ``workers`` lowered)."""
+    raw = run.tags.get(SLOT_TAG)
+    return raw is not None and raw.isdigit() and int(raw) >= workers
 
 
 def _slot_of(run: dg.DagsterRun, workers: int) -> int | None:
@@ -277,6 +290,7 @@ class SensorWatch:
         self._instance = instance
         self._default_running = default_status is dg.DefaultSensorStatus.RUNNING
         self.sensor = run.tags.get(SENSOR_NAME_TAG)
+        self._run_id = run.run_id
         origin = run.remote_job_origin
         self._ids: tuple[str, str] | None = None
         if self.sensor is not None and origin is not None:
@@ -293,6 +307,12 @@ class SensorWatch:
     @property
     def watching(self) -> bool:
         return self._ids is not None
+
+    def retired(self) -> str | None:
+        """Why the sensor retired this run (its slot no longer exists), or None (one read of the run)."""
+        run = self._instance.get_run_by_id(self._run_id)
+        raw = None if run is None else run.tags.get(RETIRE_TAG)
+        return None if raw is None else raw.split(" ", 1)[-1]
 
     def stopped(self) -> bool:
         """True when the sensor is stopped (one read of the schedule storage; blocks for it)."""
@@ -338,8 +358,10 @@ def workers_stall(
         for slot in slots
         if slot.slot not in requested
     )
+    stalled = [slot for slot in slots if slot.state not in (SlotState.LIVE, SlotState.STARTING)]
     return Stall(
         "; ".join(lines),
         "; ".join(remedies) or "none: the sensor requests the missing worker",
         dg.AssetCheckSeverity.ERROR if severe else dg.AssetCheckSeverity.WARN,
+        "workers:" + ",".join(f"{slot.slot}={slot.state.value}" for slot in stalled),
     )

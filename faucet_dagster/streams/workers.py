@@ -2,49 +2,55 @@
 
 :func:`build_worker_defs` gives a stream with ``workers > 1``:
 
-* a job ``<stream>_workers`` of one op that runs a :class:`~faucet_dagster.runner.members.MemberWorker`
-  (member id: the run id) round after round: it holds its member lease and the leases of its
-  partition groups, runs their epochs continuously and logs every certified epoch to the run's logs.
-  It ends when its sensor is stopped (checked every :data:`SENSOR_CHECK_SECONDS` between rounds, from
-  Dagster's state of the sensor: :class:`~faucet_dagster.streams.worker_runs.SensorWatch`): the round in
-  progress certifies its epochs, the groups close at those certified positions, every lease is
-  released and the run succeeds, its last log line saying why. A terminated run closes and releases
-  the same way;
-* a sensor ``<stream>_stream`` that, each tick, reports every group's new certificates as
-  materializations of the sink asset (each once: the cursor holds a report mark per group, as the
-  single-worker sensor's does for its stream) and keeps a run in each of the N worker slots
-  (:mod:`faucet_dagster.streams.worker_runs`): a started run whose member lease lapsed long enough (its
-  process died) is marked failed and replaced, and a slot whose runs failed
-  :data:`~faucet_dagster.streams.worker_runs.MAX_FAILURES` times in a row is backed off and reported, its
-  last error and the remedy in the tick and in the ``faucet_stream_health`` evaluation. The runs go
-  through the instance's run coordinator and run launcher, so the Kubernetes, Docker or ECS launcher
-  places them.
+* the sink asset as the worker: a ``multi_asset`` whose op runs a
+  :class:`~faucet_dagster.runner.members.MemberWorker` (member id: the run id) round after round, and
+  the job ``<stream>_workers`` over it. The asset's page lists that job and the sensor that keeps its
+  runs. A worker run holds its member lease and the leases of its partition groups, runs their epochs
+  continuously and logs every certified epoch. It ends when its sensor is stopped, or when it is
+  retired (the stream's ``workers`` lowered: its slot no longer exists), both checked every
+  :data:`SENSOR_CHECK_SECONDS` between rounds from Dagster's state of the sensor and of the run
+  (:class:`~faucet_dagster.streams.worker_runs.SensorWatch`): the round in progress certifies its
+  epochs, the groups close at those certified positions, every lease is released, and the run
+  succeeds, its last log line saying why. A worker whose sensor stopped reports the certificates no
+  tick will report (one materialization). A terminated run closes and releases the same way. Launched
+  from the asset's Materialize button (not the job), the op only says where the stream runs;
+* a sensor ``<stream>_stream`` that, each tick, reports every group's new certificates in one
+  materialization of the sink asset (the cursor holds a report mark per group), keeps a run in each of
+  the N worker slots (:mod:`faucet_dagster.streams.worker_runs`): a started run whose member lease
+  lapsed long enough (its process died) is marked failed and replaced, a run whose slot no longer
+  exists is retired (asked to leave, terminated if it has not after :data:`RETIRE_SECONDS`), and a slot
+  whose runs failed :data:`~faucet_dagster.streams.worker_runs.MAX_FAILURES` times in a row is backed
+  off and reported, its last error and the remedy in the tick and in the ``faucet_stream_health``
+  evaluation. The runs go through the instance's run coordinator and run launcher, so the Kubernetes,
+  Docker or ECS launcher places them.
+
+The number of partition groups is fixed once the stream has certificates: ``groups`` when declared,
+else the number its certificates were made under (:func:`group_count`), else ``workers``. So lowering
+``workers`` from 3 to 2 keeps 3 groups and moves the retired worker's group to the others.
 """
 
 import asyncio
-import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import dagster as dg
+
+# What define_asset_job returns; dagster 1.13 does not export the type publicly.
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 from sqlalchemy.exc import SQLAlchemyError
 
-from faucet_dagster.protocol import ConfigError, EpochCertificate
 from faucet_dagster.runner.members import MemberWorker, group_stream
 from faucet_dagster.state import StateStore
-from faucet_dagster.state.members import MemberRegistry
-from faucet_dagster.streams.certificates import (
-    CERTIFICATE_CHECK,
-    MAX_REPORTS_PER_TICK,
-    certificate_events,
-    certificate_problems,
-    chain_problems,
-)
-from faucet_dagster.streams.declaration import AssetKeyLike, FaucetStream
+from faucet_dagster.state.members import MemberRegistry, parse_group_stream
+from faucet_dagster.streams.certificates import certificate_check
+from faucet_dagster.streams.cursor import PASSING, StreamCursor, parse_cursor
+from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.health import HEALTH_CHECK, check_result, health_evaluation, stored_health
+from faucet_dagster.streams.reports import AssetTarget, Report, report_events, unreported
 from faucet_dagster.streams.worker_runs import (
+    RETIRE_TAG,
     SLOT_TAG,
     STREAM_TAG,
     SensorWatch,
@@ -57,45 +63,85 @@ from faucet_dagster.streams.worker_runs import (
 logger = logging.getLogger(__name__)
 
 SENSOR_CHECK_SECONDS = 5.0
-"""How often a worker run reads its sensor's state (between rounds: one indexed read each time)."""
-CURSOR_VERSION = 1
+"""How often a worker run reads its sensor's and its own state (between rounds: two indexed reads)."""
+RETIRE_SECONDS = 120.0
+"""How long a retired worker run may take to leave on its own before the sensor terminates it."""
 
 
 def worker_job_name(stream: FaucetStream) -> str:
     return f"{stream.name}_workers"
 
 
-def worker_job(
-    stream: FaucetStream, default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED
-) -> dg.JobDefinition:
-    """The per-stream job: one op running a member worker until its sensor stops or the run is
-    terminated (``default_status``: the sensor's, what its status is when Dagster stores none)."""
+def group_count(store: StateStore, stream: FaucetStream) -> int:
+    """The partition groups ``stream`` runs as: ``groups`` when declared, else the number its
+    certificates were made under, else ``workers`` (a stream not certified yet)."""
+    if stream.groups is not None:
+        return stream.groups
+    for status in store.status():
+        found = parse_group_stream(status.stream)
+        if found is not None and found[0] == stream.name and status.last_sequence > 0:
+            return found[2]
+    return stream.workers
+
+
+def group_names(stream: FaucetStream, groups: int) -> list[str]:
+    return [group_stream(stream.name, group, groups) for group in range(groups)]
+
+
+def worker_assets(
+    stream: FaucetStream,
+    specs: Sequence[dg.AssetSpec],
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+) -> dg.AssetsDefinition:
+    """The sink asset(s) of a stream on workers, materialized by its worker runs: the op runs a member
+    until its sensor stops, the run is retired or terminated (``default_status``: the sensor's, what
+    its status is when Dagster stores none). The runs report nothing themselves while the sensor runs;
+    the sensor reports their certificates."""
     resource_keys = {e.resource_key for e in (stream.source, stream.sink) if e.resource_key}
 
-    @dg.op(name=f"{stream.name}_worker", required_resource_keys=resource_keys or None)
-    def _worker(context: dg.OpExecutionContext) -> None:
-        run_worker(context, stream, SensorWatch(context.instance, context.dagster_run, default_status))
+    @dg.multi_asset(
+        name=f"{stream.name}_worker",
+        specs=[spec.replace_attributes(skippable=True) for spec in specs],
+        required_resource_keys=resource_keys,
+        can_subset=True,
+    )
+    def _worker(context: dg.AssetExecutionContext) -> Iterator[dg.MaterializeResult[None]]:
+        if context.job_name != worker_job_name(stream):
+            context.log.info(
+                f"faucet stream {stream.name} runs in the runs of job {worker_job_name(stream)}, which its "
+                f"sensor {stream.name}_stream keeps ({stream.workers} of them) and whose certificates it "
+                "reports as materializations of this asset: start that sensor. This run did nothing."
+            )
+            return
+        run_worker(context, stream, SensorWatch(context.instance, context.run, default_status), specs)
+        yield from ()
 
-    @dg.job(
+    return _worker
+
+
+def worker_job(stream: FaucetStream, assets: dg.AssetsDefinition) -> UnresolvedAssetJobDefinition:
+    """The per-stream job of worker runs: the worker asset's op, without the asset's checks."""
+    return dg.define_asset_job(
         name=worker_job_name(stream),
+        selection=dg.AssetSelection.assets(*assets.keys).without_checks(),
         executor_def=dg.in_process_executor,
         tags={STREAM_TAG: stream.name},
         description=f"A long-running worker of faucet stream {stream.name} ({stream.workers} of them).",
     )
-    def _job() -> None:
-        _worker()
-
-    return _job
 
 
-def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: SensorWatch) -> None:
+def run_worker(
+    context: dg.AssetExecutionContext, stream: FaucetStream, watch: SensorWatch, specs: Sequence[dg.AssetSpec]
+) -> None:
     """Run a member of ``stream`` (id: the run id) until ``watch`` says its sensor stopped or the run
-    is terminated, then close its groups at certified positions and leave (see the module)."""
+    was retired, or the run is terminated; then close its groups at certified positions and leave. A
+    member whose sensor stopped reports what no tick will (see the module)."""
     spec = stream.build_spec(context.resources)
     store = StateStore(stream.state_url)
-    worker = MemberWorker(spec, store, groups=stream.group_count, worker_id=context.run_id)
+    groups = group_count(store, stream)
+    worker = MemberWorker(spec, store, groups=groups, worker_id=context.run_id)
     member = f"faucet stream {stream.name}: member {context.run_id}"
-    context.log.info(f"{member} (pid {os.getpid()}) joins")
+    context.log.info(f"{member} (pid {os.getpid()}) joins, {groups} partition groups")
     if not watch.watching:
         context.log.info(f"{member} was not requested by a sensor: it runs until the run is terminated")
 
@@ -107,8 +153,9 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
             while True:
                 if watch.watching and loop.time() - checked >= SENSOR_CHECK_SECONDS:
                     checked = loop.time()
-                    if await _sensor_stopped(context, watch):
-                        why = f"its sensor {watch.sensor} is stopped"
+                    leave = await _leave_reason(context, watch)
+                    if leave is not None:
+                        why = leave
                         return
                 for certificate in await worker.run_round():
                     rows = sum(certificate.row_counts.values())
@@ -119,6 +166,8 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
         finally:
             await worker.close()
             context.log.info(f"{member} left ({why}): its groups closed at certified positions")
+            if why.startswith("its sensor"):
+                await asyncio.to_thread(_report_at_leave, context, store, stream, groups, specs)
 
     try:
         asyncio.run(rounds())
@@ -126,46 +175,60 @@ def run_worker(context: dg.OpExecutionContext, stream: FaucetStream, watch: Sens
         store.close()
 
 
-async def _sensor_stopped(context: dg.OpExecutionContext, watch: SensorWatch) -> bool:
-    """Whether the run's sensor is stopped; a read of the instance that fails counts as not stopped
-    (it is read again next time): a storage hiccup never ends a healthy worker."""
+async def _leave_reason(context: dg.AssetExecutionContext, watch: SensorWatch) -> str | None:
+    """Why the run should leave now (its sensor is stopped, or it was retired), or None. A read of the
+    instance that fails counts as no reason (it is read again next time): a storage hiccup never ends
+    a healthy worker."""
     try:
-        return await asyncio.to_thread(watch.stopped)
+        if await asyncio.to_thread(watch.stopped):
+            return f"its sensor {watch.sensor} is stopped"
+        retired = await asyncio.to_thread(watch.retired)
     except (SQLAlchemyError, dg.DagsterError, OSError) as exc:
         # The type only: a storage error's text may hold the instance's connection string.
         context.log.warning(
             f"could not read the state of sensor {watch.sensor} ({type(exc).__name__}); "
             f"reading it again in {SENSOR_CHECK_SECONDS:.0f}s"
         )
-        return False
+        return None
+    return None if retired is None else f"it was retired: {retired}"
 
 
-def parse_cursor(cursor: str | None) -> dict[str, int]:
-    """The report mark per group stream from a workers sensor cursor (empty: no cursor)."""
-    if not cursor:
-        return {}
-    try:
-        raw = json.loads(cursor)
-        marks = raw["reported_through"]
-        if raw.get("version") != CURSOR_VERSION or not isinstance(marks, dict):
-            raise ValueError(cursor)
-        return {str(name): int(value) for name, value in marks.items()}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(
-            f"the sensor cursor {cursor!r} is not a faucet workers cursor", where="sensor cursor"
-        ) from None
+def _report_at_leave(
+    context: dg.AssetExecutionContext,
+    store: StateStore,
+    stream: FaucetStream,
+    groups: int,
+    specs: Sequence[dg.AssetSpec],
+) -> None:
+    """Report the certificates of every group no tick reported (the sensor is stopped, so none will):
+    one materialization per asset, stored by the instance before the report marks move."""
+    found = unreported(store, group_names(stream, groups), {})
+    targets = [AssetTarget(target.key, resources) for target, resources in _targets(stream, specs)]
+    for event in report_events(found.certificates, targets, found.previous):
+        context.instance.report_runless_asset_event(event)
+    for name, mark in found.marks.items():
+        store.mark_reported(name, mark)
+    if found.certificates:
+        context.log.info(f"reported {Report(found.certificates).describe()} (its sensor is stopped)")
+
+
+def _targets(
+    stream: FaucetStream, specs: Sequence[dg.AssetSpec]
+) -> list[tuple[dg.AssetSpec, frozenset[str] | None]]:
+    if not stream.assets_per_resource:
+        return [(spec, None) for spec in specs]
+    return list(zip(specs, (frozenset([resource]) for resource in stream.resources), strict=True))
 
 
 def workers_sensor(
     stream: FaucetStream,
-    job: dg.JobDefinition,
+    job: UnresolvedAssetJobDefinition,
+    targets: Sequence[AssetTarget],
     *,
-    asset_key: AssetKeyLike | None = None,
     minimum_interval_seconds: int = 30,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.SensorDefinition:
     """The sensor reporting every group's certificates and keeping a run in each worker slot."""
-    key = stream.asset_spec(asset_key).key
 
     @dg.sensor(
         name=f"{stream.name}_stream",
@@ -174,31 +237,46 @@ def workers_sensor(
         default_status=default_status,
         description=(
             f"Keeps {stream.workers} worker runs of faucet stream {stream.name} and reports their "
-            "certificates."
+            "certificates: one materialization a tick."
         ),
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        cursor = parse_cursor(context.cursor, stream.name)
         with StateStore(stream.state_url) as store:
-            events, cursor, newest = _reports(store, stream, key, parse_cursor(context.cursor))
-            slots = _census(context.instance, store, stream)
+            groups = group_count(store, stream)
+            found = unreported(store, group_names(stream, groups), cursor.reported_through)
+            slots, extra = _census(context.instance, store, stream)
+            newest = found.certificates[-1] if found.certificates else None
         now = time.time()
         requests = _keep_workers(context, stream, slots, now)
+        _retire(context, stream, extra, now)
         requested = {int(request.tags[SLOT_TAG]) for request in requests}
         stall = workers_stall(stream.name, slots, now, requested)
+        events = report_events(found.certificates, targets, found.previous)
+        health = stall.key if stall is not None else PASSING if found.certificates else None
+        if health is not None and health != cursor.health:
+            events.extend(health_evaluation(target.key, stall, newest) for target in targets)
+        report = Report(found.certificates).describe() if found.certificates else None
+        state = stall.describe() if stall else None if report else "no new certified epoch; every worker runs"
+        summary = "; ".join(part for part in (report, state) if part)
         if stall is not None:
             context.log.warning(f"stream {stream.name} {stall.describe()}")
-        if stall is not None or events:
-            events.append(health_evaluation(key, stall, newest))
-        # Dagster shows a tick without run requests by its skip reason: a stall says what is wrong.
-        skip = stall.describe() if stall else None if events else "no new certified epoch; every worker runs"
+        elif report is not None:
+            context.log.info(summary)
+        next_cursor = StreamCursor(found.marks, health=health if health is not None else cursor.health)
         return dg.SensorResult(
-            run_requests=requests, asset_events=events, cursor=cursor, skip_reason=None if requests else skip
+            run_requests=requests,
+            asset_events=events,
+            cursor=next_cursor.format(),
+            skip_reason=None if requests else summary,
         )
 
     return _sensor
 
 
-def _census(instance: dg.DagsterInstance, store: StateStore, stream: FaucetStream) -> tuple[Slot, ...]:
+def _census(
+    instance: dg.DagsterInstance, store: StateStore, stream: FaucetStream
+) -> tuple[tuple[Slot, ...], tuple[dg.DagsterRun, ...]]:
     registry = MemberRegistry(store)
     return census(
         instance,
@@ -209,30 +287,6 @@ def _census(instance: dg.DagsterInstance, store: StateStore, stream: FaucetStrea
         registry.lapsed(stream.name),
         lease_seconds=stream.lease_seconds,
     )
-
-
-def _reports(
-    store: StateStore, stream: FaucetStream, key: dg.AssetKey, confirmed: dict[str, int]
-) -> tuple[list[dg.AssetMaterialization | dg.AssetCheckEvaluation], str, EpochCertificate | None]:
-    """Every group's certificates after its report mark, as events; the next cursor; the newest one."""
-    events: list[dg.AssetMaterialization | dg.AssetCheckEvaluation] = []
-    marks: dict[str, int] = {}
-    newest: EpochCertificate | None = None
-    per_group = max(1, MAX_REPORTS_PER_TICK // stream.group_count)
-    for group in range(stream.group_count):
-        name = group_stream(stream.name, group, stream.group_count)
-        if name in confirmed:
-            store.mark_reported(name, confirmed[name])
-            reported = confirmed[name]
-        else:
-            reported = store.reported_through(name)
-        certificates = store.certificates(name, after=reported, limit=per_group)
-        for certificate in certificates:
-            events.extend(certificate_events(certificate, key))
-            if newest is None or certificate.created_at > newest.created_at:
-                newest = certificate
-        marks[name] = certificates[-1].sequence if certificates else reported
-    return events, json.dumps({"version": CURSOR_VERSION, "reported_through": marks}), newest
 
 
 def _keep_workers(
@@ -254,57 +308,68 @@ def _keep_workers(
     return requests
 
 
+def _retire(
+    context: dg.SensorEvaluationContext, stream: FaucetStream, extra: Sequence[dg.DagsterRun], now: float
+) -> None:
+    """Ask each run whose slot no longer exists (``workers`` lowered) to leave: it closes its groups
+    at certified positions, releases its leases and succeeds. One that has not left after
+    ``RETIRE_SECONDS`` is terminated through the run launcher (it closes and releases the same way)."""
+    for run in extra:
+        asked = run.tags.get(RETIRE_TAG)
+        if asked is None:
+            slot = run.tags.get(SLOT_TAG)
+            reason = f"stream {stream.name} now has {stream.workers} workers; slot {slot} is gone"
+            context.instance.add_run_tags(run.run_id, {RETIRE_TAG: f"{now:.0f} {reason}"})
+            context.log.info(f"worker run {run.run_id} of {stream.name} is retired: {reason}")
+        elif (
+            now - float(asked.split(" ", 1)[0]) > RETIRE_SECONDS and run.status is dg.DagsterRunStatus.STARTED
+        ):
+            context.log.warning(
+                f"worker run {run.run_id} of {stream.name} did not leave within {RETIRE_SECONDS:.0f}s of its "
+                "retirement: terminating it"
+            )
+            context.instance.run_launcher.terminate(run.run_id)
+
+
 def build_worker_defs(
     stream: FaucetStream,
     spec: dg.AssetSpec,
     *,
     minimum_interval_seconds: int = 30,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
-) -> tuple[dg.AssetSpec, Sequence[dg.AssetChecksDefinition], dg.SensorDefinition, dg.JobDefinition]:
-    """The sink asset, its checks, the workers sensor and the worker job of a stream with workers."""
-    job = worker_job(stream, default_status)
+) -> tuple[
+    dg.AssetsDefinition,
+    Sequence[dg.AssetChecksDefinition],
+    dg.SensorDefinition,
+    UnresolvedAssetJobDefinition,
+]:
+    """The worker asset(s), their checks, the workers sensor and the worker job of a stream with
+    workers."""
+    targets = stream.asset_targets(spec)
+    specs = [target for target, _ in targets]
+    assets = worker_assets(stream, specs, default_status)
+    job = worker_job(stream, assets)
     sensor = workers_sensor(
         stream,
         job,
-        asset_key=spec.key,
+        [AssetTarget(target.key, resources) for target, resources in targets],
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
     )
-    checks = (worker_certificate_check(stream, spec.key), worker_health_check(stream, spec.key))
-    return spec, checks, sensor, job
-
-
-def _groups(stream: FaucetStream) -> list[str]:
-    return [group_stream(stream.name, group, stream.group_count) for group in range(stream.group_count)]
+    checks = [
+        check
+        for target in specs
+        for check in (worker_certificate_check(stream, target.key), worker_health_check(stream, target.key))
+    ]
+    return assets, checks, sensor, job
 
 
 def worker_certificate_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg.AssetChecksDefinition:
     """The ``faucet_epoch_certificate`` check of a stream on workers: each partition group's recent
-    certificates (``MAX_REPORTS_PER_TICK`` in all) chain and add up."""
-    per_group = max(1, MAX_REPORTS_PER_TICK // stream.group_count)
-
-    @dg.asset_check(
-        asset=asset_key,
-        name=CERTIFICATE_CHECK,
-        description="Every partition group's epoch certificates chain and add up.",
+    certificates chain and add up."""
+    return certificate_check(
+        stream.state_url, lambda store: group_names(stream, group_count(store, stream)), asset_key
     )
-    def _check() -> dg.AssetCheckResult:
-        problems: list[str] = []
-        checked = 0
-        with StateStore(stream.state_url) as store:
-            for name in _groups(stream):
-                last = store.last_certificate(name)
-                after = 0 if last is None else max(0, last.sequence - per_group)
-                certificates = store.certificates(name, after=after)
-                checked += len(certificates)
-                problems.extend(p for c in certificates for p in certificate_problems(c))
-                problems.extend(f"{name}: {problem}" for problem in chain_problems(certificates))
-        return dg.AssetCheckResult(
-            passed=not problems,
-            metadata={"faucet/certificates_checked": checked, "faucet/problems": "\n".join(problems)},
-        )
-
-    return _check
 
 
 def worker_health_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg.AssetChecksDefinition:
@@ -320,7 +385,9 @@ def worker_health_check(stream: FaucetStream, asset_key: dg.AssetKey) -> dg.Asse
     )
     def _check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         with StateStore(stream.state_url) as store:
-            stall = workers_stall(stream.name, _census(context.instance, store, stream))
-            return check_result(stored_health(store, asset_key, _groups(stream), stall))
+            slots, _ = _census(context.instance, store, stream)
+            stall = workers_stall(stream.name, slots)
+            names = group_names(stream, group_count(store, stream))
+            return check_result(stored_health(store, asset_key, names, stall))
 
     return _check

@@ -44,17 +44,26 @@ from faucet_dagster.declarations.declared import DECLARED
 from faucet_dagster.declarations.preflight import check_pairs
 from faucet_dagster.protocol import (
     ConfigError,
+    FaucetError,
     FetchContext,
     JsonValue,
+    SchemaError,
     Sink,
     Source,
 )
 from faucet_dagster.runner.bounded import run_bounded_sync
 from faucet_dagster.runner.bounded_values import PageReport
 from faucet_dagster.runner.sync import run_sync
+from faucet_dagster.syncs.checks import sync_check_results, sync_check_specs
 from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData, op_name, partitions_def_name
 from faucet_dagster.syncs.launch_hint import install_launch_hint
-from faucet_dagster.syncs.metadata import SyncOutcome, SyncState, last_sync_state, sync_metadata
+from faucet_dagster.syncs.metadata import (
+    SyncOutcome,
+    SyncState,
+    last_sync_state,
+    last_table_rows,
+    sync_metadata,
+)
 from faucet_dagster.syncs.shards import shard_of
 
 
@@ -119,7 +128,8 @@ class FaucetSyncs:
             return
         for key, sync in chosen:
             partition = context.partition_key if context.has_partition_key else None
-            yield dg.MaterializeResult(asset_key=key, metadata=self.move(context, key, sync, partition))
+            metadata, checks = self.move(context, key, sync, partition)
+            yield dg.MaterializeResult(asset_key=key, metadata=metadata, check_results=checks)
 
     def materialize_range(
         self, context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync
@@ -134,23 +144,33 @@ class FaucetSyncs:
         it resume from their own last bookmarks.
         """
         done: list[tuple[str, dict[str, Any]]] = []
+        checks: list[dg.AssetCheckResult] = []
         for partition in context.partition_keys:
             try:
-                metadata = self.move(context, key, sync, partition)
+                metadata, results = self.move(context, key, sync, partition)
             except BaseException:
                 for completed, recorded in done:
                     yield dg.AssetMaterialization(asset_key=key, partition=completed, metadata=recorded)
                 raise
             done.append((partition, metadata))
+            checks = _worst_per_check([*checks, *results])
         for completed, recorded in done:
             context.add_asset_metadata(recorded, asset_key=key, partition_key=completed)
-        yield dg.MaterializeResult(asset_key=key)
+        yield dg.MaterializeResult(asset_key=key, check_results=checks)
 
     def move(
         self, context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync, partition: str | None
-    ) -> dict[str, Any]:
-        """Run ``sync`` (for ``partition``) from its last bookmark; the materialization's metadata."""
+    ) -> tuple[dict[str, Any], list[dg.AssetCheckResult]]:
+        """Run ``sync`` (for ``partition``) from its last bookmark; the materialization's metadata and
+        the results of the checks it opted in to.
+
+        A retryable failure (a refused connection, a server gone away) is retried as the sync's
+        ``retry_policy`` says (Dagster's ``RetryRequested``, with its backoff and jitter); any other
+        failure fails the run at once, a ``SchemaError`` saying which setting would accept the rows."""
         state = last_sync_state(context.instance, key, partition)
+        table_rows = (
+            last_table_rows(context.instance, key) if sync.checks.row_count_drop is not None else None
+        )
         context.log.info(
             f"faucet sync {sync.name}: {sync.source.label} -> {sync.sink.label}"
             f"{', partition ' + partition if partition else ''}, resuming from "
@@ -166,14 +186,71 @@ class FaucetSyncs:
         ctx: dict[str, JsonValue] = {"run_id": context.run.run_id, "asset_key": key.to_user_string()}
         if partition is not None:
             ctx["partition_key"] = partition
-        outcome = run_sync(_execute(sync, context.resources, state, partition, ctx, on_page))
+        window = (
+            None
+            if sync.time_partitions is None or partition is None
+            else sync.time_partitions.time_window_for_partition_key(partition)
+        )
+        try:
+            outcome = run_sync(_execute(sync, context.resources, state, partition, ctx, on_page, window))
+        except FaucetError as exc:
+            _retry_or_raise(context, key, sync, exc)
+            raise
         result = outcome.result
         context.log.info(
             f"faucet sync {sync.name}: read {result.rows_read}, wrote {result.rows_written}, "
             f"dead-lettered {result.rows_dead_lettered}, skipped {result.rows_skipped} in "
             f"{result.seconds:.2f}s ({result.plan.policy.value}, {result.plan.delivery.value})"
         )
-        return sync_metadata(outcome, state)
+        checks = sync_check_results(sync, key, outcome, state, table_rows, context.selected_asset_check_keys)
+        return sync_metadata(outcome, state), checks
+
+
+def _worst_per_check(results: Sequence[dg.AssetCheckResult]) -> list[dg.AssetCheckResult]:
+    """One result per check over a range of partitions: the first that failed, else the last."""
+    chosen: dict[str | None, dg.AssetCheckResult] = {}
+    for result in results:
+        held = chosen.get(result.check_name)
+        if held is None or held.passed:
+            chosen[result.check_name] = result
+    return list(chosen.values())
+
+
+def _retry_or_raise(
+    context: dg.AssetExecutionContext, key: dg.AssetKey, sync: FaucetSync, exc: FaucetError
+) -> None:
+    """Ask Dagster to retry a retryable failure, as ``sync.retry_policy`` says, while retries are
+    left; add the remedy to a ``SchemaError``. Returns when the caller should raise ``exc``."""
+    policy = sync.retry_policy
+    if exc.retryable and policy is not None and context.retry_number < policy.max_retries:
+        attempt = context.retry_number + 1
+        delay = float(policy.calculate_delay(attempt))
+        context.log.warning(
+            f"faucet sync {sync.name}: {type(exc).__name__}: {exc.message}; retry {attempt} of "
+            f"{policy.max_retries} in {delay:.1f}s"
+        )
+        raise dg.RetryRequested(max_retries=policy.max_retries, seconds_to_wait=delay) from exc
+    if isinstance(exc, SchemaError) and not sync.evolve_schema:
+        where = declared_at(context, key)
+        setting = (
+            "evolve_schema: true"
+            if where.endswith((".yaml", ".yml")) or ".yaml:" in where
+            else "evolve_schema=True"
+        )
+        exc.add_note(
+            f"Remedy: to add the source's new columns to the destination, set `{setting}` on sync "
+            f"{sync.name} ({where}), then reload the code location and run it again."
+        )
+
+
+def declared_at(context: dg.AssetExecutionContext, key: dg.AssetKey) -> str:
+    """Where the asset's sync was declared (``file:line``, from its ``dagster/code_references``)."""
+    references = context.assets_def.specs_by_key[key].metadata.get("dagster/code_references")
+    for reference in getattr(references, "code_references", ()):
+        path, line = getattr(reference, "file_path", None), getattr(reference, "line_number", None)
+        if path is not None:
+            return f"{path}:{line}" if line else str(path)
+    return "its declaration"
 
 
 async def _execute(
@@ -183,16 +260,24 @@ async def _execute(
     partition: str | None,
     ctx: FetchContext,
     on_page: Callable[[PageReport], None],
+    window: dg.TimeWindow | None = None,
 ) -> SyncOutcome:
     """Build the connectors for this run, run the sync, and close them whatever happens.
 
     A partition's shard is looked up now, among the shards the source lists (the definitions'
-    load lists nothing)."""
+    load lists nothing). A time-window partition reads its ``window`` of the source's cursor
+    (``cursor_window``), into a destination watermark of its own."""
     async with AsyncExitStack() as stack:
-        source: Source = sync.source.resolve(resources).build_source(sync.source.config)
+        source_config = dict(sync.source.config)
+        if window is not None:
+            source_config["cursor_window"] = {
+                "start": window.start.isoformat(),
+                "end": window.end.isoformat(),
+            }
+        source: Source = sync.source.resolve(resources).build_source(source_config)
         stack.push_async_callback(source.close)
         shard = None
-        if partition is not None:
+        if partition is not None and window is None:
             shards = await source.enumerate_shards()
             shard = shard_of(partition, shards)
             if shard is None:
@@ -203,6 +288,13 @@ async def _execute(
                 )
         sink: Sink = sync.sink.resolve(resources).build_sink(sync.sink.config)
         stack.push_async_callback(sink.close)
+        scoped = window is None or partition is None or not sink.capabilities().atomic_watermark
+        if not scoped and not sink.scope_watermark(f"window {partition}"):
+            raise ConfigError(
+                "time partitions write one table, each window with its own watermark; this sink "
+                "keeps one watermark only",
+                where=f"sync {sync.name}",
+            )
         dead_letter: Sink | None = None
         if sync.dead_letter is not None:
             dead_letter = sync.dead_letter.resolve(resources).build_sink(sync.dead_letter.config)
@@ -256,9 +348,7 @@ def faucet_assets(
     check_pairs([sync.pair_check() for sync in syncs], where=name or "faucet_assets")
     DECLARED.syncs.update((sync.name, sync) for sync in syncs)
     partitioned = _shardable(syncs)
-    partitions_def = (
-        None if partitioned is None else dg.DynamicPartitionsDefinition(name=partitions_def_name(partitioned))
-    )
+    partitions_def = _partitions(syncs, partitioned)
     specs = [
         with_code_reference(
             translator.get_asset_spec(FaucetSyncData(sync, partitioned is not None)), declared_at
@@ -270,6 +360,9 @@ def faucet_assets(
         raise ConfigError(f"two syncs map to the same asset key: {keys}", where="faucet_assets")
     if partitions_def is not None:
         install_launch_hint(keys[0].to_user_string())
+    pools = {sync.pool for sync in syncs if sync.pool is not None}
+    if pool is None and len(pools) == 1:
+        [pool] = pools
     bound = FaucetSyncs(dict(zip(keys, syncs, strict=True)))
     resource_keys = {
         endpoint.resource_key
@@ -290,6 +383,11 @@ def faucet_assets(
             required_resource_keys=resource_keys,
             op_tags=op_tags,
             pool=pool,
+            check_specs=[
+                check
+                for sync, spec in zip(syncs, specs, strict=True)
+                for check in sync_check_specs(sync, spec.key)
+            ],
         )
         def _faucet_assets(context: dg.AssetExecutionContext) -> Iterator[Any]:
             yield from fn(context, bound)
@@ -320,6 +418,23 @@ def replace_partitions(
     spec: dg.AssetSpec, partitions_def: dg.PartitionsDefinition[str] | None
 ) -> dg.AssetSpec:
     return spec.replace_attributes(partitions_def=partitions_def, skippable=True)
+
+
+def _partitions(
+    syncs: Sequence[FaucetSync], sharded: FaucetSync | None
+) -> dg.PartitionsDefinition[str] | None:
+    """The asset's partitions: one dynamic partition a shard, or the time windows a sync declares
+    (alone in its asset, and never with a shardable source)."""
+    timed = [sync for sync in syncs if sync.time_partitions is not None]
+    if not timed:
+        return None if sharded is None else dg.DynamicPartitionsDefinition(name=partitions_def_name(sharded))
+    if len(syncs) != 1 or sharded is not None:
+        raise ConfigError(
+            f"sync {timed[0].name}: time partitions need a sync alone in its asset whose source is not "
+            "sharded (one partition scheme an asset)",
+            where="faucet_assets",
+        )
+    return timed[0].time_partitions
 
 
 def _shardable(syncs: Sequence[FaucetSync]) -> FaucetSync | None:

@@ -78,6 +78,18 @@ def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: s
         cursor = page.cursor
 
 
+def last_table_rows(instance: dg.DagsterInstance, key: dg.AssetKey) -> int | None:
+    """The destination table's rows after the newest materialization of ``key`` (any partition) that
+    counted them (None: none did)."""
+    page = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key), limit=1)
+    for record in page.records:
+        materialization = record.asset_materialization
+        rows = None if materialization is None else materialization.metadata.get("dagster/row_count")
+        if isinstance(rows, dg.IntMetadataValue):
+            return rows.value
+    return None
+
+
 def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> dict[str, Any]:
     """The metadata of one materialization (see the module docstring); no config, no secrets.
 
@@ -111,7 +123,8 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
         "faucet/plan": dg.MetadataValue.json(result.plan.to_dict()),
         "faucet/rows_read": dg.MetadataValue.int(result.rows_read),
         "faucet/rows_written": dg.MetadataValue.int(result.rows_written),
-        "faucet/rows_dead_lettered": dg.MetadataValue.int(result.rows_dead_lettered),
+        # A count no plot should draw (almost always 0); the opt-in check watches it.
+        "faucet/rows_dead_lettered": dg.MetadataValue.text(str(result.rows_dead_lettered)),
         "faucet/rows_skipped": dg.MetadataValue.int(result.rows_skipped),
         "faucet/rows_missing_fields": dg.MetadataValue.json(dict(result.missing_fields)),
         "faucet/pages": dg.MetadataValue.int(result.pages),
@@ -187,6 +200,7 @@ __all__ = [
     "SyncOutcome",
     "SyncState",
     "last_sync_state",
+    "last_table_rows",
     "storage_kind",
     "sync_metadata",
     "table_name",

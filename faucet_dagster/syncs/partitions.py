@@ -27,14 +27,19 @@ PARTITIONS_SENSOR_TAG = "faucet/partitions"
 def faucet_partitions_sensor(
     sync: FaucetSync,
     *,
+    asset_key: dg.AssetKey | str | None = None,
+    run_new_partitions: bool = False,
     name: str | None = None,
     minimum_interval_seconds: int = 60,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
-    """The sensor that adds a partition of ``sync``'s asset for each new shard of its source.
+    """The sensor that adds a partition of ``sync``'s asset (``asset_key``, default ``[sync.name]``)
+    for each new shard of its source, and with ``run_new_partitions`` requests a run of each new
+    partition at once (an eager load of a new file; each run moves its partition from the start).
 
     Each tick lists the shards (I/O, bounded by the connector's own timeouts) and requests the
-    partition keys the instance lacks; a tick with nothing new requests nothing.
+    partition keys the instance lacks; a tick with nothing new requests nothing. The sensor targets
+    the asset, so the asset's page lists it.
     """
     if isinstance(sync.source.connection, str):
         raise ConfigError(
@@ -42,20 +47,29 @@ def faucet_partitions_sensor(
             where=f"sync {sync.name}",
         )
     partitions = partitions_def_name(sync)
+    key = dg.AssetKey([sync.name]) if asset_key is None else dg.AssetKey.from_coercible(asset_key)
+    then = " and runs each at once" if run_new_partitions else ""
 
     @dg.sensor(
         name=name or f"{partitions}_sensor",
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
-        description=f"Adds a partition of sync {sync.name} for each new shard of its source.",
+        description=f"Adds a partition of sync {sync.name} for each new shard of its source{then}.",
         tags={PARTITIONS_SENSOR_TAG: partitions},
+        asset_selection=[key],
     )
     def _partitions(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         known = set(context.instance.get_dynamic_partitions(partitions))
-        new = [key for key in shard_partition_keys(sync) if key not in known]
+        new = [partition for partition in shard_partition_keys(sync) if partition not in known]
         if not new:
             return dg.SensorResult(skip_reason=f"no new shard ({len(known)} partition(s))")
-        return dg.SensorResult(dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions, new)])
+        runs = [
+            dg.RunRequest(run_key=f"{partitions}/{partition}", partition_key=partition)
+            for partition in (new if run_new_partitions else ())
+        ]
+        return dg.SensorResult(
+            run_requests=runs, dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions, new)]
+        )
 
     return _partitions
 
