@@ -62,6 +62,7 @@ from faucet_dagster.protocol import (
     ConfigError,
     ConnectionFailed,
     Coverage,
+    DestinationReader,
     Durability,
     EpochId,
     EpochMismatch,
@@ -336,6 +337,12 @@ class NatsStreamingSink(StreamingSink):
 
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config, continuous=True)
+
+    async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> DestinationReader:
+        """Read back what ``stream`` published, for ``faucet verify`` (:mod:`faucet_nats.verification`)."""
+        from faucet_nats.verification import NatsDestinationReader
+
+        return NatsDestinationReader(self.config, stream)
 
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity

@@ -61,6 +61,7 @@ from faucet_dagster.protocol import (
     ConnectionFailed,
     Coverage,
     DataError,
+    DestinationReader,
     Durability,
     EpochId,
     EpochMismatch,
@@ -85,7 +86,7 @@ from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_changes import ChangeApplier
 from faucet_postgres.stream_fence import StreamRows, fenced_out, is_fence_refusal
 from faucet_postgres.stream_state import Committed, Epoch, Tally
-from faucet_postgres.stream_tables import Tables
+from faucet_postgres.stream_tables import Tables, stamp_epoch
 from faucet_postgres.stream_zombies import Backend, backend_of, ensure_exited
 
 Connection = psycopg.AsyncConnection[Any]
@@ -153,6 +154,12 @@ class PostgresStreamingSink(StreamingSink):
 
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config)
+
+    async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> DestinationReader:
+        """Read back what ``stream`` wrote, for ``faucet verify`` (:mod:`faucet_postgres.verification`)."""
+        from faucet_postgres.verification import PostgresDestinationReader
+
+        return PostgresDestinationReader(self.config, stream, policy, key)
 
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
@@ -310,6 +317,8 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
         records, identities, skipped, kept = state.above_watermark(batch, self._where)
+        if self._config.epoch_column is not None:
+            records = stamp_epoch(records, self._config.epoch_column, epoch.sequence)
         positions = identities.positions
         table = self._config.table_for(batch.resource)
         tally = state.tallies.setdefault(batch.resource, Tally(table))

@@ -26,6 +26,16 @@ _ORDINAL = "__faucet_ordinal"
 _ORDINAL_COLUMN = PgColumn(_ORDINAL, "int8", "bigint", -1, False)
 
 
+def stamp_epoch(records: pa.RecordBatch, column: str, sequence: int) -> pa.RecordBatch:
+    """``records`` with ``column`` (``epoch_column``) holding ``sequence`` on every row (replacing a
+    column of that name the rows carry): the epoch that last wrote each row, for ``faucet verify``."""
+    stamp = pa.array([sequence] * records.num_rows, pa.int64())
+    index = records.schema.get_field_index(column)
+    if index >= 0:
+        return records.set_column(index, column, stamp)
+    return records.append_column(column, stamp)
+
+
 class Tables:
     """The tables one session writes, as far as it knows them (a cache that a rolled back
     transaction invalidates: :meth:`forget`). ``schema`` is the destination schema, set when the

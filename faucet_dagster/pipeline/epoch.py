@@ -31,13 +31,13 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from faucet_dagster.pipeline.builder import Builder, convert_chunks, row_at
 from faucet_dagster.pipeline.domain import DomainState
-from faucet_dagster.pipeline.integrity import EpochDigest, check_batch
+from faucet_dagster.pipeline.integrity import EpochDigest, RowDigests, check_batch
 from faucet_dagster.pipeline.schema import (
     BadRow,
     BadRowPolicy,
@@ -113,6 +113,8 @@ class SealedEpoch:
 
     ``row_counts`` counts rows handed to the sink per resource (less those it refused and the
     dead-letter route took); ``dead_lettered`` rows routed to the dead-letter route per resource.
+    ``row_digests`` and ``schemas`` are what a replay of the coverage recomputes
+    (:class:`~faucet_dagster.pipeline.integrity.RowDigests`).
     """
 
     epoch: EpochId
@@ -120,6 +122,8 @@ class SealedEpoch:
     row_counts: Mapping[str, int]
     dead_lettered: Mapping[str, int]
     digest: str
+    row_digests: Mapping[str, str] = field(default_factory=dict)
+    schemas: Mapping[str, str] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -180,6 +184,7 @@ class EpochPipeline(StreamRecordSink):
         self._domains: dict[OrderingDomain, DomainState] = {}
         self._builders: dict[tuple[str, OrderingDomain], Builder] = {}
         self._digest = EpochDigest()
+        self._row_digests = RowDigests()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
         self._refused: list[RejectedRecord] = []
@@ -355,6 +360,8 @@ class EpochPipeline(StreamRecordSink):
             dict(self._row_counts),
             dict(self._dead_lettered),
             self._digest.hexdigest(),
+            self._row_digests.digests(),
+            self._row_digests.schemas(),
         )
 
     async def discard(self) -> BaseException | None:
@@ -424,6 +431,7 @@ class EpochPipeline(StreamRecordSink):
         assert schema is not None  # set by the conversion above
         check_batch(batch, schema, builder.converter.required)
         self._digest.add(batch)
+        self._row_digests.add(batch)
         self._row_counts[builder.resource] += converted.batch.num_rows
         routed = builder.converter.spec.on_bad_row is BadRowPolicy.DEAD_LETTER
         self._bytes += converted.batch.nbytes

@@ -2,8 +2,8 @@
 
 It depends on the standard library, pyarrow and pydantic, and never imports Dagster. See
 :mod:`.bounded` (FCP v0 sources and sinks), :mod:`.streaming` (sessions and epochs),
-:mod:`.positions` (domains, codecs, identities, tokens), :mod:`.capabilities`, :mod:`.errors` and
-:mod:`.config`.
+:mod:`.positions` (domains, codecs, identities, tokens), :mod:`.verification` (re-reading a certified
+range and reading back what it left), :mod:`.capabilities`, :mod:`.errors` and :mod:`.config`.
 """
 
 from faucet_dagster.protocol.bounded import (
@@ -123,8 +123,16 @@ from faucet_dagster.protocol.streaming import (
     WorkerIdentity,
 )
 from faucet_dagster.protocol.urls import refuse_url_credentials, url_credentials
+from faucet_dagster.protocol.verification import (
+    DEFAULT_DIFF_LIMIT,
+    DestinationDiff,
+    DestinationReader,
+    ExpectedRows,
+    FoundRow,
+)
 
 __all__ = [
+    "DEFAULT_DIFF_LIMIT",
     "DEFAULT_POLICY_OPERATIONS",
     "OPERATION_COLUMN",
     "POSTGRES_MAX_IDENTIFIER_BYTES",
@@ -149,6 +157,8 @@ __all__ = [
     "CredentialsFileAuth",
     "DataError",
     "Delivery",
+    "DestinationDiff",
+    "DestinationReader",
     "DiscoveredDataset",
     "DomainCoverage",
     "Durability",
@@ -158,8 +168,10 @@ __all__ = [
     "EpochMismatch",
     "ErrorKind",
     "EventIdentity",
+    "ExpectedRows",
     "FaucetError",
     "FetchContext",
+    "FoundRow",
     "Identities",
     "IncarnationChanged",
     "IntegerPositionCodec",

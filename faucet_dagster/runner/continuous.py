@@ -64,7 +64,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline, Pipeline, ResourceSchema
+from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline
 from faucet_dagster.planner import Plan, plan
 from faucet_dagster.protocol import (
     CancelToken,
@@ -91,6 +91,7 @@ from faucet_dagster.runner.spec import (
     StoreDeadLetterRoute,
     StreamSpec,
     default_worker_id,
+    stream_pipeline,
 )
 from faucet_dagster.state import Lease, StateStore
 
@@ -141,15 +142,8 @@ class StreamRunner:
             durable_state=True,
             dead_letter=spec.dead_letter,
         )
-        schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
-        default = spec.default_schema or ResourceSchema()
-        self._pipeline = Pipeline(
-            schemas,
-            default_schema=replace(default, key=default.key or spec.key),
-            # Always a route: a source whose own policy dead-letters undecodable records needs one too.
-            dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
-            options=spec.pipeline,
-        )
+        # Always a route: a source whose own policy dead-letters undecodable records needs one too.
+        self._pipeline = stream_pipeline(spec, dead_letters or StoreDeadLetterRoute(store, spec.name))
         self._lease = StreamLease(
             store,
             spec.name,
@@ -453,6 +447,8 @@ class StreamRunner:
             created_at=datetime.now(UTC).isoformat(timespec="microseconds"),
             dead_lettered=sealed.dead_lettered,
             lag=lag,
+            row_digests=sealed.row_digests,
+            schemas=sealed.schemas,
         )
         try:
             await asyncio.to_thread(self.store.append_certificate, certificate, lease)

@@ -6,9 +6,9 @@ import os
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from faucet_dagster.pipeline import DeadLetterRoute, PipelineOptions, ResourceSchema
+from faucet_dagster.pipeline import DeadLetterRoute, Pipeline, PipelineOptions, ResourceSchema
 from faucet_dagster.pipeline.schema import BadRowPolicy
 from faucet_dagster.protocol import (
     Delivery,
@@ -59,6 +59,19 @@ class StreamSpec:
         """True when some resource routes bad rows to the dead-letter route."""
         specs = [*self.schemas.values(), self.default_schema or ResourceSchema()]
         return any(spec.on_bad_row is BadRowPolicy.DEAD_LETTER for spec in specs)
+
+
+def stream_pipeline(spec: StreamSpec, dead_letters: DeadLetterRoute) -> Pipeline:
+    """The pipeline ``spec``'s epochs go through: its declared schemas, each keyed by the stream's key
+    unless it names its own (the runner's, and what ``faucet verify`` replays a range through)."""
+    schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
+    default = spec.default_schema or ResourceSchema()
+    return Pipeline(
+        schemas,
+        default_schema=replace(default, key=default.key or spec.key),
+        dead_letters=dead_letters,
+        options=spec.pipeline,
+    )
 
 
 class StoreDeadLetterRoute(DeadLetterRoute):
