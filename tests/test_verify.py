@@ -18,13 +18,18 @@ import nats
 import psycopg
 import pytest
 import sqlalchemy as sa
+from faucet_kafka.config import KafkaSourceConfig
+from faucet_kafka.source import KafkaStreamSource
 from faucet_nats.config import NatsSourceConfig
+from faucet_nats.sink import NatsStreamingSink
+from faucet_nats.sink_config import NatsSinkConfig
 from faucet_nats.source import NatsStreamSource
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
+from kafka_topics import create_topic, produce_json
 
 from faucet_dagster.pipeline import ResourceSchema
-from faucet_dagster.protocol import EpochCertificate, ReadLimits, WritePolicy
+from faucet_dagster.protocol import EpochCertificate, EventIdentity, ReadLimits, WritePolicy
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.certificates import fingerprint_and_body
@@ -120,16 +125,29 @@ async def _create(nats_url: str, name: str) -> None:
 
 
 @pytest.fixture
-def stream(nats_url: str, postgres_url: str, unique_name: Callable[..., str], tmp_path: Path) -> Iterator[Stream]:
-    name = unique_name("v")
-    asyncio.run(_create(nats_url, name))
+def streams(
+    nats_url: str, postgres_url: str, unique_name: Callable[..., str], tmp_path: Path
+) -> Iterator[Callable[[WritePolicy], Stream]]:
+    """Streams of the given policy, each with 300 rows ``{"id": n, "name": "row-n"}`` certified in
+    three epochs or more."""
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
-    made = Stream(nats_url, postgres_url, name, store)
-    made.publish([{"id": n, "name": f"row-{n}"} for n in range(300)])
-    certificates = made.run()
-    assert sum(sum(c.row_counts.values()) for c in certificates) == 300 and len(certificates) >= 3
-    yield made
+
+    def make(policy: WritePolicy) -> Stream:
+        name = unique_name("v")
+        asyncio.run(_create(nats_url, name))
+        made = Stream(nats_url, postgres_url, name, store, policy)
+        made.publish([{"id": n, "name": f"row-{n}"} for n in range(300)])
+        certificates = made.run()
+        assert sum(sum(c.row_counts.values()) for c in certificates) == 300 and len(certificates) >= 3
+        return made
+
+    yield make
     store.close()
+
+
+@pytest.fixture
+def stream(streams: Callable[[WritePolicy], Stream]) -> Stream:
+    return streams(WritePolicy.APPEND)
 
 
 def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream) -> None:
@@ -163,3 +181,215 @@ def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream
     stream.sql("DELETE FROM {table} WHERE ctid = (SELECT max(ctid) FROM {table} WHERE id = 7)")
     assert set(outcomes(stream.verify()).values()) == {Outcome.VERIFIED}
 
+
+
+def _certificate_row(store: StateStore, name: str, sequence: int) -> dict[str, Any]:
+    with store.transaction("read") as conn:
+        row = conn.execute(
+            sa.select(certificates_table).where(
+                certificates_table.c.stream == name, certificates_table.c.sequence == sequence
+            )
+        ).one()
+        return dict(row._mapping)
+
+
+def _write_certificate(store: StateStore, row: dict[str, Any], **changes: Any) -> None:
+    with store.transaction("tamper") as conn:
+        table = certificates_table.c
+        conn.execute(
+            sa.delete(certificates_table).where(table.stream == row["stream"], table.sequence == row["sequence"])
+        )
+        conn.execute(certificates_table.insert(), [{**row, **changes}])
+
+
+def test_a_certificate_altered_or_removed_in_the_state_store_is_named(stream: Stream) -> None:
+    # Altered: the body's row count changed, its fingerprint column left alone.
+    row = _certificate_row(stream.store, stream.name, 2)
+    body = json.loads(row["body"])
+    body["row_counts"] = {stream.name: 99}
+    _write_certificate(stream.store, row, body=json.dumps(body))
+    report = stream.verify()
+    assert outcomes(report)[2] is Outcome.DIVERGED
+    assert "altered certificate" in found(report, 2) and "row count differs" in found(report, 2)
+    assert outcomes(report)[1] is outcomes(report)[3] is Outcome.VERIFIED
+
+    # Altered with a fingerprint to match: the store's certified positions and the source still tell.
+    forged = EpochCertificate.from_json(row["body"])
+    [item] = forged.coverage
+    forged_body = json.loads(row["body"])
+    forged_body["coverage"][0]["end"] = str(int(item.end) - 10)
+    fingerprint, body_text = fingerprint_and_body(EpochCertificate.from_json(json.dumps(forged_body)))
+    _write_certificate(stream.store, row, body=body_text, fingerprint=fingerprint)
+    report = stream.verify()
+    assert {"gap", "row count differs"} <= set(found(report, 3) + found(report, 2)), report.verifications
+    _write_certificate(stream.store, row)
+
+    # Removed: the sequence is missing, and the next certificate's coverage has nothing before it.
+    with stream.store.transaction("tamper") as conn:
+        table = certificates_table.c
+        conn.execute(sa.delete(certificates_table).where(table.stream == stream.name, table.sequence == 2))
+    report = stream.verify()
+    assert found(report, 2) == ["missing certificate"]
+    assert "gap" in found(report, 3)
+    assert outcomes(report)[1] is Outcome.VERIFIED
+
+
+def test_a_certificate_written_over_a_skipped_range_is_a_gap(stream: Stream) -> None:
+    """A certificate forged into the table (with a valid fingerprint) that skips positions: the chain
+    names the gap, and the store's certified positions show the store never wrote it."""
+    last = _certificate_row(stream.store, stream.name, 3)
+    certificate = EpochCertificate.from_json(last["body"])
+    [item] = certificate.coverage
+    plain = json.loads(last["body"])
+    plain.update(sequence=4, row_counts={stream.name: 50})
+    plain["coverage"][0].update(start=str(int(item.end) + 50), end=str(int(item.end) + 100))
+    plain["receipts"][0].update(rows_written=50, rows_skipped=0)
+    fingerprint, body = fingerprint_and_body(EpochCertificate.from_json(json.dumps(plain)))
+    _write_certificate(stream.store, {**last, "sequence": 4, "fingerprint": fingerprint, "body": body})
+    report = stream.verify()
+    assert outcomes(report)[4] is Outcome.DIVERGED
+    assert {"gap", "position not moved"} <= set(found(report, 4)), found(report, 4)
+    gap = next(f for f in report.verifications[3].problems if f.kind == "gap")
+    assert f"after {item.end} up to {int(item.end) + 50}" in gap.detail
+    assert [outcomes(report)[s] for s in (1, 2, 3)] == [Outcome.VERIFIED] * 3
+
+
+def test_a_source_recreated_under_the_same_name_is_named(stream: Stream) -> None:
+    async def recreate() -> None:
+        client = await nats.connect(stream.nats_url)
+        try:
+            await client.jetstream().delete_stream(stream.name)
+        finally:
+            await client.close()
+        await _create(stream.nats_url, stream.name)
+
+    asyncio.run(recreate())
+    stream.publish([{"id": n, "name": f"other-{n}"} for n in range(300)])
+    report = stream.verify()
+    assert set(outcomes(report).values()) == {Outcome.DIVERGED}
+    for item in report.verifications:
+        assert found(report, item.sequence) == ["source re-created", "not compared"], item.problems
+    assert "re-created" in report.verifications[0].problems[0].detail
+
+
+def test_a_range_the_source_no_longer_holds_is_not_replayable_never_ok(stream: Stream) -> None:
+    async def purge() -> None:
+        client = await nats.connect(stream.nats_url)
+        try:
+            await client.jetstream().purge_stream(stream.name, seq=151)  # removes sequences 1..150
+        finally:
+            await client.close()
+
+    asyncio.run(purge())
+    report = stream.verify()
+    assert outcomes(report)[1] is Outcome.NOT_VERIFIABLE
+    assert found(report, 1) == ["not replayable", "not compared"]
+    assert outcomes(report)[3] is Outcome.VERIFIED
+
+
+def test_kafka_partitions_into_nats_verify_and_a_republished_message_is_named(
+    kafka_bootstrap: str, nats_url: str, unique_name: Callable[..., str], tmp_path: Path
+) -> None:
+    """Kafka (two partitions: two domains per certificate) into NATS: verified clean; a message of
+    an event published again after the duplicate window, with other contents, is a duplicated and
+    changed row of the certificate that wrote the event."""
+    topic, target = unique_name("topic"), unique_name("out")
+    create_topic(kafka_bootstrap, topic, 2)
+
+    async def create_target() -> None:
+        client = await nats.connect(nats_url)
+        try:
+            await client.jetstream().add_stream(name=target, subjects=[f"{target}.rows"], duplicate_window=0.5)
+        finally:
+            await client.close()
+
+    asyncio.run(create_target())
+    spec = StreamSpec(
+        name=unique_name("stream"),
+        source=KafkaStreamSource(
+            KafkaSourceConfig(bootstrap_servers=kafka_bootstrap, topics=(topic,), group_id=unique_name("g"))
+        ),
+        sink=NatsStreamingSink(
+            NatsSinkConfig(
+                servers=(nats_url,),
+                stream=target,
+                subject=f"{target}.rows",
+                duplicate_window=0.5,
+                watermark_bucket=f"w_{target}",
+            )
+        ),
+        resources=(topic,),
+        limits=ReadLimits(records=100, idle=0.3),
+    )
+    produce_json(kafka_bootstrap, topic, 0, 240, partitions=2)
+    with StateStore(f"sqlite:///{tmp_path / 'state.db'}") as store:
+
+        async def scenario() -> Report:
+            runner = StreamRunner(spec, store, worker_id="w1")
+            try:
+                certificates = await runner.run_epochs(30.0)
+            finally:
+                await runner.close()
+            assert sum(sum(c.row_counts.values()) for c in certificates) == 240
+            return await verify_stream(spec, store)
+
+        clean = asyncio.run(scenario())
+        assert set(outcomes(clean).values()) == {Outcome.VERIFIED}, [v.problems for v in clean.verifications]
+        assert clean.rows_compared == 240
+        reread = {f.where for item in clean.verifications for f in item.findings if f.kind == "re-read"}
+        assert len(reread) == 2  # both partitions' ranges re-read
+
+        # The event at offset 3 of partition 1 published again, changed, past the duplicate window.
+        certificate, domain = next(
+            (certificate, item.domain)
+            for certificate in store.certificates(spec.name)
+            for item in certificate.coverage
+            if item.domain.partition == "1" and item.start is None
+        )
+        identity = EventIdentity(domain, "3")
+
+        async def republish() -> None:
+            client = await nats.connect(nats_url)
+            try:
+                await asyncio.sleep(0.6)
+                await client.jetstream().publish(
+                    f"{target}.rows", b'{"id":7,"name":"forged"}', headers={"Nats-Msg-Id": identity.digest()}
+                )
+            finally:
+                await client.close()
+
+        asyncio.run(republish())
+        report = asyncio.run(verify_stream(spec, store, VerifyOptions(first=1, record=False)))
+        tampered = report.verifications[certificate.sequence - 1]
+        assert found(report, certificate.sequence) == ["changed row", "duplicated row"], tampered.problems
+        assert str(identity) in tampered.problems[0].where and "forged" in tampered.problems[0].detail
+        others = [item.outcome for item in report.verifications if item.sequence != certificate.sequence]
+        assert set(others) == {Outcome.VERIFIED}
+
+
+def test_keyed_state_verifies_and_a_later_epoch_supersedes_not_diverges(
+    streams: Callable[[WritePolicy], Stream],
+) -> None:
+    """UPSERT by id: rows the next epochs changed are superseded, not differences; a row changed or
+    deleted behind the stream's back is."""
+    keyed = streams(WritePolicy.UPSERT)
+    keyed.publish([{"id": n, "name": f"v2-{n}"} for n in range(0, 300, 3)])
+    assert sum(sum(c.row_counts.values()) for c in keyed.run()) == 100
+    report = keyed.verify()
+    assert set(outcomes(report).values()) == {Outcome.VERIFIED}, [v.problems for v in report.verifications]
+    # The first three epochs alone: the keys the later ones changed are superseded, not changed.
+    report = keyed.verify(last=3)
+    assert set(outcomes(report).values()) == {Outcome.VERIFIED}, [v.problems for v in report.verifications]
+    details = " ".join(f.detail for item in report.verifications for f in item.findings)
+    assert "100 keyed rows a later epoch changed were not compared" in details
+
+    keyed.sql("UPDATE {table} SET name = 'forged' WHERE id = 299")  # written once, by the third epoch
+    [(epoch,)] = keyed.sql("SELECT " + EPOCH_COLUMN + " FROM {table} WHERE id = 299")
+    report = keyed.verify()
+    assert found(report, epoch) == ["changed row"] and "forged" in report.verifications[epoch - 1].problems[0].detail
+    keyed.sql("DELETE FROM {table} WHERE id = 3")  # last written by a v2 epoch
+    report = keyed.verify()
+    assert {kind for item in report.verifications for kind in found(report, item.sequence)} == {
+        "changed row",
+        "missing row",
+    }

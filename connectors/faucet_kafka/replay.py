@@ -51,7 +51,7 @@ async def replay_range(
         if state.domain.incarnation != domain.incarnation:
             raise IncarnationChanged(
                 f"the topic is incarnation {state.domain.incarnation} now, the certified range belongs to "
-                f"{domain.incarnation} (deleted and recreated): its offsets are another log",
+                f"{domain.incarnation} (deleted and re-created): its offsets are another log",
                 where=where,
             )
         if coverage.start is None and state.next_offset > 0:

@@ -60,7 +60,7 @@ async def replay_range(
         if session.domain.incarnation != domain.incarnation:
             raise IncarnationChanged(
                 f"the stream is incarnation {session.domain.incarnation} now, the certified range belongs "
-                f"to {domain.incarnation} (deleted and recreated)",
+                f"to {domain.incarnation} (deleted and re-created)",
                 where=where,
             )
         if start is None and facts.first_seq > facts.configured_first_seq:

@@ -2,17 +2,19 @@
 
 Every row the sink published is a message on the target subject whose ``Nats-Msg-Id`` is the row's
 event identity digest and whose payload is the row as JSON (:meth:`Publisher.publish`). The reader
-reads the target stream's messages of the subject over the span the compared epochs stored in (their
-receipts' first and last stream sequences; from just after the previous epoch's last, when a compared
-epoch's receipt counts duplicates the stream suppressed: those were stored by an earlier, uncommitted
-attempt), through an ephemeral consumer (the bounded source's session, reading raw messages), and
-matches them to the expected rows by message id: an expected row with no message is *missing*, one
-whose message holds another payload *changed*, one with several messages *duplicated* (stored again
-after the duplicate window, which the sink documents). Messages of other ids (other publishers,
-other streams of the subject) are not judged.
+reads the target stream's messages of the subject from the first one the compared epochs stored (their
+receipts' first stream sequence; from just after the previous epoch's last, when a compared epoch's
+receipt counts duplicates the stream suppressed: those were stored by an earlier, uncommitted attempt)
+to the stream's last (a copy stored after the duplicate window is a duplicate too), through an
+ephemeral consumer (the bounded source's session, reading raw messages), and matches them to the
+expected rows by message id: an expected row with no message is *missing*, one whose message holds
+another payload *changed*, one with several messages *duplicated* (stored again after the duplicate
+window, which the sink documents). Messages of other ids (other publishers, other streams of the
+subject) are not judged.
 
-Cost: one read of the span (the messages of the compared epochs, plus those other publishers wrote
-between them), no write; the watermark bucket is read, never created.
+Cost: one read of the subject's messages from the compared epochs' first to the stream's last (those
+of later epochs and other publishers included: verifying the newest certificates reads little), no
+write; the watermark bucket is read, never created.
 """
 
 import json
@@ -136,13 +138,13 @@ class NatsDestinationReader(DestinationReader):
             totals={"missing": len(missing), "changed": len(changed), "duplicated": len(duplicated)},
         )
 
-    async def _span(
-        self, receipts: Mapping[int, Receipt], sequences: Sequence[int]
-    ) -> tuple[int, int] | None:
-        """The stream sequences to read (first, last), or None when the epochs stored nothing here."""
+    async def _span(self, receipts: Mapping[int, Receipt], sequences: Sequence[int]) -> tuple[int, int] | None:
+        """The stream sequences to read (first, last), or None when the epochs stored nothing here: from
+        the first message the compared epochs stored (from just after the previous epoch's last, when
+        one of them counts duplicates the stream suppressed) to the stream's last message (a copy
+        stored later, past the duplicate window, is a duplicate too)."""
         stored = [receipt for sequence, receipt in receipts.items() if sequence in sequences]
         firsts = [int(r.details["first_sequence"]) for r in stored if "first_sequence" in r.details]
-        lasts = [int(r.details["last_sequence"]) for r in stored if "last_sequence" in r.details]
         earlier = [
             int(r.details["last_sequence"])
             for sequence, r in receipts.items()
@@ -152,10 +154,7 @@ class NatsDestinationReader(DestinationReader):
         if not firsts and not suppressed:
             return None
         first = (max(earlier) + 1 if earlier else 1) if suppressed else min(firsts)
-        tail = receipts.get(sequences[-1])
-        open_tail = tail is not None and tail.rows_skipped > 0 and "last_sequence" not in tail.details
-        last = max(lasts) if lasts and not open_tail else await self._last_sequence()
-        return first, last
+        return first, await self._last_sequence()
 
     async def _last_sequence(self) -> int:
         publisher = Publisher(self._config)
