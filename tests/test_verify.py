@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import nats
 import psycopg
 import pytest
@@ -28,12 +29,17 @@ from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
 from kafka_topics import create_topic, produce_json
 
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
+from faucet_dagster.declarations.verification import VERIFY_CHECK, verify_schedule
 from faucet_dagster.pipeline import ResourceSchema
 from faucet_dagster.protocol import EpochCertificate, EventIdentity, ReadLimits, WritePolicy
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.certificates import fingerprint_and_body
 from faucet_dagster.state.tables import certificates_table
+from faucet_dagster.streams.certificates import certificate_events
+from faucet_dagster.streams.declaration import FaucetStream
+from faucet_dagster.streams.definitions import build_stream_defs
 from faucet_dagster.verify import Outcome, Report, VerifyOptions, verify_stream
 
 COLUMNS = {"id": "int64 not null", "name": "string"}
@@ -393,3 +399,61 @@ def test_keyed_state_verifies_and_a_later_epoch_supersedes_not_diverges(
         "changed row",
         "missing row",
     }
+
+
+def test_the_faucet_verify_check_runs_on_a_schedule_and_sees_a_certificate_changed_after_its_report(
+    stream: Stream, tmp_path: Path
+) -> None:
+    """The asset check of ``build_stream_defs``, run by the job of ``verify_schedule``: it verifies the
+    certificates after the last verified one, compares them with the materializations Dagster
+    received, and fails (ERROR) when the store's certificate is not the one reported."""
+    declared = FaucetStream(
+        name=stream.name,
+        source=FaucetEndpoint(
+            FaucetConnection(connector="nats", config={"servers": [stream.nats_url], "stream": stream.name})
+        ),
+        sink=FaucetEndpoint(
+            FaucetConnection(
+                connector="postgres",
+                config={"url": stream.postgres_url, "table": stream.table, "epoch_column": EPOCH_COLUMN},
+            )
+        ),
+        resources=(stream.name,),
+        schemas={stream.name: ResourceSchema.from_columns(COLUMNS)},
+        state_url=stream.store.where.removeprefix("state store "),
+    )
+    defs = build_stream_defs([declared])
+    [check] = [c for c in defs.asset_checks or [] if VERIFY_CHECK in {k.name for k in c.check_keys}]
+    schedule = verify_schedule([check], "0 * * * *")
+    key = declared.asset_spec().key
+    (tmp_path / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
+        for certificate in stream.store.certificates(stream.name):  # what the sensor reports
+            instance.report_runless_asset_event(certificate_events(certificate, key)[0])
+        stream.store.mark_reported(stream.name, 3)
+        job = dg.Definitions.merge(defs, dg.Definitions(schedules=[schedule])).resolve_job_def("faucet_verify_job")
+
+        def evaluate() -> dg.AssetCheckEvaluation:
+            [evaluation] = job.execute_in_process(instance=instance).get_asset_check_evaluations()
+            return evaluation
+
+        first = evaluate()
+        assert first.passed, first.metadata["faucet/problems"]
+        assert first.metadata["faucet/verified"].value == 3
+        table = first.metadata["faucet/verification"].value
+        assert [row.data["reports"] for row in table.records] == ["verified"] * 3
+        again = evaluate()  # nothing new since: passes, says so
+        assert again.passed and again.metadata["faucet/outcome"].value == "nothing to verify"
+
+        # The third certificate, changed in the store after Dagster received it (its fingerprint too).
+        row = _certificate_row(stream.store, stream.name, 3)
+        plain = json.loads(row["body"])
+        plain["worker"] = "someone-else"
+        fingerprint, body = fingerprint_and_body(EpochCertificate.from_json(json.dumps(plain)))
+        _write_certificate(stream.store, row, body=body, fingerprint=fingerprint, worker="someone-else")
+        with stream.store.transaction("forget") as conn:
+            conn.execute(sa.text("DELETE FROM faucet_verifications"))
+        tampered = evaluate()
+        assert not tampered.passed and tampered.severity is dg.AssetCheckSeverity.ERROR
+        assert "reported differently" in tampered.metadata["faucet/problems"].value
+        assert "worker" in tampered.metadata["faucet/problems"].value

@@ -12,6 +12,7 @@ from faucet_dagster.streams.certificates import certificate_check
 from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.health import health_check
 from faucet_dagster.streams.sensor import faucet_stream_sensor
+from faucet_dagster.streams.verification import verify_check
 from faucet_dagster.streams.workers import build_worker_defs
 
 
@@ -44,6 +45,7 @@ def build_stream_defs(
     for stream in streams:
         spec = with_code_reference(specs.get(stream.name) or stream.asset_spec(), declared_at)
         assets.append(spec)
+        checks.append(verify_check(stream, spec.key))
         if stream.workers > 1:
             _, worker_checks, sensor, job = build_worker_defs(
                 stream, spec, minimum_interval_seconds=minimum_interval_seconds, default_status=default_status

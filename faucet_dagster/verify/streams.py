@@ -20,9 +20,10 @@ and compares inside the database), and the store is read once per certificate. S
 docs/verification.md for measured figures.
 """
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from faucet_dagster.protocol import (
@@ -45,6 +46,10 @@ from faucet_dagster.verify.results import Aspect, Finding, Outcome, Report, Veri
 
 HISTORY_PAGE = 64
 """Certificates read back at a time to find each domain's coverage before the range."""
+
+Reports = Callable[[str, int, int], Mapping[int, str]]
+"""The certificates Dagster received for a chain (its name) from ``first`` to ``last``: the certificate
+JSON each materialization carries, by sequence."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,12 @@ async def verify_stream(
     options: VerifyOptions | None = None,
     *,
     names: Sequence[str] | None = None,
-    reported: Mapping[str, Mapping[int, str]] | None = None,
+    reports: Reports | None = None,
     codecs: CodecRegistry | None = None,
 ) -> Report:
     """Verify ``spec``'s certificates (under each of ``names``, default the stream's own name) as the
-    module docstring says. ``reported`` holds, per name, the certificate JSON Dagster's
-    materializations carry by sequence (``None``: Dagster was not asked)."""
+    module docstring says. ``reports`` reads what Dagster received (``None``: Dagster is not asked);
+    it is called from a worker thread."""
     options = options or VerifyOptions()
     codecs = codecs or default_codec_registry()
     began = time.perf_counter()
@@ -90,9 +95,7 @@ async def verify_stream(
     replayed_rows = compared_rows = 0
     notes: list[str] = []
     for name in names or (spec.name,):
-        chain_report = await _verify_chain_name(
-            spec, store, log, name, options, codecs, None if reported is None else reported.get(name, {})
-        )
+        chain_report = await _verify_chain_name(spec, store, log, name, options, codecs, reports)
         verifications.extend(chain_report.verifications)
         replayed_rows += chain_report.rows_replayed
         compared_rows += chain_report.rows_compared
@@ -109,7 +112,7 @@ async def _verify_chain_name(
     name: str,
     options: VerifyOptions,
     codecs: CodecRegistry,
-    reported: Mapping[int, str] | None,
+    reports: Reports | None,
 ) -> Report:
     latest = log.last_sequence(name)
     first = options.first if options.first is not None else log.verified_through(name) + 1
@@ -130,7 +133,8 @@ async def _verify_chain_name(
         latest=latest,
         history_complete=complete,
     )
-    if reported is not None:
+    if reports is not None:
+        reported = await asyncio.to_thread(reports, name, first, last)
         check_reports(chain, stored, reported, store.reported_through(name))
     findings: dict[int, list[Finding]] = {sequence: list(items) for sequence, items in chain.findings.items()}
     rows_replayed = rows_compared = 0
@@ -383,4 +387,4 @@ async def _compare_group(
     return compared
 
 
-__all__ = ["VerifyOptions", "verify_stream"]
+__all__ = ["Reports", "VerifyOptions", "verify_stream"]
