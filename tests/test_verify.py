@@ -29,6 +29,7 @@ from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
 from kafka_topics import create_topic, produce_json
 
+from faucet_dagster.cli.main import main
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.declarations.verification import VERIFY_CHECK, verify_schedule
 from faucet_dagster.pipeline import ResourceSchema
@@ -457,3 +458,44 @@ def test_the_faucet_verify_check_runs_on_a_schedule_and_sees_a_certificate_chang
         assert not tampered.passed and tampered.severity is dg.AssetCheckSeverity.ERROR
         assert "reported differently" in tampered.metadata["faucet/problems"].value
         assert "worker" in tampered.metadata["faucet/problems"].value
+
+
+def test_the_cli_prints_a_line_per_certificate_and_exits_by_the_worst_outcome(
+    stream: Stream, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"verify_location_{stream.name}"
+    (tmp_path / f"{module}.py").write_text(
+        f"""
+from faucet_dagster import FaucetStream, build_stream_defs
+from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
+from faucet_dagster.pipeline import ResourceSchema
+
+defs = build_stream_defs([
+    FaucetStream(
+        name={stream.name!r},
+        source=FaucetEndpoint(FaucetConnection(connector="nats", config={{"servers": [{stream.nats_url!r}],
+            "stream": {stream.name!r}}})),
+        sink=FaucetEndpoint(FaucetConnection(connector="postgres", config={{"url": {stream.postgres_url!r},
+            "table": {stream.table!r}, "epoch_column": {EPOCH_COLUMN!r}}})),
+        resources=({stream.name!r},),
+        schemas={{{stream.name!r}: ResourceSchema.from_columns({COLUMNS!r})}},
+        state_url={stream.store.where.removeprefix("state store ")!r},
+    )
+])
+"""
+    )
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    verify = ["verify", "-m", module, "-d", str(tmp_path), "--from", "1", "--no-record"]
+    assert main(verify) == 0
+    out = capsys.readouterr().out
+    assert out.count(" verified ") >= 3 and "3 verified" in out
+
+    stream.sql("DELETE FROM {table} WHERE id = 250")
+    assert main(verify) == 1
+    out = capsys.readouterr().out
+    assert "diverged" in out and "missing row" in out and '{"id": 250, "name": "row-250"}' in out
+
+    assert main([*verify, "--json", "--stream", stream.name, "--to", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [item["outcome"] for item in report["verifications"]] == ["verified"]
+    assert main([*verify, "--stream", "nowhere"]) == 2
