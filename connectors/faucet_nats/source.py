@@ -75,6 +75,7 @@ from faucet_nats.jetstream import (
     connect,
     stream_missing,
 )
+from faucet_nats.replay import read_range
 
 CODEC = NatsStreamSequenceCodec()
 INLINE_DECODE_MESSAGES = 512
@@ -564,9 +565,24 @@ class NatsStreamSource(StreamSource):
 
     async def replay(self, coverage: DomainCoverage, sink: StreamRecordSink, cancel: CancelToken) -> None:
         """Re-read one certified sequence range for ``faucet verify`` (:mod:`faucet_nats.replay`)."""
-        from faucet_nats.replay import replay_range
-
-        await replay_range(self.config, coverage, sink, cancel)
+        config, domain = self.config, coverage.domain
+        if domain.lineage != (config.source_name, config.stream, config.partition):
+            raise IntegrityError(f"the range belongs to {domain}, not to this source", where=where_of(config))
+        start = () if coverage.start is None else (Position(domain, coverage.start),)
+        session = await NatsStreamSession.open(
+            config,
+            start,
+            owned=True,
+            worker=None,
+            durable=False,
+            bounded=True,
+            max_ack_pending=2 * config.chunk_messages,
+            until=CODEC.validate(coverage.end),
+        )
+        try:
+            await read_range(session, coverage, sink, cancel, where_of(config))
+        finally:
+            await session.close()
 
     async def open(
         self,

@@ -18,17 +18,14 @@ write; the watermark bucket is read, never created.
 """
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import nats.errors
-import nats.js.errors
 import pyarrow as pa
 
 from faucet_dagster.protocol import (
     DEFAULT_DIFF_LIMIT,
     CancelToken,
-    ConnectionFailed,
     Control,
     DestinationDiff,
     DestinationReader,
@@ -43,7 +40,6 @@ from faucet_dagster.protocol import (
 )
 from faucet_nats.config import NatsConnectionConfig, NatsSourceConfig
 from faucet_nats.publisher import Publisher, json_default
-from faucet_nats.sink import NatsSinkSession
 from faucet_nats.sink_config import NatsSinkConfig
 from faucet_nats.source import NatsStreamSession
 
@@ -79,29 +75,22 @@ async def _owner_always() -> None:
 class NatsDestinationReader(DestinationReader):
     """Reads back the messages a stream published; see the module docstring."""
 
-    def __init__(self, config: NatsSinkConfig, stream: str) -> None:
+    def __init__(
+        self,
+        config: NatsSinkConfig,
+        stream: str,
+        watermark: Callable[[], Awaitable[SinkCommitState | None]],
+    ) -> None:
         self._config = config
         self._stream = stream
+        self._watermark = watermark
         connection = {name: getattr(config, name) for name in NatsConnectionConfig.model_fields}
         self._source = NatsSourceConfig(
             **connection, stream=config.stream, subject=config.subject, format="bytes", bounded=True
         )
 
     async def committed(self) -> SinkCommitState | None:
-        publisher = Publisher(self._config)
-        try:
-            js = await publisher.open()
-            try:
-                kv = await js.key_value(self._config.watermark_bucket)
-            except nats.js.errors.BucketNotFoundError:
-                return None
-            except (nats.errors.Error, OSError) as exc:
-                raise ConnectionFailed(
-                    f"reading the watermark bucket failed: {type(exc).__name__}", where=publisher.where
-                ) from exc
-            return await NatsSinkSession(publisher, self._stream, kv).last_committed()
-        finally:
-            await publisher.close()
+        return await self._watermark()
 
     async def compare(self, expected: ExpectedRows, *, limit: int = DEFAULT_DIFF_LIMIT) -> DestinationDiff:
         rows = expected.rows.to_pylist()
@@ -138,7 +127,9 @@ class NatsDestinationReader(DestinationReader):
             totals={"missing": len(missing), "changed": len(changed), "duplicated": len(duplicated)},
         )
 
-    async def _span(self, receipts: Mapping[int, Receipt], sequences: Sequence[int]) -> tuple[int, int] | None:
+    async def _span(
+        self, receipts: Mapping[int, Receipt], sequences: Sequence[int]
+    ) -> tuple[int, int] | None:
         """The stream sequences to read (first, last), or None when the epochs stored nothing here: from
         the first message the compared epochs stored (from just after the previous epoch's last, when
         one of them counts duplicates the stream suppressed) to the stream's last message (a copy

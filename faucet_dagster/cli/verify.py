@@ -12,10 +12,8 @@ something could not be verified, 2 on bad input. docs/verification.md says how t
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from faucet_dagster.declarations.code_location import import_code_location
 from faucet_dagster.declarations.declared import DECLARED
@@ -24,7 +22,7 @@ from faucet_dagster.runner.sync import run_sync
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import group_stream
 from faucet_dagster.streams.declaration import FaucetStream
-from faucet_dagster.streams.verification import materialized
+from faucet_dagster.streams.verification import instance_reports
 from faucet_dagster.verify import Outcome, Report, VerifyOptions, render_table, verify_stream
 
 EXIT_DIVERGED = 1
@@ -86,11 +84,7 @@ def _verify(stream: FaucetStream, options: VerifyOptions) -> Report:
         else [stream.name]
     )
     spec = stream.build_spec()
-    reports: Any = None
-    if os.environ.get("DAGSTER_HOME"):
-        import dagster as dg
-
-        reports = materialized(dg.DagsterInstance.get(), stream.asset_spec().key)
+    reports = instance_reports(stream.asset_spec().key)
     with StateStore(stream.state_url) as store:
         return run_sync(verify_stream(spec, store, options, names=names, reports=reports))
 

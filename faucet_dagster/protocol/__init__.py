@@ -129,6 +129,7 @@ from faucet_dagster.protocol.verification import (
     DestinationReader,
     ExpectedRows,
     FoundRow,
+    ReadableStreamingSink,
 )
 
 __all__ = [
@@ -196,6 +197,7 @@ __all__ = [
     "PositionUnavailable",
     "ProgressBoundary",
     "ReadLimits",
+    "ReadableStreamingSink",
     "Receipt",
     "Records",
     "RejectedRecord",

@@ -22,7 +22,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
@@ -31,9 +31,6 @@ from faucet_dagster.protocol.capabilities import Delivery, SinkCapabilities, Sou
 from faucet_dagster.protocol.errors import DataError, UnsupportedOperation
 from faucet_dagster.protocol.positions import EventIdentity, OrderingDomain, Position, PositionCodec
 from faucet_dagster.protocol.records import Records
-
-if TYPE_CHECKING:
-    from faucet_dagster.protocol.verification import DestinationReader
 
 Authority = Callable[[], Awaitable[None]]
 """Confirms this worker still owns the stream; raises OwnershipLost when it does not."""
@@ -493,17 +490,6 @@ class StreamingSink(ABC):
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
     ) -> StreamingSinkSession:
         """Open a session writing ``stream``'s epochs with ``policy`` (keyed by ``key`` when needed)."""
-
-    async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> "DestinationReader":
-        """Open a read-only :class:`~faucet_dagster.protocol.verification.DestinationReader` on what
-        ``stream``'s epochs wrote here with ``policy`` (keyed by ``key``), for ``faucet verify``.
-
-        Connects (a FaucetError says why it cannot); claims no fence and changes nothing. The default
-        raises :class:`UnsupportedOperation`: the destination is then not verifiable.
-        """
-        raise UnsupportedOperation(
-            f"the {self.connector_name} streaming sink cannot read back what a stream wrote", where=stream
-        )
 
 
 @dataclass(frozen=True)

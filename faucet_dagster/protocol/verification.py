@@ -8,10 +8,11 @@ does not implement one is reported *not verifiable* for it (the defaults raise
 * the source side is ``StreamSource.replay`` (:mod:`.streaming`) and, for bounded syncs,
   ``Source.replay_pages`` (:mod:`.bounded`): the range re-read through the same decoding and event
   identities, without side effects;
-* the destination side is a :class:`DestinationReader`, opened by ``StreamingSink.reader`` (streams)
-  or ``Sink.reader`` (bounded syncs): read-only access to what the destination holds, compared with
-  the rows the range must have left there (:class:`ExpectedRows`), answered as a
-  :class:`DestinationDiff`.
+* the destination side is a :class:`DestinationReader`, opened by a streaming sink's ``reader``
+  (:class:`ReadableStreamingSink`) or a bounded sink's (:class:`ReadableSink`): read-only access to
+  what the destination holds, compared with the rows the range must have left there
+  (:class:`ExpectedRows`), answered as a :class:`DestinationDiff`. A sink without ``reader`` is not
+  verifiable at its destination.
 
 The engine decides what must be there (the policy's semantics: each event once for APPEND, the last
 change per key for the keyed policies); a reader only knows how to look, and compares in the way that
@@ -21,7 +22,7 @@ suits its destination (a PostgreSQL reader inside the database, a NATS reader me
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 
@@ -134,4 +135,22 @@ class DestinationReader(ABC):
         """Release the reader's clients. Idempotent."""
 
 
-__all__ = ["DEFAULT_DIFF_LIMIT", "DestinationDiff", "DestinationReader", "ExpectedRows", "FoundRow"]
+@runtime_checkable
+class ReadableStreamingSink(Protocol):
+    """A :class:`~faucet_dagster.protocol.streaming.StreamingSink` whose destination ``faucet verify``
+    can read back (optional: a sink without ``reader`` is reported not verifiable there)."""
+
+    async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> DestinationReader:
+        """Open a :class:`DestinationReader` on what ``stream``'s epochs wrote with ``policy`` (keyed
+        by ``key``). Connects (a FaucetError says why it cannot); claims no fence, changes nothing."""
+        ...
+
+
+__all__ = [
+    "DEFAULT_DIFF_LIMIT",
+    "DestinationDiff",
+    "DestinationReader",
+    "ExpectedRows",
+    "FoundRow",
+    "ReadableStreamingSink",
+]

@@ -8,6 +8,7 @@ the destination. A stream on several workers is verified partition group by part
 """
 
 import json
+import os
 from collections.abc import Mapping
 
 import dagster as dg
@@ -100,4 +101,12 @@ def materialized(instance: dg.DagsterInstance, key: dg.AssetKey) -> Reports:
     return reports
 
 
-__all__ = ["DEFAULT_LIMIT", "materialized", "verify_check"]
+def instance_reports(key: dg.AssetKey) -> Reports | None:
+    """:func:`materialized` on the instance of ``$DAGSTER_HOME`` (for ``faucet verify``); None when it
+    is not set (Dagster is then not asked)."""
+    if not os.environ.get("DAGSTER_HOME"):
+        return None
+    return materialized(dg.DagsterInstance.get(), key)
+
+
+__all__ = ["DEFAULT_LIMIT", "instance_reports", "materialized", "verify_check"]

@@ -32,7 +32,9 @@ from faucet_dagster.protocol import (
     DestinationReader,
     EpochCertificate,
     FaucetError,
+    ReadableStreamingSink,
     Receipt,
+    UnsupportedOperation,
     compare_positions,
     default_codec_registry,
 )
@@ -237,8 +239,13 @@ async def _reader(
     spec: StreamSpec, name: str, findings: dict[int, list[Finding]], certificates: Sequence[EpochCertificate]
 ) -> DestinationReader | None:
     """The sink's reader, or None with a not-verifiable finding on every certificate saying why."""
+    sink = spec.sink
     try:
-        return await spec.sink.reader(name, spec.policy, spec.key)
+        if not isinstance(sink, ReadableStreamingSink):
+            raise UnsupportedOperation(
+                f"the {sink.connector_name} streaming sink cannot read back what a stream wrote", where=name
+            )
+        return await sink.reader(name, spec.policy, spec.key)
     except FaucetError as exc:
         for certificate in certificates:
             findings.setdefault(certificate.sequence, []).append(

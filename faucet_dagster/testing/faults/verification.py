@@ -1,0 +1,121 @@
+"""Every case of the fault harness verified: after the oracle's verdict, ``faucet verify`` checks every
+certificate the case's workers wrote (:func:`faucet_dagster.verify.verify_stream`), with the case's
+own connectors and no fault points.
+
+An untouched run after crashes, zombies and hand-overs must verify clean: every certificate verified.
+Where the fault itself took the certified ranges away (a purge, retention, a recreated source, a
+broker that lost its topic) or the source can never re-read them (a change source: its slot confirmed
+them), the verification must say so and nothing else: the findings the fault explains
+(:func:`expected_kinds`) are allowed, any other is a failure of the case. Bounded syncs are verified
+by their own verifier when their pair has one; until then their verification is reported as not run.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from faucet_dagster.pipeline import PipelineOptions
+from faucet_dagster.protocol import Mode, ReadLimits, WritePolicy, get_connector
+from faucet_dagster.runner.spec import StreamSpec
+from faucet_dagster.runner.sync import run_sync
+from faucet_dagster.state import StateStore
+from faucet_dagster.testing.faults.catalog import Fault, FaultKind
+from faucet_dagster.testing.faults.pairs import Pair
+from faucet_dagster.testing.faults.source_sides import PostgresChangesSource
+from faucet_dagster.testing.faults.spec import Endpoint, WorkerSpec
+from faucet_dagster.verify import Outcome, VerifyOptions, verify_stream
+
+EVERYTHING = 1_000_000
+"""A limit no case reaches: every certificate of a case is verified."""
+GONE = frozenset({"not replayable", "not re-read", "not compared"})
+"""What a verification says of ranges the source no longer holds."""
+
+
+@dataclass(frozen=True)
+class CaseVerification:
+    """How a case's certificates verified: counts by outcome, the kinds of problem found, and the
+    ones the fault does not explain (``unexplained``: the case fails)."""
+
+    verified: int
+    diverged: int
+    not_verifiable: int
+    kinds: tuple[str, ...]
+    unexplained: tuple[str, ...]
+    seconds: float
+
+    @property
+    def clean(self) -> bool:
+        return not self.unexplained
+
+    def cell(self) -> str:
+        """For the harness table: ``12 ok``, or the counts and what was found."""
+        if not self.diverged and not self.not_verifiable:
+            return f"{self.verified} ok"
+        found = ", ".join(self.kinds)
+        return f"{self.verified} ok, {self.diverged} div, {self.not_verifiable} n/v ({found})"
+
+
+class VerifiedCase(Protocol):
+    """What the verification reads of a case (:class:`~faucet_dagster.testing.faults.case.Case`)."""
+
+    name: str
+    state_url: str
+    pair: Pair
+
+    def endpoints(self) -> tuple[Endpoint, Endpoint]: ...
+    def spec(self, worker: str, **overrides: Any) -> WorkerSpec: ...
+
+
+def expected_kinds(case: VerifiedCase, fault: Fault) -> frozenset[str]:
+    """The findings ``fault`` explains on ``case``'s pair (anything else must not be found)."""
+    kinds: set[str] = set()
+    if issubclass(case.pair.source, PostgresChangesSource):
+        kinds |= GONE | {"claims no rows"}  # a slot never re-delivers what it confirmed
+    if fault.kind is FaultKind.RECREATE:
+        kinds |= {"source re-created", "not compared"}
+    if fault.kind in (FaultKind.PURGE, FaultKind.RETENTION):
+        kinds |= GONE
+    if fault.kind is FaultKind.RESTART and fault.server == "kafka":
+        kinds |= GONE | {"source re-created"}  # the in-memory broker lost the topic
+    return frozenset(kinds)
+
+
+def verify_case(case: VerifiedCase, fault: Fault) -> CaseVerification | None:
+    """Verify every certificate of ``case`` (None for a bounded pair: not verified here)."""
+    if case.pair.mode is not Mode.CONTINUOUS:
+        return None
+    source, sink = case.endpoints()
+    spec = case.spec("verifier")
+    stream = StreamSpec(
+        name=case.name,
+        source=get_connector(source.connector).stream_source(source.config),
+        sink=get_connector(sink.connector).streaming_sink(sink.config),
+        resources=spec.resources,
+        policy=WritePolicy(spec.policy),
+        limits=ReadLimits(records=spec.epoch_records),
+        pipeline=PipelineOptions(batch_rows=spec.batch_rows),
+    )
+    with StateStore(case.state_url) as store:
+        report = run_sync(
+            verify_stream(stream, store, VerifyOptions(first=1, limit=EVERYTHING, record=False))
+        )
+    tally = Counter(item.outcome for item in report.verifications)
+    kinds = sorted({problem.kind for item in report.verifications for problem in item.problems})
+    allowed = expected_kinds(case, fault)
+    unexplained = [
+        f"#{item.sequence} {problem.describe()}"
+        for item in report.verifications
+        for problem in item.problems
+        if problem.kind not in allowed
+    ]
+    return CaseVerification(
+        tally[Outcome.VERIFIED],
+        tally[Outcome.DIVERGED],
+        tally[Outcome.NOT_VERIFIABLE],
+        tuple(kinds),
+        tuple(unexplained),
+        report.seconds,
+    )
+
+
+__all__ = ["CaseVerification", "VerifiedCase", "expected_kinds", "verify_case"]
