@@ -485,7 +485,7 @@ defs = build_stream_defs([
 """
     )
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
-    verify = ["verify", "-m", module, "-d", str(tmp_path), "--from", "1", "--no-record"]
+    verify = ["verify", "-m", module, "-d", str(tmp_path), "--stream", stream.name, "--from", "1", "--no-record"]
     assert main(verify) == 0
     out = capsys.readouterr().out
     assert out.count(" verified ") >= 3 and "3 verified" in out
@@ -495,7 +495,7 @@ defs = build_stream_defs([
     out = capsys.readouterr().out
     assert "diverged" in out and "missing row" in out and '{"id": 250, "name": "row-250"}' in out
 
-    assert main([*verify, "--json", "--stream", stream.name, "--to", "1"]) == 0
+    assert main([*verify, "--json", "--to", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [item["outcome"] for item in report["verifications"]] == ["verified"]
     assert main([*verify, "--stream", "nowhere"]) == 2

@@ -11,6 +11,7 @@ by their own verifier when their pair has one; until then their verification is 
 """
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,13 +48,6 @@ class CaseVerification:
     def clean(self) -> bool:
         return not self.unexplained
 
-    def cell(self) -> str:
-        """For the harness table: ``12 ok``, or the counts and what was found."""
-        if not self.diverged and not self.not_verifiable:
-            return f"{self.verified} ok"
-        found = ", ".join(self.kinds)
-        return f"{self.verified} ok, {self.diverged} div, {self.not_verifiable} n/v ({found})"
-
 
 class VerifiedCase(Protocol):
     """What the verification reads of a case (:class:`~faucet_dagster.testing.faults.case.Case`)."""
@@ -64,6 +58,30 @@ class VerifiedCase(Protocol):
 
     def endpoints(self) -> tuple[Endpoint, Endpoint]: ...
     def spec(self, worker: str, **overrides: Any) -> WorkerSpec: ...
+
+
+def verified_cell(results: Sequence["HasVerification"]) -> str:
+    """The harness table's cell for the runs of one fault: certificates verified, diverged (d) and not
+    verifiable (n/v) in all, with the kinds found (each explained by the fault, or the run failed);
+    ``-`` for runs not verified (bounded pairs)."""
+    verifications = [result.verification for result in results if result.verification is not None]
+    if not verifications:
+        return "-"
+    verified = sum(item.verified for item in verifications)
+    diverged = sum(item.diverged for item in verifications)
+    unknown = sum(item.not_verifiable for item in verifications)
+    kinds = sorted({kind for item in verifications for kind in item.kinds})
+    counts = (
+        f"{verified} ok" + (f", {diverged} d" if diverged else "") + (f", {unknown} n/v" if unknown else "")
+    )
+    return counts + (f" ({', '.join(kinds)})" if kinds else "")
+
+
+class HasVerification(Protocol):
+    """A case's result (:class:`~faucet_dagster.testing.faults.case.CaseResult`), as the table reads it."""
+
+    @property
+    def verification(self) -> CaseVerification | None: ...
 
 
 def expected_kinds(case: VerifiedCase, fault: Fault) -> frozenset[str]:
@@ -118,4 +136,4 @@ def verify_case(case: VerifiedCase, fault: Fault) -> CaseVerification | None:
     )
 
 
-__all__ = ["CaseVerification", "VerifiedCase", "expected_kinds", "verify_case"]
+__all__ = ["CaseVerification", "VerifiedCase", "expected_kinds", "verified_cell", "verify_case"]
