@@ -18,7 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from faucet_dagster.pipeline import DeadLetterRoute, Pipeline, SealedEpoch
+import pyarrow as pa
+
+from faucet_dagster.pipeline import DeadLetterRoute, EpochPipeline, Pipeline, SealedEpoch
 from faucet_dagster.protocol import (
     CancelToken,
     CodecRegistry,
@@ -45,9 +47,8 @@ from faucet_dagster.protocol import (
     SinkCommitState,
     StreamingSinkSession,
     StreamRecordSink,
-    StreamSource,
+    TransactionBegin,
     UnsupportedOperation,
-    record_count,
 )
 from faucet_dagster.runner.spec import StreamSpec, stream_pipeline
 from faucet_dagster.verify.results import Aspect, Finding, Outcome
@@ -79,28 +80,40 @@ class _Collector(StreamingSinkSession):
 
 
 class _Letters(DeadLetterRoute):
-    """The dead-letter route of a replay: counts what would have been routed."""
+    """The dead-letter route of a replay: what would have been routed, by epoch."""
 
     def __init__(self) -> None:
-        self.records: list[RejectedRecord] = []
+        self.records: dict[int, list[RejectedRecord]] = {}
 
     async def route(self, epoch: EpochId, records: Sequence[RejectedRecord]) -> None:
-        self.records.extend(records)
+        self.records.setdefault(epoch.sequence, []).extend(records)
 
 
-class _RangeGuard(StreamRecordSink):
-    """Hands what a source replays to the epoch's pipeline; anything outside the range is refused."""
+@dataclass
+class _Part:
+    """One certificate's part of a replayed span: its coverage of the domain, its epoch's pipeline."""
 
-    def __init__(self, target: StreamRecordSink, coverage: DomainCoverage, codec: PositionCodec[Any]) -> None:
-        self._target = target
-        self._coverage = coverage
+    certificate: EpochCertificate
+    coverage: DomainCoverage
+    end: Any
+    target: EpochPipeline
+    rows: int = 0
+
+
+class _Router(StreamRecordSink):
+    """Hands what a source replays over a span of consecutive certificates of one domain to each
+    certificate's pipeline, by position, ending each part with a boundary at its certified end;
+    anything outside the span, or of another domain, is refused."""
+
+    def __init__(self, parts: Sequence[_Part], codec: PositionCodec[Any]) -> None:
+        self._parts = parts
         self._codec = codec
-        self._start = None if coverage.start is None else codec.validate(coverage.start)
-        self._end = codec.validate(coverage.end)
-        self.rows = 0
+        self._domain = parts[0].coverage.domain
+        self._start = None if parts[0].coverage.start is None else codec.validate(parts[0].coverage.start)
+        self._index = 0
 
-    def _check(self, domain: OrderingDomain, positions: Sequence[str]) -> None:
-        certified = self._coverage.domain
+    def _check(self, domain: OrderingDomain) -> None:
+        certified = self._domain
         if domain.lineage != certified.lineage or domain.codec != certified.codec:
             raise IntegrityError(f"the replay of {certified} wrote rows of {domain}", where=str(certified))
         if domain.incarnation != certified.incarnation:
@@ -109,33 +122,77 @@ class _RangeGuard(StreamRecordSink):
                 f"{certified.incarnation!r}: it was deleted and re-created under the same name",
                 where=str(certified),
             )
-        compare, decode = self._codec.compare, self._codec.validate
-        for text in (positions[0], positions[-1]) if positions else ():
-            position = decode(text)
-            if (self._start is not None and compare(position, self._start) <= 0) or compare(
-                position, self._end
-            ) > 0:
+
+    async def _part_of(self, text: str) -> _Part:
+        """The part ``text`` falls in, ending the parts before it (positions only go forward)."""
+        position = self._codec.validate(text)
+        compare = self._codec.compare
+        if self._start is not None and compare(position, self._start) <= 0:
+            raise IntegrityError(
+                f"the replay wrote position {text}, before the certified range (after {self._start})",
+                where=str(self._domain),
+            )
+        while compare(position, self._parts[self._index].end) > 0:
+            await self._close_part()
+            if self._index == len(self._parts):
                 raise IntegrityError(
-                    f"the replay wrote position {text}, outside the certified range "
-                    f"{self._coverage.start}..{self._coverage.end}",
-                    where=str(certified),
+                    f"the replay wrote position {text}, past the certified range (up to "
+                    f"{self._parts[-1].coverage.end})",
+                    where=str(self._domain),
                 )
+        return self._parts[self._index]
+
+    async def _close_part(self) -> None:
+        part = self._parts[self._index]
+        await part.target.control(ProgressBoundary(self._domain, part.coverage.end))
+        self._index += 1
+
+    async def finish(self) -> None:
+        """End every part not ended yet (the span's rows are all written)."""
+        while self._index < len(self._parts):
+            await self._close_part()
 
     async def write(
         self, domain: OrderingDomain, rows: Records, identities: Identities, *, resource: str | None = None
     ) -> None:
-        self._check(domain, identities.positions)
-        self.rows += record_count(rows)
-        await self._target.write(domain, rows, identities, resource=resource)
+        self._check(domain)
+        positions = identities.positions
+        start = 0
+        while start < len(positions):
+            part = await self._part_of(positions[start])
+            stop = start + 1
+            while (
+                stop < len(positions)
+                and self._codec.compare(self._codec.validate(positions[stop]), part.end) <= 0
+            ):
+                stop += 1
+            piece = rows if start == 0 and stop == len(positions) else _slice(rows, start, stop)
+            ordinals = None if identities.ordinals is None else identities.ordinals[start:stop]
+            part.rows += stop - start
+            await part.target.write(
+                domain, piece, Identities(positions[start:stop], ordinals), resource=resource
+            )
+            start = stop
 
     async def control(self, control: Control) -> None:
-        self._check(control.domain, [control.position] if hasattr(control, "position") else [])
-        await self._target.control(control)
+        self._check(control.domain)
+        if isinstance(control, TransactionBegin):
+            await self._parts[min(self._index, len(self._parts) - 1)].target.control(control)
+            return
+        part = await self._part_of(control.position)
+        await part.target.control(control)
 
     async def reject(self, record: RejectedRecord) -> None:
-        self._check(record.identity.domain, [record.identity.position])
-        self.rows += 1
-        await self._target.reject(record)
+        self._check(record.identity.domain)
+        part = await self._part_of(record.identity.position)
+        part.rows += 1
+        await part.target.reject(record)
+
+
+def _slice(rows: Records, start: int, stop: int) -> Records:
+    if isinstance(rows, pa.RecordBatch):
+        return rows.slice(start, stop - start)
+    return rows[start:stop]
 
 
 @dataclass
@@ -155,8 +212,14 @@ class Replayed:
 
 
 class Replayer:
-    """Re-reads certificates of one stream in order, through one pipeline (so a schema inferred from
-    the first certificate's rows holds for the next ones, as in the worker that read them)."""
+    """Re-reads runs of consecutive certificates of one stream, through one pipeline (so a schema
+    inferred from the first rows holds for the next ones, as in the worker that read them).
+
+    Per domain, the ranges of consecutive certificates that follow each other exactly are re-read
+    as one span (one ``StreamSource.replay`` call: one consumer for many epochs), and each row goes
+    to the certificate whose range holds its position. A span the source cannot re-read whole is
+    re-read certificate by certificate, so each says for itself whether its range is still there.
+    """
 
     def __init__(self, spec: StreamSpec, codecs: CodecRegistry | None = None) -> None:
         self.spec = spec
@@ -166,66 +229,115 @@ class Replayer:
 
     async def replay(
         self,
-        certificate: EpochCertificate,
-        refused: Mapping[str, set[str]] | None = None,
+        certificates: Sequence[EpochCertificate],
+        refused: Mapping[int, Mapping[str, set[str]]] | None = None,
         cancel: CancelToken | None = None,
-    ) -> Replayed:
-        """Re-read ``certificate``'s coverage and compare what it recomputes with what it claims.
-        ``refused`` names, per resource, the rows the destination refused in that epoch (dead letters:
-        handed to the sink, so in the digest, but not in its row count)."""
-        replayed = Replayed(certificate)
-        collector = _Collector()
-        starts = [
-            Position(item.domain, item.start) for item in certificate.coverage if item.start is not None
-        ]
-        epoch = self._pipeline.begin(certificate.epoch, collector, starts)
+    ) -> list[Replayed]:
+        """Re-read the coverage of ``certificates`` (consecutive, ascending) and compare what it
+        recomputes with what each claims. ``refused`` names, per epoch and resource, the rows the
+        destination refused (dead letters: handed to the sink, so in the digest, not in its count)."""
+        cancel = cancel or CancelToken()
+        refused = refused or {}
+        results = {certificate.sequence: Replayed(certificate) for certificate in certificates}
+        collectors = {certificate.sequence: _Collector() for certificate in certificates}
+        pipelines = {
+            certificate.sequence: self._pipeline.begin(
+                certificate.epoch,
+                collectors[certificate.sequence],
+                [
+                    Position(item.domain, item.start)
+                    for item in certificate.coverage
+                    if item.start is not None
+                ],
+            )
+            for certificate in certificates
+        }
+        failed: set[int] = set()
         self._letters.records.clear()
-        ok = True
-        for item in certificate.coverage:
-            finding = await self._replay_domain(
-                self.spec.source, epoch, item, replayed, cancel or CancelToken()
-            )
-            replayed.findings.append(finding)
-            ok = ok and finding.outcome is Outcome.VERIFIED
-        if not ok:
-            await epoch.discard()
-            return replayed
-        try:
-            sealed = await epoch.seal(Coverage(certificate.coverage))
-        except FaucetError as exc:
-            replayed.findings.append(
-                Finding(
-                    Aspect.SOURCE,
-                    Outcome.DIVERGED,
-                    "replay does not seal",
-                    f"certificate {certificate.sequence}",
-                    f"the re-read rows do not make the certified epoch: {exc}",
+        for run in _runs(certificates):
+            parts = [
+                _Part(
+                    certificate,
+                    item,
+                    self._codecs.get(item.domain.codec).validate(item.end),
+                    pipelines[certificate.sequence],
                 )
-            )
-            await epoch.discard()
-            return replayed
-        replayed.sealed = sealed
-        replayed.batches = collector.batches
-        replayed.findings.extend(_compare(certificate, sealed, self._letters.records, refused or {}))
-        return replayed
+                for certificate, item in run
+            ]
+            outcome = await self._replay_span(parts, cancel)
+            if isinstance(outcome, Finding) and len(parts) > 1:
+                # Not the whole span: each certificate's range on its own (the later ones may be there).
+                for part in parts:
+                    single = await self._replay_span([part], cancel)
+                    self._settle(results, failed, [part], single)
+                continue
+            self._settle(results, failed, parts, outcome)
+        for certificate in certificates:
+            sequence = certificate.sequence
+            replayed = results[sequence]
+            if sequence in failed:
+                await pipelines[sequence].discard()
+                continue
+            try:
+                sealed = await pipelines[sequence].seal(Coverage(certificate.coverage))
+            except FaucetError as exc:
+                replayed.findings.append(
+                    Finding(
+                        Aspect.SOURCE,
+                        Outcome.DIVERGED,
+                        "replay does not seal",
+                        f"certificate {sequence}",
+                        f"the re-read rows do not make the certified epoch: {exc}",
+                    )
+                )
+                await pipelines[sequence].discard()
+                continue
+            replayed.sealed = sealed
+            replayed.batches = collectors[sequence].batches
+            letters = self._letters.records.get(sequence, [])
+            replayed.findings.extend(_compare(certificate, sealed, letters, refused.get(sequence, {})))
+        return [results[certificate.sequence] for certificate in certificates]
 
-    async def _replay_domain(
+    def _settle(
         self,
-        source: StreamSource,
-        epoch: StreamRecordSink,
-        item: DomainCoverage,
-        replayed: Replayed,
-        cancel: CancelToken,
-    ) -> Finding:
-        where = str(item.domain)
-        span = f"after {item.start} up to {item.end}" if item.start is not None else f"up to {item.end}"
-        codec = self._codecs.get(item.domain.codec)
-        guard = _RangeGuard(epoch, item, codec)
+        results: Mapping[int, Replayed],
+        failed: set[int],
+        parts: Sequence[_Part],
+        outcome: "Finding | str",
+    ) -> None:
+        """Record a span's outcome on each certificate of it."""
+        for part in parts:
+            replayed = results[part.certificate.sequence]
+            replayed.rows += part.rows
+            if isinstance(outcome, Finding):
+                replayed.findings.append(outcome)
+                failed.add(part.certificate.sequence)
+            else:
+                replayed.findings.append(
+                    Finding(
+                        Aspect.SOURCE,
+                        Outcome.VERIFIED,
+                        "re-read",
+                        str(part.coverage.domain),
+                        f"re-read {part.rows} records {_span(part.coverage)}",
+                    )
+                )
+
+    async def _replay_span(self, parts: Sequence[_Part], cancel: CancelToken) -> "Finding | str":
+        """Re-read ``parts`` (consecutive ranges of one domain) in one call: "ok", or the finding of
+        why not (the parts then hold whatever they were handed: their epochs are discarded)."""
+        first, last = parts[0].coverage, parts[-1].coverage
+        span = DomainCoverage(first.domain, first.start, last.end)
+        where = str(span.domain)
+        codec = self._codecs.get(span.domain.codec)
+        router = _Router(parts, codec)
+        for part in parts:
+            part.rows = 0
         try:
-            await source.replay(item, guard, cancel)
+            await self.spec.source.replay(span, router, cancel)
             if cancel.cancelled:
                 raise UnsupportedOperation("the verification was cancelled", where=where)
-            await epoch.control(ProgressBoundary(item.domain, item.end))
+            await router.finish()
         except PositionUnavailable as exc:
             return Finding(Aspect.SOURCE, Outcome.NOT_VERIFIABLE, "not replayable", where, exc.message)
         except IncarnationChanged as exc:
@@ -236,17 +348,38 @@ class Replayer:
                 Outcome.DIVERGED,
                 "replay differs",
                 where,
-                f"re-reading {span} found what the certified epoch could not have read: {exc}",
+                f"re-reading {_span(span)} found what the certified epochs could not have read: {exc}",
             )
         except FaucetError as exc:
             return Finding(
                 Aspect.SOURCE, Outcome.NOT_VERIFIABLE, "not re-read", where, f"{type(exc).__name__}: {exc}"
             )
-        finally:
-            replayed.rows += guard.rows
-        return Finding(
-            Aspect.SOURCE, Outcome.VERIFIED, "re-read", where, f"re-read {guard.rows} records {span}"
-        )
+        return "ok"
+
+
+def _span(coverage: DomainCoverage) -> str:
+    return (
+        f"after {coverage.start} up to {coverage.end}"
+        if coverage.start is not None
+        else f"up to {coverage.end}"
+    )
+
+
+def _runs(certificates: Sequence[EpochCertificate]) -> list[list[tuple[EpochCertificate, DomainCoverage]]]:
+    """Per domain, the runs of consecutive certificates whose ranges follow each other exactly (the
+    same domain, each starting where the previous ended): each run is re-read as one span."""
+    runs: list[list[tuple[EpochCertificate, DomainCoverage]]] = []
+    open_runs: dict[tuple[str, str, str], list[tuple[EpochCertificate, DomainCoverage]]] = {}
+    for certificate in certificates:
+        for item in certificate.coverage:
+            run = open_runs.get(item.domain.lineage)
+            if run is not None and run[-1][1].domain == item.domain and run[-1][1].end == item.start:
+                run.append((certificate, item))
+                continue
+            run = [(certificate, item)]
+            open_runs[item.domain.lineage] = run
+            runs.append(run)
+    return runs
 
 
 def _compare(

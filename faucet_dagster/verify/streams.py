@@ -153,28 +153,16 @@ async def _verify_chain_name(
         try:
             if reader is not None:
                 await _check_committed(reader, chain, name, latest, store, codecs, findings, notes)
-            group: list[Replayed] = []
-            held = 0
-            for certificate in certificates:
-                replayed = await replayer.replay(
-                    certificate, refused.get(certificate.sequence, {}), CancelToken()
-                )
-                rows_replayed += replayed.rows
-                if options.source:
-                    findings.setdefault(certificate.sequence, []).extend(replayed.findings)
-                if reader is None:
-                    continue
-                group.append(replayed)
-                held += sum(batch.records.num_rows for batch in replayed.batches)
-                if held >= options.rows_per_comparison:
+            for group in _groups(certificates, options.rows_per_comparison):
+                replays = await replayer.replay(group, refused, CancelToken())
+                for replayed in replays:
+                    rows_replayed += replayed.rows
+                    if options.source:
+                        findings.setdefault(replayed.certificate.sequence, []).extend(replayed.findings)
+                if reader is not None:
                     rows_compared += await _compare_group(
-                        reader, spec, group, known, latest, refused, options, findings
+                        reader, spec, replays, known, latest, refused, options, findings
                     )
-                    group, held = [], 0
-            if reader is not None and group:
-                rows_compared += await _compare_group(
-                    reader, spec, group, known, latest, refused, options, findings
-                )
         finally:
             if reader is not None:
                 await reader.close()
@@ -186,6 +174,20 @@ async def _verify_chain_name(
     if options.record:
         log.record(name, {item.sequence: (item.outcome.value, item.summary()) for item in verifications})
     return Report(tuple(verifications), 0.0, rows_replayed, rows_compared, tuple(notes))
+
+
+def _groups(certificates: Sequence[EpochCertificate], rows: int) -> list[list[EpochCertificate]]:
+    """Consecutive certificates, in runs that sealed about ``rows`` rows: what one replay re-reads
+    (its batches held for one destination comparison)."""
+    groups: list[list[EpochCertificate]] = [[]]
+    held = 0
+    for certificate in certificates:
+        if groups[-1] and held >= rows:
+            groups.append([])
+            held = 0
+        groups[-1].append(certificate)
+        held += sum(certificate.row_counts.values()) + sum(certificate.dead_lettered.values())
+    return [group for group in groups if group]
 
 
 def _aspects(findings: Sequence[Finding], options: VerifyOptions, readable: bool) -> dict[Aspect, Outcome]:
