@@ -13,18 +13,22 @@ deleted and recreated (another topic id) raises :class:`IncarnationChanged`.
 """
 
 import asyncio
+from collections.abc import Mapping
 
 from faucet_dagster.protocol import (
     CancelToken,
+    ConfigError,
     ConnectionFailed,
     DomainCoverage,
+    FaucetError,
     IncarnationChanged,
     IntegrityError,
+    JsonValue,
     Position,
     PositionUnavailable,
     StreamRecordSink,
 )
-from faucet_kafka.client import offsets_of, where_of
+from faucet_kafka.client import TopicPartitionKey, offsets_of, where_of
 from faucet_kafka.config import KafkaSourceConfig
 from faucet_kafka.deliver import Deliverer
 from faucet_kafka.reader import CODEC, KafkaReader
@@ -109,4 +113,56 @@ async def _read(
         await reader.finish(tracker, [key], {key: stop})
 
 
-__all__ = ["replay_range"]
+def end_offsets(end: JsonValue, where: str) -> dict[TopicPartitionKey, int]:
+    """A bounded run's end bookmark as the offsets its re-read stops before, per partition."""
+    try:
+        assert isinstance(end, dict) and isinstance(end["positions"], list)
+        return {
+            (str(item["topic"]), int(str(item["partition"]))): CODEC.validate(item["offset"]) + 1
+            for item in end["positions"]
+            if isinstance(item, dict)
+        }
+    except (AssertionError, KeyError, TypeError, ValueError, FaucetError):
+        raise ConfigError("the end bookmark is not one the bounded Kafka source wrote", where=where) from None
+
+
+def replay_stops(
+    reader: KafkaReader, stops: Mapping[TopicPartitionKey, int] | None
+) -> dict[TopicPartitionKey, int]:
+    """Where a bounded read stops per partition: the high watermarks captured at its start, or, for a
+    re-read (``stops``), the run's end offsets (a partition the run did not reach: where it starts)."""
+    highs = dict(reader.high_watermarks)
+    if stops is None:
+        return highs
+    return {key: min(high, stops.get(key, reader.parts[key].next_offset)) for key, high in highs.items()}
+
+
+def check_reached(end: JsonValue | None, reached: JsonValue | None, where: str) -> None:
+    """After a re-read up to ``end``: every partition reached its end offset in the same topic
+    incarnation, or the topic no longer holds the run's records."""
+    wanted = _positions(end)
+    found = {(item["topic"], item["partition"]): item for item in _positions(reached)}
+    for item in wanted:
+        got = found.get((item["topic"], item["partition"]))
+        if got is not None and got.get("incarnation") != item.get("incarnation"):
+            raise IncarnationChanged(
+                f"topic {item['topic']} is incarnation {got.get('incarnation')} now, the run read "
+                f"{item.get('incarnation')} (deleted and re-created)",
+                where=where,
+            )
+        if got is None or got.get("offset") != item.get("offset"):
+            raise PositionUnavailable(
+                f"the re-read of {item['topic']}/{item['partition']} ended at offset "
+                f"{None if got is None else got.get('offset')}, the run at {item.get('offset')}: the log "
+                "was truncated or the topic re-created",
+                where=where,
+            )
+
+
+def _positions(bookmark: JsonValue | None) -> list[dict[str, JsonValue]]:
+    """The ``positions`` items of a bounded Kafka bookmark (none for anything else)."""
+    items = bookmark.get("positions") if isinstance(bookmark, dict) else None
+    return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
+
+__all__ = ["check_reached", "end_offsets", "replay_range", "replay_stops"]

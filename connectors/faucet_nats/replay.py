@@ -21,6 +21,7 @@ from faucet_dagster.protocol import (
     DomainCoverage,
     IncarnationChanged,
     IntegrityError,
+    JsonValue,
     OrderingDomain,
     PositionUnavailable,
     ReadLimits,
@@ -82,4 +83,24 @@ async def read_range(
         await session.acknowledge(read, _owner_always)
 
 
-__all__ = ["RangeSession", "read_range"]
+def check_replayed(end: JsonValue | None, reached: JsonValue | None, where: str) -> None:
+    """After a bounded re-read up to bookmark ``end``: it reached ``end`` in the same incarnation, or
+    the stream no longer holds the run's messages (IncarnationChanged, PositionUnavailable)."""
+    if not isinstance(end, dict):
+        return
+    if isinstance(reached, dict) and reached.get("incarnation") != end.get("incarnation"):
+        raise IncarnationChanged(
+            f"the stream is incarnation {reached.get('incarnation')} now, the run read "
+            f"{end.get('incarnation')} (deleted and re-created)",
+            where=where,
+        )
+    if not isinstance(reached, dict) or reached.get("sequence") != end.get("sequence"):
+        got = None if not isinstance(reached, dict) else reached.get("sequence")
+        raise PositionUnavailable(
+            f"the re-read ended at sequence {got}, the run at {end.get('sequence')}: the stream lost "
+            "messages",
+            where=where,
+        )
+
+
+__all__ = ["RangeSession", "check_replayed", "read_range"]

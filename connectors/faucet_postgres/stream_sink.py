@@ -157,9 +157,9 @@ class PostgresStreamingSink(StreamingSink):
 
     async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> DestinationReader:
         """Read back what ``stream`` wrote, for ``faucet verify`` (:mod:`faucet_postgres.verification`)."""
-        from faucet_postgres.verification import PostgresDestinationReader
+        from faucet_postgres.verification import PostgresDestinationReader, ReadTarget
 
-        return PostgresDestinationReader(self.config, stream, policy, key)
+        return PostgresDestinationReader(ReadTarget.of_stream(self.config), stream, policy, key)
 
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity

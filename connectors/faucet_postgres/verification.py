@@ -33,7 +33,8 @@ table's primary key). Nothing of the destination's tables is changed.
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -54,7 +55,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_postgres.changes import KEY_METADATA
 from faucet_postgres.common import PgColumn, connect, current_schema, pg_error, table_columns, table_name
-from faucet_postgres.config import PostgresStreamingSinkConfig
+from faucet_postgres.config import PostgresConnection, PostgresSinkConfig, PostgresStreamingSinkConfig
 from faucet_postgres.copy_arrow import copy_batch
 from faucet_postgres.stream_fence import StreamRows
 
@@ -72,20 +73,49 @@ _NO_EPOCH_COLUMN = (
 )
 
 
-class PostgresDestinationReader(DestinationReader):
-    """Reads back a stream's tables and state rows; see the module docstring."""
+@dataclass(frozen=True)
+class ReadTarget:
+    """Where a reader looks: the tables (by resource), the columns that say who wrote a row, and the
+    stream's state rows (a bounded sink keeps none)."""
 
-    def __init__(
-        self, config: PostgresStreamingSinkConfig, stream: str, policy: WritePolicy, key: Sequence[str]
-    ) -> None:
-        self._config = config
+    connection: PostgresConnection
+    tables: Callable[[str], str]
+    schema_name: str | None
+    epoch_column: str | None = None
+    version_column: str | None = None
+    state: tuple[str | None, str, str] | None = None
+    """``(state schema, epochs table, watermarks table)`` of a stream's sink."""
+
+    @classmethod
+    def of_stream(cls, config: PostgresStreamingSinkConfig) -> "ReadTarget":
+        return cls(
+            config,
+            config.table_for,
+            config.schema_name,
+            config.epoch_column,
+            config.version_column,
+            (config.state_schema_name, config.epochs_table, config.watermarks_table),
+        )
+
+    @classmethod
+    def of_table(cls, config: PostgresSinkConfig) -> "ReadTarget":
+        return cls(config, lambda _: config.table, config.schema_name)
+
+
+class PostgresDestinationReader(DestinationReader):
+    """Reads back a stream's (or a sync's) tables and state rows; see the module docstring."""
+
+    def __init__(self, target: ReadTarget, stream: str, policy: WritePolicy, key: Sequence[str]) -> None:
+        self._target = target
         self._stream = stream
         self._policy = policy
         self._key = tuple(key)
-        self._where = f"{config.safe_url()} stream {stream}"
+        self._where = f"{target.connection.safe_url()} {stream}"
 
     async def committed(self) -> SinkCommitState | None:
-        conn = await connect(self._config, autocommit=True)
+        if self._target.state is None:
+            return None
+        conn = await connect(self._target.connection, autocommit=True)
         try:
             return await self._committed(conn)
         except psycopg.Error as exc:
@@ -94,22 +124,22 @@ class PostgresDestinationReader(DestinationReader):
             await conn.close()
 
     async def _committed(self, conn: Connection) -> SinkCommitState | None:
-        schema = self._config.state_schema_name or self._config.schema_name or await current_schema(conn)
-        found = await (
-            await conn.execute("SELECT to_regclass(%s)", (f'"{schema}"."{self._config.epochs_table}"',))
-        ).fetchone()
+        if self._target.state is None:
+            return None
+        state_schema, epochs, watermarks = self._target.state
+        schema = state_schema or self._target.schema_name or await current_schema(conn)
+        found = await (await conn.execute("SELECT to_regclass(%s)", (f'"{schema}"."{epochs}"',))).fetchone()
         if found is None or found[0] is None:
             return None
-        rows = StreamRows(self._stream, schema, self._config.epochs_table, self._config.watermarks_table)
-        return (await rows.read(conn)).state()
+        return (await StreamRows(self._stream, schema, epochs, watermarks).read(conn)).state()
 
     async def compare(self, expected: ExpectedRows, *, limit: int = DEFAULT_DIFF_LIMIT) -> DestinationDiff:
-        conn = await connect(self._config, autocommit=False)
+        conn = await connect(self._target.connection, autocommit=False)
         await conn.set_isolation_level(psycopg.IsolationLevel.REPEATABLE_READ)
-        table = self._config.table_for(expected.resource)
+        table = self._target.tables(expected.resource)
         where = f"{self._where} table {table}"
         try:
-            schema = self._config.schema_name or await current_schema(conn)
+            schema = self._target.schema_name or await current_schema(conn)
             columns = await table_columns(conn, schema, table)
             committed = await self._committed(conn)
             last = None if committed is None else committed.epoch.sequence
@@ -120,15 +150,15 @@ class PostgresDestinationReader(DestinationReader):
                     committed=last,
                     totals={"missing": expected.rows.num_rows},
                 )
-            comparison = _Comparison(conn, table_name(schema, table), columns, expected, self._config, limit)
+            comparison = _Comparison(conn, table_name(schema, table), columns, expected, self._target, limit)
             await comparison.load()
-            if self._policy is WritePolicy.APPEND:
-                diff = await comparison.append()
+            if self._policy in (WritePolicy.APPEND, WritePolicy.REPLACE):
+                diff = await comparison.append(exact=self._policy is WritePolicy.REPLACE)
             else:
                 diff = await comparison.keyed(self._policy, self._key, last)
             return DestinationDiff(**{**diff, "committed": last})
         except psycopg.Error as exc:
-            raise pg_error(exc, where=where, doing="comparing the stream's rows") from exc
+            raise pg_error(exc, where=where, doing="comparing the rows") from exc
         finally:
             await conn.rollback()
             await conn.close()
@@ -140,24 +170,24 @@ class _Comparison:
     def __init__(
         self,
         conn: Connection,
-        target: sql.Identifier,
+        table: sql.Identifier,
         columns: Mapping[str, PgColumn],
         expected: ExpectedRows,
-        config: PostgresStreamingSinkConfig,
+        where: ReadTarget,
         limit: int,
     ) -> None:
         self.conn = conn
-        self.target = target
+        self.target = table
         self.columns = columns
         self.expected = expected
         self.limit = limit
         self.stage = sql.Identifier(f"_faucet_verify_{uuid.uuid4().hex[:12]}")
-        skip = {OPERATION_COLUMN, UNCHANGED_COLUMN, config.epoch_column}
+        skip = {OPERATION_COLUMN, UNCHANGED_COLUMN, where.epoch_column}
         names = expected.rows.schema.names
         self.compared = [name for name in names if name not in skip and name in columns]
         self.absent = [name for name in names if name not in skip and name not in columns]
-        self.epoch_column = config.epoch_column if config.epoch_column in columns else None
-        self.version = config.version_column
+        self.epoch_column = where.epoch_column if where.epoch_column in columns else None
+        self.version = where.version_column
         self.changes = OPERATION_COLUMN in names
 
     def hash_of(self, alias: str) -> sql.Composed:
@@ -219,9 +249,16 @@ class _Comparison:
 
     # -- APPEND -------------------------------------------------------------------------------------
 
-    async def append(self) -> dict[str, Any]:
+    async def append(self, *, exact: bool) -> dict[str, Any]:
+        """Each expected row once among its epoch's rows (``epoch_column``); without it, the whole
+        table equal to the expected rows when ``exact`` (a REPLACE, or every epoch from the first to
+        the latest), else each expected row there at least once."""
         count = self.expected.rows.num_rows
         unchecked = self._absent_note()
+        expected = self.expected
+        whole = expected.sequences[0] == 1 and list(expected.sequences) == list(range(1, expected.latest + 1))
+        if self.epoch_column is None and (exact or whole):
+            return {"compared": count, "unchecked": unchecked, **await self._multiset_diff(None)}
         if self.epoch_column is None:
             missing = await self._not_contained()
             return {
@@ -258,15 +295,25 @@ class _Comparison:
         rows = await (await self.conn.execute(query, (list(self.expected.sequences),))).fetchall()
         return sorted(int(row[0]) for row in rows)
 
-    async def _multiset_diff(self, epochs: list[int]) -> dict[str, Any]:
-        """Within ``epochs``: the expected rows not there, and the rows there that are not expected
-        (as often as they occur), joined by hash and occurrence."""
+    async def _multiset_diff(self, epochs: list[int] | None) -> dict[str, Any]:
+        """Within ``epochs`` (None: the whole table, whatever wrote it): the expected rows not there,
+        and the rows there that are not expected (as often as they occur), joined by hash and
+        occurrence."""
+        staged: sql.Composable = sql.SQL("0")
+        written: sql.Composable = sql.SQL("NULL::bigint")
+        within: sql.Composable = sql.SQL("true")
+        stage_within: sql.Composable = sql.SQL("true")
+        if epochs is not None:
+            staged = sql.SQL("s.{}").format(sql.Identifier(_EPOCH))
+            written = sql.SQL("d.{}").format(sql.Identifier(self.epoch_column or ""))
+            within = sql.SQL("{} = ANY(%(epochs)s)").format(written)
+            stage_within = sql.SQL("{} = ANY(%(epochs)s)").format(staged)
         query = sql.SQL(
-            "WITH e AS (SELECT s.{row} AS i, s.{ep} AS ep, {hs} AS h FROM {stage} s "
-            "WHERE s.{ep} = ANY(%(epochs)s)), "
+            "WITH e AS (SELECT s.{row} AS i, {staged} AS ep, {hs} AS h FROM {stage} s "
+            "WHERE {stage_within}), "
             "e2 AS (SELECT i, ep, h, row_number() OVER (PARTITION BY ep, h ORDER BY i) AS n FROM e), "
-            "d AS (SELECT d.{epoch} AS ep, {hd} AS h, d.ctid AS c FROM {target} d "
-            "WHERE d.{epoch} = ANY(%(epochs)s)), "
+            "d AS (SELECT {found} AS ep, {hd} AS h, d.ctid AS c FROM {target} d "
+            "WHERE {within}), "
             "d2 AS (SELECT ep, h, c, row_number() OVER (PARTITION BY ep, h ORDER BY c) AS n FROM d), "
             "first AS (SELECT ep, h, min(i) AS i FROM e GROUP BY ep, h) "
             "SELECT e2.i, d2.c::text, d2.ep, f.i FROM e2 "
@@ -275,23 +322,26 @@ class _Comparison:
             "WHERE e2.i IS NULL OR d2.c IS NULL ORDER BY coalesce(e2.i, f.i), d2.c"
         ).format(
             row=sql.Identifier(_ROW),
-            ep=sql.Identifier(_EPOCH),
+            staged=staged,
             hs=self.hash_of("s"),
             stage=self.stage,
-            epoch=sql.Identifier(self.epoch_column or ""),
+            stage_within=stage_within,
+            found=written,
             hd=self.hash_of("d"),
             target=self.target,
+            within=within,
         )
         missing: list[int] = []
         copies: dict[int, int] = {}
-        stray: list[tuple[str, int]] = []
-        for index, ctid, epoch, twin in await (await self.conn.execute(query, {"epochs": epochs})).fetchall():
+        stray: list[tuple[str, int | None]] = []
+        params = None if epochs is None else {"epochs": epochs}
+        for index, ctid, epoch, twin in await (await self.conn.execute(query, params)).fetchall():
             if ctid is None:
                 missing.append(int(index))
             elif twin is not None:
                 copies[int(twin)] = copies.get(int(twin), 0) + 1
             else:
-                stray.append((str(ctid), int(epoch)))
+                stray.append((str(ctid), None if epoch is None else int(epoch)))
         found = await self._rows_at([ctid for ctid, _ in stray[: self.limit]])
         return {
             "missing": tuple(missing[: self.limit]),
@@ -335,17 +385,16 @@ class _Comparison:
                 f"the rows by key: no key column {', '.join(missing_key) or '(none)'} to compare them by"
             )
             return {"compared": 0, "unchecked": tuple(unchecked)}
-        later_unknown = (
-            self.epoch_column is None and committed is not None and committed > self.expected.sequences[-1]
-        )
+        last = self.expected.sequences[-1]
+        after = max(committed or 0, self.expected.latest)
+        later_unknown = self.epoch_column is None and after > last
         if later_unknown:
             unchecked.append(
-                f"rows that differ: the destination committed epochs after {self.expected.sequences[-1]} (up "
-                f"to {committed}) that may have changed them, and the table does not record which epoch "
-                "wrote a row (set the sink's epoch_column)"
+                f"rows that differ: epochs after {last} (up to {after}) may have changed them, and the "
+                "table does not record which epoch wrote a row (set the sink's epoch_column)"
             )
         rows = await self._keyed_rows(policy, key)
-        head = self.expected.sequences[-1] >= (committed or 0)
+        head = last >= after
         missing: list[int] = []
         changed: list[tuple[int, dict[str, Any]]] = []
         resurrected: list[int] = []
@@ -462,4 +511,4 @@ class _Comparison:
         return {str(ctid): json.loads(text) for ctid, text in rows}
 
 
-__all__ = ["PostgresDestinationReader"]
+__all__ = ["PostgresDestinationReader", "ReadTarget"]

@@ -16,6 +16,7 @@ from faucet_dagster.protocol.bounded import (
     RejectedRow,
     Sink,
     Source,
+    replay_to_bookmark,
 )
 from faucet_dagster.protocol.capabilities import (
     DEFAULT_POLICY_OPERATIONS,
@@ -129,6 +130,7 @@ from faucet_dagster.protocol.verification import (
     DestinationReader,
     ExpectedRows,
     FoundRow,
+    ReadableSink,
     ReadableStreamingSink,
 )
 
@@ -197,6 +199,7 @@ __all__ = [
     "PositionUnavailable",
     "ProgressBoundary",
     "ReadLimits",
+    "ReadableSink",
     "ReadableStreamingSink",
     "Receipt",
     "Records",
@@ -239,6 +242,7 @@ __all__ = [
     "postgres_identifier_problem",
     "record_count",
     "refuse_url_credentials",
+    "replay_to_bookmark",
     "schema_from_columns",
     "sink_capabilities_from",
     "source_capabilities_from",

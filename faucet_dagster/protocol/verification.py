@@ -146,11 +146,24 @@ class ReadableStreamingSink(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadableSink(Protocol):
+    """A bounded :class:`~faucet_dagster.protocol.bounded.Sink` whose destination ``faucet verify`` can
+    read back (optional: a sink without ``reader`` is reported not verifiable there)."""
+
+    async def reader(self, name: str) -> DestinationReader:
+        """Open a :class:`DestinationReader` on what this configured sink wrote, with the write mode and
+        key it applies (``write_mode``); ``name`` names the sync in messages. Connects (a FaucetError
+        says why it cannot); changes nothing."""
+        ...
+
+
 __all__ = [
     "DEFAULT_DIFF_LIMIT",
     "DestinationDiff",
     "DestinationReader",
     "ExpectedRows",
     "FoundRow",
+    "ReadableSink",
     "ReadableStreamingSink",
 ]

@@ -105,7 +105,9 @@ def table(results: Sequence[CaseResult], pairs: Sequence[Pair] = PAIRS) -> str:
     """The pair x fault table (markdown): runs, how many faults fired as scheduled, records, lost,
     duplicated, halted correctly, how the certificates verified (``faucet verify``), passed; each
     pair headed by the planner's delivery guarantee, and the faults left out, with why, below."""
-    head = "| pair | fault | runs | fired | records | lost | duplicated | halted correctly | verified | passed |"
+    head = (
+        "| pair | fault | runs | fired | records | lost | duplicated | halted correctly | verified | passed |"
+    )
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     left_out: dict[str, list[str]] = {}
     for pair in pairs:
