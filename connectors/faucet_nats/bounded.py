@@ -28,7 +28,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_nats.config import NatsSourceConfig
 from faucet_nats.jetstream import JetStreamApi, connect
-from faucet_nats.replay import check_replayed
+from faucet_nats.replay import check_beginning, check_replayed
 from faucet_nats.source import CODEC, NatsStreamSession, capabilities, close_client, stream_facts, where_of
 
 
@@ -145,6 +145,8 @@ class NatsSource(Source):
         self._start = self._after = None
         if start is not None:
             self.apply_start_bookmark(start)
+        else:
+            await check_beginning(self.config, where_of(self.config))
         self._until = None if end is None else self.watermark_position(end)
         last: JsonValue | None = None
         async for page in self.stream_pages(ctx, batch_size):

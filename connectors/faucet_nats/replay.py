@@ -27,7 +27,8 @@ from faucet_dagster.protocol import (
     ReadLimits,
     StreamRecordSink,
 )
-from faucet_nats.jetstream import StreamFacts
+from faucet_nats.config import NatsSourceConfig
+from faucet_nats.jetstream import JetStreamApi, StreamFacts, connect
 
 
 class RangeSession(Protocol):
@@ -63,12 +64,8 @@ async def read_range(
             f"{domain.incarnation} (deleted and re-created)",
             where=where,
         )
-    if coverage.start is None and facts.first_seq > facts.configured_first_seq:
-        raise PositionUnavailable(
-            f"the range starts at the stream's beginning; messages {facts.configured_first_seq} to "
-            f"{facts.first_seq - 1} were removed since",
-            where=where,
-        )
+    if coverage.start is None:
+        _check_first(facts, where)
     if facts.last_seq < end:
         raise PositionUnavailable(
             f"the range ends at sequence {end}, the stream at {facts.last_seq}: it lost messages", where=where
@@ -81,6 +78,26 @@ async def read_range(
                 raise IntegrityError("the re-read stopped before the range's end", where=where)
             return
         await session.acknowledge(read, _owner_always)
+
+
+async def check_beginning(config: NatsSourceConfig, where: str) -> None:
+    """Before a re-read from the stream's beginning: the stream still holds its first messages."""
+    client = await connect(config, where=where)
+    try:
+        facts = await JetStreamApi(client, config).stream(config.stream)
+    finally:
+        await client.close()
+    _check_first(facts, where)
+
+
+def _check_first(facts: StreamFacts, where: str) -> None:
+    """A range from the stream's beginning needs its first messages: none removed since."""
+    if facts.first_seq > facts.configured_first_seq:
+        raise PositionUnavailable(
+            f"the range starts at the stream's beginning; messages {facts.configured_first_seq} to "
+            f"{facts.first_seq - 1} were removed since",
+            where=where,
+        )
 
 
 def check_replayed(end: JsonValue | None, reached: JsonValue | None, where: str) -> None:

@@ -299,8 +299,8 @@ class _Comparison:
         """Within ``epochs`` (None: the whole table, whatever wrote it): the expected rows not there,
         and the rows there that are not expected (as often as they occur), joined by hash and
         occurrence."""
-        staged: sql.Composable = sql.SQL("0")
-        written: sql.Composable = sql.SQL("NULL::bigint")
+        staged: sql.Composable = sql.SQL("0::bigint")
+        written: sql.Composable = sql.SQL("0::bigint")  # the whole table: one segment
         within: sql.Composable = sql.SQL("true")
         stage_within: sql.Composable = sql.SQL("true")
         if epochs is not None:
@@ -341,7 +341,7 @@ class _Comparison:
             elif twin is not None:
                 copies[int(twin)] = copies.get(int(twin), 0) + 1
             else:
-                stray.append((str(ctid), None if epoch is None else int(epoch)))
+                stray.append((str(ctid), None if epochs is None else int(epoch)))
         found = await self._rows_at([ctid for ctid, _ in stray[: self.limit]])
         return {
             "missing": tuple(missing[: self.limit]),

@@ -18,16 +18,19 @@ from faucet_dagster.verify.results import (
     table_rows,
 )
 from faucet_dagster.verify.streams import VerifyOptions, verify_stream
+from faucet_dagster.verify.syncs import SyncRun, verify_sync
 
 __all__ = [
     "Aspect",
     "Finding",
     "Outcome",
     "Report",
+    "SyncRun",
     "Verification",
     "VerifyOptions",
     "render_table",
     "rows_json",
     "table_rows",
     "verify_stream",
+    "verify_sync",
 ]

@@ -93,8 +93,12 @@ def expected_rows(
     )
 
 
-async def compare(reader: DestinationReader, expected: ExpectedRows, limit: int) -> Comparison:
-    """Ask ``reader`` about ``expected`` and turn its answer into findings per epoch."""
+async def compare(
+    reader: DestinationReader, expected: ExpectedRows, limit: int, *, duplicates_allowed: bool = False
+) -> Comparison:
+    """Ask ``reader`` about ``expected`` and turn its answer into findings per epoch. With
+    ``duplicates_allowed`` (an at-least-once plan), a row found more than once is what the plan
+    promised, not a difference: it is counted, not a divergence."""
     result = Comparison()
     try:
         diff = await reader.compare(expected, limit=limit)
@@ -112,7 +116,7 @@ async def compare(reader: DestinationReader, expected: ExpectedRows, limit: int)
             )
         return result
     result.compared = diff.compared
-    _classify(result, expected, diff)
+    _classify(result, expected, diff, duplicates_allowed)
     return result
 
 
@@ -130,7 +134,9 @@ def _at(expected: ExpectedRows, index: int) -> str:
     return f"{expected.resource} @ {identity}" if identity is not None else f"{expected.resource} row {index}"
 
 
-def _classify(result: Comparison, expected: ExpectedRows, diff: DestinationDiff) -> None:
+def _classify(
+    result: Comparison, expected: ExpectedRows, diff: DestinationDiff, duplicates_allowed: bool
+) -> None:
     diverged: set[int] = set()
 
     def add(index_epoch: int, kind: str, where: str, detail: str) -> None:
@@ -155,7 +161,7 @@ def _classify(result: Comparison, expected: ExpectedRows, diff: DestinationDiff)
             _at(expected, index),
             f"expected {_show(_row(expected, index))}, the destination holds {_show(found)}",
         )
-    for index, extra in diff.duplicated:
+    for index, extra in [] if duplicates_allowed else diff.duplicated:
         add(
             expected.epochs[index],
             "duplicated row",
@@ -163,6 +169,7 @@ def _classify(result: Comparison, expected: ExpectedRows, diff: DestinationDiff)
             f"the destination holds {extra + 1} copies of the row this event wrote: "
             f"{_show(_row(expected, index))}",
         )
+    copies = diff.total("duplicated") if duplicates_allowed else 0
     for index in diff.resurrected:
         add(
             expected.epochs[index],
@@ -184,6 +191,7 @@ def _classify(result: Comparison, expected: ExpectedRows, diff: DestinationDiff)
     hidden = {
         kind: diff.total(kind) - len(getattr(diff, kind))
         for kind in ("missing", "changed", "duplicated", "unexpected", "resurrected")
+        if kind != "duplicated" or not duplicates_allowed
     }
     hidden = {kind: count for kind, count in hidden.items() if count > 0}
     if hidden:
@@ -203,9 +211,11 @@ def _classify(result: Comparison, expected: ExpectedRows, diff: DestinationDiff)
     counts: dict[int, int] = {}
     for sequence in expected.epochs:
         counts[sequence] = counts.get(sequence, 0) + 1
-    superseded = (
+    notes = (
         f"; {diff.superseded} keyed rows a later epoch changed were not compared" if diff.superseded else ""
     )
+    if copies:
+        notes += f"; {copies} rows found more than once, as the at-least-once plan allows"
     for sequence in expected.sequences:
         if sequence not in diverged:
             result.add(
@@ -216,7 +226,7 @@ def _classify(result: Comparison, expected: ExpectedRows, diff: DestinationDiff)
                     "rows present",
                     expected.resource,
                     f"{counts.get(sequence, 0)} rows at the destination as the "
-                    f"{expected.policy.value} policy promises{superseded}",
+                    f"{expected.policy.value} policy promises{notes}",
                 ),
             )
 

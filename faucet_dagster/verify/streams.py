@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from faucet_dagster.protocol import (
     CancelToken,
     CodecRegistry,
+    Delivery,
     DestinationReader,
     EpochCertificate,
     FaucetError,
@@ -378,7 +379,10 @@ async def _compare_group(
         )
         if expected is None:
             continue
-        result: Comparison = await compare(reader, expected, options.diff_limit)
+        at_least_once = any(item.certificate.delivery is Delivery.AT_LEAST_ONCE for item in complete)
+        result: Comparison = await compare(
+            reader, expected, options.diff_limit, duplicates_allowed=at_least_once
+        )
         compared += result.compared
         for sequence, items in result.findings.items():
             findings.setdefault(sequence, []).extend(items)
