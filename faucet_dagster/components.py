@@ -65,6 +65,7 @@ from faucet_dagster.syncs.assets import FaucetTranslator, faucet_sync_assets
 from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData
 from faucet_dagster.syncs.partitions import faucet_partitions_sensor
 from faucet_dagster.syncs.schedules import faucet_schedule
+from faucet_dagster.syncs.verification import sync_verify_check
 
 DeliveryName = Literal["effectively_once", "at_least_once"]
 
@@ -424,17 +425,19 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         schedules = []
         sensors = []
         assets = []
+        checks = []
         for model in self.syncs:
             sync = self._sync(model, connections)
             [asset] = faucet_sync_assets([sync], translator=translator)
             assets.append(asset)
+            checks.append(sync_verify_check(sync, asset.key))
             if asset.partitions_def is not None:
                 sensors.append(faucet_partitions_sensor(sync))
             if model.schedule is not None:
                 schedules.append(
                     faucet_schedule(asset, model.schedule, name=f"{asset.node_def.name}_schedule")
                 )
-        return dg.Definitions(assets=assets, schedules=schedules, sensors=sensors)
+        return dg.Definitions(assets=assets, asset_checks=checks, schedules=schedules, sensors=sensors)
 
     def _sync(self, model: SyncModel, connections: Mapping[str, FaucetConnection]) -> FaucetSync:
         where = f"sync {model.name}"

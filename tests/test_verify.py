@@ -41,6 +41,9 @@ from faucet_dagster.state.tables import certificates_table
 from faucet_dagster.streams.certificates import certificate_events
 from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.definitions import build_stream_defs
+from faucet_dagster.syncs.assets import faucet_sync_assets
+from faucet_dagster.syncs.declaration import FaucetSync
+from faucet_dagster.syncs.verification import faucet_sync_checks
 from faucet_dagster.verify import Outcome, Report, VerifyOptions, verify_stream
 
 COLUMNS = {"id": "int64 not null", "name": "string"}
@@ -499,3 +502,61 @@ defs = build_stream_defs([
     report = json.loads(capsys.readouterr().out)
     assert [item["outcome"] for item in report["verifications"]] == ["verified"]
     assert main([*verify, "--stream", "nowhere"]) == 2
+
+
+def test_bounded_syncs_verify_bookmark_to_bookmark_and_a_deleted_row_is_named(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Files into PostgreSQL in two runs (APPEND), and a PostgreSQL table read by its keyset into
+    another (UPSERT): the ``faucet_verify`` checks of the syncs re-read each run bookmark to bookmark
+    and compare the tables; a row deleted at the destination is named."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.csv").write_text("id,name\n" + "".join(f"{i},n{i}\n" for i in range(300)))
+    warehouse = FaucetConnection(connector="postgres", config={"url": postgres_url})
+    files = FaucetSync(
+        "files_rows",
+        source=FaucetConnection(connector="files").using(paths=[str(data / "*.csv")]),
+        sink=warehouse.using(table="files_rows"),
+        batch_size=120,
+    )
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE src (id bigint PRIMARY KEY, name text)")
+        conn.execute("INSERT INTO src SELECT i, 'v' || i FROM generate_series(1, 250) i")
+    keyed = FaucetSync(
+        "keyed_rows",
+        source=warehouse.using(table="src", key=["id"]),
+        sink=warehouse.using(table="keyed_rows", mode="upsert", key=["id"]),
+        batch_size=100,
+    )
+    syncs = [files, keyed]
+    defs = dg.Definitions(assets=faucet_sync_assets(syncs), asset_checks=faucet_sync_checks(syncs, runs=2))
+    job = dg.Definitions.merge(defs, dg.Definitions(schedules=[verify_schedule(defs.asset_checks or [], "@daily")]))
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        dg.materialize(faucet_sync_assets(syncs), instance=instance)
+        (data / "b.csv").write_text("id,name\n" + "".join(f"{i},n{i}\n" for i in range(300, 500)))
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("INSERT INTO src SELECT i, 'v' || i FROM generate_series(251, 300) i")
+        dg.materialize(faucet_sync_assets(syncs), instance=instance)
+
+        def evaluate() -> dict[str, dg.AssetCheckEvaluation]:
+            result = job.resolve_job_def("faucet_verify_job").execute_in_process(instance=instance)
+            return {e.asset_key.path[-1]: e for e in result.get_asset_check_evaluations()}
+
+        clean = evaluate()
+        for name, evaluation in clean.items():
+            assert evaluation.passed, (name, evaluation.metadata["faucet/problems"].value)
+            assert evaluation.metadata["faucet/verified"].value == 2
+        assert clean["files_rows"].metadata["faucet/rows_compared"].value == 500  # both runs, exactly
+        assert clean["keyed_rows"].metadata["faucet/rows_compared"].value == 300
+
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM files_rows WHERE id = 310")
+            conn.execute("DELETE FROM keyed_rows WHERE id = 5")
+        tampered = evaluate()
+        files_problems = tampered["files_rows"].metadata["faucet/problems"].value
+        assert not tampered["files_rows"].passed and "missing row" in files_problems
+        assert '"id": 310' in files_problems and "#2" in files_problems  # the second run's row
+        keyed_problems = tampered["keyed_rows"].metadata["faucet/problems"].value
+        assert not tampered["keyed_rows"].passed and '"id": 5' in keyed_problems and "#1" in keyed_problems

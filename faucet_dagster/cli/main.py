@@ -91,6 +91,13 @@ def _add_verify_parser(commands: Any) -> None:
     parser.add_argument("-d", "--working-directory", type=Path, default=Path.cwd())
     parser.add_argument("--stream", action="append", default=[], help="only this stream (repeatable)")
     parser.add_argument(
+        "--sync",
+        action="append",
+        default=[],
+        help="this sync's latest runs too (repeatable; needs $DAGSTER_HOME)",
+    )
+    parser.add_argument("--runs", type=int, default=1, help="runs per sync (default: the latest)")
+    parser.add_argument(
         "--from", dest="first", type=int, help="first certificate (default: after the last verified)"
     )
     parser.add_argument(

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TypeVar
 
 from faucet_dagster.declarations.code_location import import_code_location
 from faucet_dagster.declarations.declared import DECLARED
@@ -23,8 +24,11 @@ from faucet_dagster.state import StateStore
 from faucet_dagster.state.members import group_stream
 from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.verification import instance_reports
+from faucet_dagster.syncs.declaration import FaucetSync
+from faucet_dagster.syncs.verification import verify_sync_from_home
 from faucet_dagster.verify import Outcome, Report, VerifyOptions, render_table, verify_stream
 
+T = TypeVar("T")
 EXIT_DIVERGED = 1
 EXIT_NOT_VERIFIABLE = 3
 
@@ -45,13 +49,15 @@ def verify_command(args: argparse.Namespace) -> int:
         destination=not args.no_destination,
         record=not args.no_record,
     )
-    streams = _selected(args.stream)
+    streams = _selected(args.stream) if args.stream or not args.sync else []
+    syncs = _syncs(args.sync)
     reports = [_verify(stream, options) for stream in streams]
+    reports += [verify_sync_from_home(sync, args.runs) for sync in syncs]
     merged = _merge(reports)
     if args.json:
         print(json.dumps(merged.to_dict(), indent=2))
-    elif not streams:
-        print("no faucet stream declared")
+    elif not streams and not syncs:
+        print("no faucet stream or sync selected")
     else:
         print(render_table(merged))
     return exit_code(merged)
@@ -67,14 +73,25 @@ def exit_code(report: Report) -> int:
 
 
 def _selected(names: Sequence[str]) -> list[FaucetStream]:
+    """The declared streams named (all of them when none is named, unless syncs are)."""
     declared = {name: stream for name, stream in DECLARED.streams.items() if isinstance(stream, FaucetStream)}
+    return _pick("stream", declared, names)
+
+
+def _syncs(names: Sequence[str]) -> list[FaucetSync]:
+    """The declared syncs named (none unless named: their runs are read from $DAGSTER_HOME)."""
+    declared = {name: sync for name, sync in DECLARED.syncs.items() if isinstance(sync, FaucetSync)}
+    return _pick("sync", declared, names) if names else []
+
+
+def _pick(kind: str, declared: dict[str, T], names: Sequence[str]) -> list[T]:
     unknown = sorted(set(names) - set(declared))
     if unknown:
         raise FaucetError(
-            f"no stream {', '.join(unknown)} is declared (declared: {', '.join(declared) or 'none'})",
+            f"no {kind} {', '.join(unknown)} is declared (declared: {', '.join(declared) or 'none'})",
             where="faucet verify",
         )
-    return [stream for name, stream in declared.items() if not names or name in names]
+    return [item for name, item in declared.items() if not names or name in names]
 
 
 def _verify(stream: FaucetStream, options: VerifyOptions) -> Report:
