@@ -560,3 +560,44 @@ def test_bounded_syncs_verify_bookmark_to_bookmark_and_a_deleted_row_is_named(
         assert '"id": 310' in files_problems and "#2" in files_problems  # the second run's row
         keyed_problems = tampered["keyed_rows"].metadata["faucet/problems"].value
         assert not tampered["keyed_rows"].passed and '"id": 5' in keyed_problems and "#1" in keyed_problems
+
+
+def test_row_digests_do_not_depend_on_batching_or_interleaving_but_on_every_value() -> None:
+    """What a replay recomputes: the same rows, cut into other batches and interleaved otherwise across
+    domains, give the same row digests; one value changed gives another."""
+    from faucet_dagster.pipeline import Pipeline, PipelineOptions
+    from faucet_dagster.protocol import (
+        Coverage,
+        DomainCoverage,
+        EpochId,
+        Identities,
+        OrderingDomain,
+        ProgressBoundary,
+    )
+    from faucet_dagster.verify.replay import _Collector
+
+    domains = [OrderingDomain("kafka", "t", str(p), "cluster:topic", "kafka.offset") for p in range(2)]
+    rows = {p: [{"id": p * 1000 + i, "name": None if i % 7 == 0 else f"n{i}"} for i in range(9_000)] for p in range(2)}
+
+    async def digests(batch_rows: int, chunk: int, interleave: bool, change: int | None = None) -> dict[str, str]:
+        pipeline = Pipeline({"t": ResourceSchema.from_columns(COLUMNS)}, options=PipelineOptions(batch_rows))
+        epoch = pipeline.begin(EpochId("s", 1, 1), _Collector(), [])
+        order = [(p, s) for s in range(0, 9_000, chunk) for p in range(2)]
+        if not interleave:
+            order.sort()
+        for partition, start in order:
+            part = [dict(row) for row in rows[partition][start : start + chunk]]
+            if change is not None and partition == 1 and start <= change < start + chunk:
+                part[change - start]["name"] = "changed"
+            positions = [str(i) for i in range(start, start + len(part))]
+            await epoch.write(domains[partition], part, Identities(positions))
+        for domain in domains:
+            await epoch.control(ProgressBoundary(domain, "8999"))
+        sealed = await epoch.seal(Coverage(tuple(DomainCoverage(d, None, "8999") for d in domains)))
+        assert sealed.row_counts == {"t": 18_000}
+        return dict(sealed.row_digests)
+
+    reference = asyncio.run(digests(16_384, 500, True))
+    assert asyncio.run(digests(700, 333, False)) == reference
+    assert asyncio.run(digests(4_096, 9_000, True)) == reference
+    assert asyncio.run(digests(700, 333, False, change=4_321)) != reference

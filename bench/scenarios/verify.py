@@ -17,12 +17,14 @@ import asyncio
 import tempfile
 import time
 
+import psycopg
 from faucet_kafka.config import KafkaSourceConfig
 from faucet_kafka.source import KafkaStreamSource
 from faucet_nats.config import NatsSourceConfig
 from faucet_nats.source import NatsStreamSource
 from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_sink import PostgresStreamingSink
+from psycopg import sql
 
 from bench import data
 from bench.context import BenchContext
@@ -121,4 +123,26 @@ def verify_kafka_to_pg(ctx: BenchContext) -> Measurement:
 @scenario("stream.nats_to_pg_epoch_column", baseline="stream.nats_to_pg")
 def nats_to_pg_epoch_column(ctx: BenchContext) -> Measurement:
     """stream.nats_to_pg with the sink's epoch_column: what stamping each row with its epoch costs."""
-    return _stream(ctx, *_nats(ctx, 50_000))
+    spec, store = _nats(ctx, 50_000)
+    measured = _stream(ctx, spec, store)
+    return Measurement(measured.rows, measured.seconds, {**measured.details, **_row_bytes(ctx, spec.name)})
+
+
+def _row_bytes(ctx: BenchContext, table: str) -> dict[str, float]:
+    """The table's bytes per row with the epoch column, and as a copy without it (untimed)."""
+    with psycopg.connect(ctx.postgres_url, autocommit=True) as conn:
+        bare = f"{table}_bare"
+        conn.execute(
+            sql.SQL("CREATE TABLE {} AS SELECT i, name, score FROM {}").format(
+                sql.Identifier(bare), sql.Identifier(table)
+            )
+        )
+        sizes = [
+            conn.execute("SELECT pg_total_relation_size(%s)", (name,)).fetchone() or (0,)
+            for name in (table, bare)
+        ]
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(bare)))
+    return {
+        "bytes_per_row_with_column": round(sizes[0][0] / ctx.rows, 1),
+        "bytes_per_row_without": round(sizes[1][0] / ctx.rows, 1),
+    }

@@ -101,13 +101,8 @@ class VerificationLog:
         return self._stored(query)
 
     def last_sequence(self, stream: str) -> int:
-        with self.store.transaction("read the last certificate", read_only=True) as conn:
-            found = conn.execute(
-                sa.select(sa.func.max(certificates_table.c.sequence)).where(
-                    certificates_table.c.stream == stream
-                )
-            ).scalar_one_or_none()
-        return int(found or 0)
+        """``stream``'s highest certificate sequence in the store (0: none)."""
+        return self._highest(certificates_table, stream, "read the last certificate")
 
     def positions(self, stream: str) -> list[CertifiedPosition]:
         """Every certified position of ``stream``, with the certificate that moved it there."""
@@ -145,11 +140,12 @@ class VerificationLog:
 
     def verified_through(self, stream: str) -> int:
         """The highest certificate sequence of ``stream`` with a recorded outcome (0: none)."""
-        with self.store.transaction("read verification marks", read_only=True) as conn:
+        return self._highest(verifications_table, stream, "read verification marks")
+
+    def _highest(self, table: sa.Table, stream: str, action: str) -> int:
+        with self.store.transaction(action, read_only=True) as conn:
             found = conn.execute(
-                sa.select(sa.func.max(verifications_table.c.sequence)).where(
-                    verifications_table.c.stream == stream
-                )
+                sa.select(sa.func.max(table.c.sequence)).where(table.c.stream == stream)
             ).scalar_one_or_none()
         return int(found or 0)
 

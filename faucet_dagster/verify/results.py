@@ -9,7 +9,7 @@ checked makes it *not verifiable*, never verified.
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -158,6 +158,14 @@ class Report:
         }
 
 
+def note_all(
+    findings: dict[int, list[Finding]], sequences: Iterable[int], finding: Callable[[int], Finding]
+) -> None:
+    """Add ``finding(sequence)`` to the findings of each of ``sequences``."""
+    for sequence in sequences:
+        findings.setdefault(sequence, []).append(finding(sequence))
+
+
 def table_rows(report: Report) -> list[dict[str, str]]:
     """One row per verification, for a table (the CLI's, Dagster's ``TableMetadataValue``)."""
     return [
@@ -211,6 +219,7 @@ __all__ = [
     "Outcome",
     "Report",
     "Verification",
+    "note_all",
     "render_table",
     "rows_json",
     "table_rows",

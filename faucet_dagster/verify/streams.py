@@ -45,7 +45,7 @@ from faucet_dagster.state.verifications import StoredCertificate, VerificationLo
 from faucet_dagster.verify.chain import ChainResult, check_chain, check_reports
 from faucet_dagster.verify.destination import Comparison, EpochRows, compare, expected_rows
 from faucet_dagster.verify.replay import Replayed, Replayer
-from faucet_dagster.verify.results import Aspect, Finding, Outcome, Report, Verification
+from faucet_dagster.verify.results import Aspect, Finding, Outcome, Report, Verification, note_all
 
 HISTORY_PAGE = 64
 """Certificates read back at a time to find each domain's coverage before the range."""
@@ -327,29 +327,20 @@ async def _compare_group(
 ) -> int:
     """Compare the replayed rows of ``group`` with the destination, resource by resource."""
     complete = [replayed for replayed in group if replayed.complete]
-    for replayed in group:
-        if not replayed.complete:
-            findings.setdefault(replayed.certificate.sequence, []).append(
-                Finding(
-                    Aspect.DESTINATION,
-                    Outcome.NOT_VERIFIABLE,
-                    "not compared",
-                    f"certificate {replayed.certificate.sequence}",
-                    "its range could not be re-read whole: nothing to compare the destination with",
-                )
-            )
-    if spec.policy.keyed and len(complete) != len(group):
+
+    def not_compared(why: str) -> Callable[[int], Finding]:
+        return lambda sequence: Finding(
+            Aspect.DESTINATION, Outcome.NOT_VERIFIABLE, "not compared", f"certificate {sequence}", why
+        )
+
+    incomplete = [replayed.certificate.sequence for replayed in group if not replayed.complete]
+    note_all(
+        findings, incomplete, not_compared("its range could not be re-read whole: nothing to compare with")
+    )
+    if spec.policy.keyed and incomplete:
         # The last change of a key may be in an epoch that was not re-read: compare nothing of it.
-        for replayed in complete:
-            findings.setdefault(replayed.certificate.sequence, []).append(
-                Finding(
-                    Aspect.DESTINATION,
-                    Outcome.NOT_VERIFIABLE,
-                    "not compared",
-                    f"certificate {replayed.certificate.sequence}",
-                    "an epoch next to it could not be re-read: a key's last change may be there",
-                )
-            )
+        why = "an epoch next to it could not be re-read: a key's last change may be there"
+        note_all(findings, [replayed.certificate.sequence for replayed in complete], not_compared(why))
         return 0
     epochs = [
         EpochRows(

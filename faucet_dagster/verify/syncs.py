@@ -33,7 +33,7 @@ from faucet_dagster.protocol import (
     as_record_batch,
 )
 from faucet_dagster.verify.destination import compare
-from faucet_dagster.verify.results import Aspect, Finding, Outcome, Report, Verification
+from faucet_dagster.verify.results import Aspect, Finding, Outcome, Report, Verification, note_all
 
 
 @dataclass(frozen=True)
@@ -160,30 +160,29 @@ async def _compare(
 ) -> int:
     """The re-read rows against the destination; the rows compared."""
     complete = [reread for reread in rereads if reread.rows is not None]
-    for reread in rereads:
-        if reread.rows is None:
-            findings[reread.run.number].append(
-                Finding(
-                    Aspect.DESTINATION,
-                    Outcome.NOT_VERIFIABLE,
-                    "not compared",
-                    name,
-                    "its range could not be re-read",
-                )
-            )
+
+    def each(numbers: Sequence[_Reread], outcome: Outcome, kind: str, detail: str) -> None:
+        note_all(
+            findings,
+            [reread.run.number for reread in numbers],
+            lambda _: Finding(Aspect.DESTINATION, outcome, kind, name, detail),
+        )
+
+    each(
+        [r for r in rereads if r.rows is None],
+        Outcome.NOT_VERIFIABLE,
+        "not compared",
+        "its range could not be re-read",
+    )
     if not complete:
         return 0
     if not isinstance(sink, ReadableSink):
-        for reread in complete:
-            findings[reread.run.number].append(
-                Finding(
-                    Aspect.DESTINATION,
-                    Outcome.NOT_VERIFIABLE,
-                    "no reader",
-                    name,
-                    f"the {sink.connector_name} sink cannot read back what a sync wrote",
-                )
-            )
+        each(
+            complete,
+            Outcome.NOT_VERIFIABLE,
+            "no reader",
+            f"the {sink.connector_name} sink cannot read back what a sync wrote",
+        )
         return 0
     tables = [reread.rows for reread in complete if reread.rows is not None and reread.rows.num_columns]
     epochs = [
@@ -193,16 +192,9 @@ async def _compare(
     ]
     rows = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
     if not rows.num_rows:
-        for reread in complete:
-            findings[reread.run.number].append(
-                Finding(
-                    Aspect.DESTINATION,
-                    Outcome.VERIFIED,
-                    "no rows",
-                    name,
-                    "the run read nothing: nothing must be at the destination",
-                )
-            )
+        each(
+            complete, Outcome.VERIFIED, "no rows", "the run read nothing: nothing must be at the destination"
+        )
         return 0
     expected = ExpectedRows(
         resource=name,
