@@ -48,6 +48,8 @@ from faucet_dagster.verify import Outcome, Report, VerifyOptions, verify_stream
 
 COLUMNS = {"id": "int64 not null", "name": "string"}
 EPOCH_COLUMN = "_faucet_epoch"
+SEQUENCE = f"({EPOCH_COLUMN} & 4294967295)"
+"""The epoch sequence in the epoch column (its low 32 bits; the stream's id is above them)."""
 
 
 @dataclass
@@ -166,17 +168,17 @@ def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream
     assert clean.rows_replayed == 300 and clean.rows_compared == 300
 
     # A row deleted at the destination: its certificate diverged, naming the event's position.
-    [(epoch,)] = stream.sql("DELETE FROM {table} WHERE id = 150 RETURNING " + EPOCH_COLUMN)
+    [(stamp, epoch)] = stream.sql(f"DELETE FROM {{table}} WHERE id = 150 RETURNING {EPOCH_COLUMN}, {SEQUENCE}")
     report = stream.verify()
     assert outcomes(report)[epoch] is Outcome.DIVERGED and found(report, epoch) == ["missing row"]
     assert "@151#0" in report.verifications[epoch - 1].problems[0].where  # stream sequence 151
     assert {s for s, o in outcomes(report).items() if o is Outcome.DIVERGED} == {epoch}
-    stream.sql("INSERT INTO {table} (id, name, " + EPOCH_COLUMN + ") VALUES (150, 'row-150', %s)", epoch)
+    stream.sql("INSERT INTO {table} (id, name, " + EPOCH_COLUMN + ") VALUES (150, 'row-150', %s)", stamp)
 
     # A row changed: named with what it should hold and what it holds.
     stream.sql("UPDATE {table} SET name = 'forged' WHERE id = 42")
     report = stream.verify()
-    [(epoch,)] = stream.sql("SELECT " + EPOCH_COLUMN + " FROM {table} WHERE id = 42")
+    [(epoch,)] = stream.sql(f"SELECT {SEQUENCE} FROM {{table}} WHERE id = 42")
     assert found(report, epoch) == ["changed row"]
     detail = report.verifications[epoch - 1].problems[0].detail
     assert "row-42" in detail and "forged" in detail
@@ -184,7 +186,7 @@ def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream
 
     # A row duplicated.
     stream.sql("INSERT INTO {table} SELECT * FROM {table} WHERE id = 7")
-    [(epoch,)] = stream.sql("SELECT DISTINCT " + EPOCH_COLUMN + " FROM {table} WHERE id = 7")
+    [(epoch,)] = stream.sql(f"SELECT DISTINCT {SEQUENCE} FROM {{table}} WHERE id = 7")
     report = stream.verify()
     assert found(report, epoch) == ["duplicated row"]
     assert "2 copies" in report.verifications[epoch - 1].problems[0].detail
@@ -394,7 +396,7 @@ def test_keyed_state_verifies_and_a_later_epoch_supersedes_not_diverges(
     assert "100 keyed rows a later epoch changed were not compared" in details
 
     keyed.sql("UPDATE {table} SET name = 'forged' WHERE id = 299")  # written once, by the third epoch
-    [(epoch,)] = keyed.sql("SELECT " + EPOCH_COLUMN + " FROM {table} WHERE id = 299")
+    [(epoch,)] = keyed.sql(f"SELECT {SEQUENCE} FROM {{table}} WHERE id = 299")
     report = keyed.verify()
     assert found(report, epoch) == ["changed row"] and "forged" in report.verifications[epoch - 1].problems[0].detail
     keyed.sql("DELETE FROM {table} WHERE id = 3")  # last written by a v2 epoch

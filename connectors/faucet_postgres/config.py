@@ -216,9 +216,11 @@ class PostgresStreamingSinkConfig(PostgresConnection):
     version is newer than the stored one). The stream's last committed epoch with its owner fence
     (``epochs_table``, one row per stream) and its per-domain watermarks (``watermarks_table``) live
     in ``state_schema_name`` (default: ``schema_name``). ``epoch_column`` (off by default) adds a
-    ``bigint`` column of that name to every table the stream writes, holding the sequence of the epoch
-    that last wrote the row: what lets ``faucet verify`` tell an epoch's rows apart (APPEND: each event
-    once; keyed: a row a later epoch changed); see docs/verification.md for its cost.
+    ``bigint`` column of that name to every table the stream writes, holding the epoch that last wrote
+    the row (the stream's id above the epoch's sequence: ``faucet_postgres.stream_tables.epoch_stamp``):
+    what lets ``faucet verify`` tell an epoch's rows apart (APPEND: each event once; UPSERT and
+    VERSIONED_UPSERT: a row a later epoch changed); APPLY_CHANGES tables are not stamped (in a table
+    without a key every column of a change is the row's identity). See docs/verification.md for its cost.
 
     Two server timeouts bound what an epoch's open transaction can do to another worker's (see the
     streaming sink's module docstring, "Zombies and locks"): ``lock_timeout`` is how long a statement

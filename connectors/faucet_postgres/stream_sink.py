@@ -86,7 +86,7 @@ from faucet_postgres.config import PostgresStreamingSinkConfig
 from faucet_postgres.stream_changes import ChangeApplier
 from faucet_postgres.stream_fence import StreamRows, fenced_out, is_fence_refusal
 from faucet_postgres.stream_state import Committed, Epoch, Tally
-from faucet_postgres.stream_tables import Tables, stamp_epoch
+from faucet_postgres.stream_tables import Tables, epoch_stamp, stamp_epoch
 from faucet_postgres.stream_zombies import Backend, backend_of, ensure_exited
 
 Connection = psycopg.AsyncConnection[Any]
@@ -317,8 +317,11 @@ class PostgresStreamingSinkSession(StreamingSinkSession):
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
         records, identities, skipped, kept = state.above_watermark(batch, self._where)
-        if self._config.epoch_column is not None:
-            records = stamp_epoch(records, self._config.epoch_column, epoch.sequence)
+        if self._config.epoch_column is not None and self._policy is not WritePolicy.APPLY_CHANGES:
+            # Not change rows: in a table without a key, every column of a change is the row's identity.
+            records = stamp_epoch(
+                records, self._config.epoch_column, epoch_stamp(epoch.stream, epoch.sequence)
+            )
         positions = identities.positions
         table = self._config.table_for(batch.resource)
         tally = state.tallies.setdefault(batch.resource, Tally(table))

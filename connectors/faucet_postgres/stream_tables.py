@@ -6,6 +6,7 @@ transaction.
 """
 
 import uuid
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,14 +27,30 @@ _ORDINAL = "__faucet_ordinal"
 _ORDINAL_COLUMN = PgColumn(_ORDINAL, "int8", "bigint", -1, False)
 
 
-def stamp_epoch(records: pa.RecordBatch, column: str, sequence: int) -> pa.RecordBatch:
-    """``records`` with ``column`` (``epoch_column``) holding ``sequence`` on every row (replacing a
-    column of that name the rows carry): the epoch that last wrote each row, for ``faucet verify``."""
-    stamp = pa.array([sequence] * records.num_rows, pa.int64())
+_SEQUENCE_BITS = 32
+
+
+def epoch_stamp(stream: str, sequence: int) -> int:
+    """What ``epoch_column`` holds for epoch ``sequence`` of ``stream``: the stream's id (31 bits of the
+    crc32 of its name) above the sequence (32 bits), so streams (and a stream's partition groups) that
+    share a table tell their epochs apart."""
+    return (zlib.crc32(stream.encode()) & 0x7FFF_FFFF) << _SEQUENCE_BITS | sequence
+
+
+def stamped_sequence(stamp: int) -> int:
+    """The epoch sequence an :func:`epoch_stamp` holds."""
+    return stamp & ((1 << _SEQUENCE_BITS) - 1)
+
+
+def stamp_epoch(records: pa.RecordBatch, column: str, stamp: int) -> pa.RecordBatch:
+    """``records`` with ``column`` (``epoch_column``) holding ``stamp`` (:func:`epoch_stamp`) on every
+    row (replacing a column of that name the rows carry): the epoch that last wrote each row, for
+    ``faucet verify``."""
+    stamp_array = pa.array([stamp] * records.num_rows, pa.int64())
     index = records.schema.get_field_index(column)
     if index >= 0:
-        return records.set_column(index, column, stamp)
-    return records.append_column(column, stamp)
+        return records.set_column(index, column, stamp_array)
+    return records.append_column(column, stamp_array)
 
 
 class Tables:

@@ -7,7 +7,7 @@ REPEATABLE READ snapshot that also reads the stream's last committed epoch. Rows
 text of their compared columns (``ROW(...)::text``, hashed): the columns of the expected rows the
 table has (an epoch column, columns added later, are not compared).
 
-APPEND. With the sink's ``epoch_column`` (the sequence of the epoch that wrote each row), the rows of
+APPEND. With the sink's ``epoch_column`` (the epoch that wrote each row, and its stream), the rows of
 each compared epoch must be exactly the expected ones: first a checksum per epoch on both sides
 (count and sum of row hashes; one scan each), then, for the epochs whose checksums differ only, the two
 multisets joined by hash and occurrence, which names every missing row, every row found more often
@@ -58,6 +58,7 @@ from faucet_postgres.common import PgColumn, connect, current_schema, pg_error, 
 from faucet_postgres.config import PostgresConnection, PostgresSinkConfig, PostgresStreamingSinkConfig
 from faucet_postgres.copy_arrow import copy_batch
 from faucet_postgres.stream_fence import StreamRows
+from faucet_postgres.stream_tables import epoch_stamp, stamped_sequence
 
 Connection = psycopg.AsyncConnection[Any]
 
@@ -150,7 +151,9 @@ class PostgresDestinationReader(DestinationReader):
                     committed=last,
                     totals={"missing": expected.rows.num_rows},
                 )
-            comparison = _Comparison(conn, table_name(schema, table), columns, expected, self._target, limit)
+            comparison = _Comparison(
+                conn, table_name(schema, table), columns, expected, self._target, limit, self._stream
+            )
             await comparison.load()
             if self._policy in (WritePolicy.APPEND, WritePolicy.REPLACE):
                 diff = await comparison.append(exact=self._policy is WritePolicy.REPLACE)
@@ -175,8 +178,10 @@ class _Comparison:
         expected: ExpectedRows,
         where: ReadTarget,
         limit: int,
+        stream: str,
     ) -> None:
         self.conn = conn
+        self.stream = stream
         self.target = table
         self.columns = columns
         self.expected = expected
@@ -189,6 +194,13 @@ class _Comparison:
         self.epoch_column = where.epoch_column if where.epoch_column in columns else None
         self.version = where.version_column
         self.changes = OPERATION_COLUMN in names
+
+    def stamp(self, sequence: int) -> int:
+        """What the epoch column holds for this stream's epoch ``sequence``."""
+        return epoch_stamp(self.stream, sequence)
+
+    def stamps(self) -> list[int]:
+        return [self.stamp(sequence) for sequence in self.expected.sequences]
 
     def hash_of(self, alias: str) -> sql.Composed:
         """The md5 of the compared columns of ``alias``, as text."""
@@ -223,7 +235,7 @@ class _Comparison:
         names = list(self.compared)
         arrays += [
             pa.chunked_array([pa.array(range(count), pa.int64())]),
-            pa.chunked_array([pa.array(self.expected.epochs, pa.int64())]),
+            pa.chunked_array([pa.array([self.stamp(epoch) for epoch in self.expected.epochs], pa.int64())]),
         ]
         names += [_ROW, _EPOCH]
         if self.changes:
@@ -292,7 +304,7 @@ class _Comparison:
             hd=hashed.format(found),
             target=self.target,
         )
-        rows = await (await self.conn.execute(query, (list(self.expected.sequences),))).fetchall()
+        rows = await (await self.conn.execute(query, (self.stamps(),))).fetchall()
         return sorted(int(row[0]) for row in rows)
 
     async def _multiset_diff(self, epochs: list[int] | None) -> dict[str, Any]:
@@ -341,7 +353,7 @@ class _Comparison:
             elif twin is not None:
                 copies[int(twin)] = copies.get(int(twin), 0) + 1
             else:
-                stray.append((str(ctid), None if epochs is None else int(epoch)))
+                stray.append((str(ctid), None if epochs is None else stamped_sequence(int(epoch))))
         found = await self._rows_at([ctid for ctid, _ in stray[: self.limit]])
         return {
             "missing": tuple(missing[: self.limit]),
@@ -451,7 +463,9 @@ class _Comparison:
         later: sql.Composable
         tied: sql.Composable
         if self.epoch_column is not None:
-            later = sql.SQL("d.{} > f.{}").format(sql.Identifier(self.epoch_column), sql.Identifier(_EPOCH))
+            later = sql.SQL("d.{e} >> 32 = f.{x} >> 32 AND d.{e} > f.{x}").format(
+                e=sql.Identifier(self.epoch_column), x=sql.Identifier(_EPOCH)
+            )
         else:
             later = sql.SQL("false")
         if version is not None:
