@@ -17,6 +17,7 @@ from typing import Any
 import dagster as dg
 import nats
 import psycopg
+import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 from faucet_kafka.config import KafkaSourceConfig
@@ -33,7 +34,7 @@ from faucet_dagster.cli.main import main
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.declarations.verification import VERIFY_CHECK, verify_schedule
 from faucet_dagster.pipeline import ResourceSchema
-from faucet_dagster.protocol import EpochCertificate, EventIdentity, ReadLimits, WritePolicy
+from faucet_dagster.protocol import EpochCertificate, EventIdentity, Identities, ReadLimits, WritePolicy
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.certificates import fingerprint_and_body
@@ -168,7 +169,9 @@ def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream
     assert clean.rows_replayed == 300 and clean.rows_compared == 300
 
     # A row deleted at the destination: its certificate diverged, naming the event's position.
-    [(stamp, epoch)] = stream.sql(f"DELETE FROM {{table}} WHERE id = 150 RETURNING {EPOCH_COLUMN}, {SEQUENCE}")
+    [(stamp, epoch)] = stream.sql(
+        f"DELETE FROM {{table}} WHERE id = 150 RETURNING {EPOCH_COLUMN}, {SEQUENCE}"
+    )
     report = stream.verify()
     assert outcomes(report)[epoch] is Outcome.DIVERGED and found(report, epoch) == ["missing row"]
     assert "@151#0" in report.verifications[epoch - 1].problems[0].where  # stream sequence 151
@@ -194,7 +197,6 @@ def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream
     assert set(outcomes(stream.verify()).values()) == {Outcome.VERIFIED}
 
 
-
 def _certificate_row(store: StateStore, name: str, sequence: int) -> dict[str, Any]:
     with store.transaction("read") as conn:
         row = conn.execute(
@@ -209,7 +211,9 @@ def _write_certificate(store: StateStore, row: dict[str, Any], **changes: Any) -
     with store.transaction("tamper") as conn:
         table = certificates_table.c
         conn.execute(
-            sa.delete(certificates_table).where(table.stream == row["stream"], table.sequence == row["sequence"])
+            sa.delete(certificates_table).where(
+                table.stream == row["stream"], table.sequence == row["sequence"]
+            )
         )
         conn.execute(certificates_table.insert(), [{**row, **changes}])
 
@@ -311,7 +315,9 @@ def test_kafka_partitions_into_nats_verify_and_a_republished_message_is_named(
     async def create_target() -> None:
         client = await nats.connect(nats_url)
         try:
-            await client.jetstream().add_stream(name=target, subjects=[f"{target}.rows"], duplicate_window=0.5)
+            await client.jetstream().add_stream(
+                name=target, subjects=[f"{target}.rows"], duplicate_window=0.5
+            )
         finally:
             await client.close()
 
@@ -398,7 +404,10 @@ def test_keyed_state_verifies_and_a_later_epoch_supersedes_not_diverges(
     keyed.sql("UPDATE {table} SET name = 'forged' WHERE id = 299")  # written once, by the third epoch
     [(epoch,)] = keyed.sql(f"SELECT {SEQUENCE} FROM {{table}} WHERE id = 299")
     report = keyed.verify()
-    assert found(report, epoch) == ["changed row"] and "forged" in report.verifications[epoch - 1].problems[0].detail
+    assert (
+        found(report, epoch) == ["changed row"]
+        and "forged" in report.verifications[epoch - 1].problems[0].detail
+    )
     keyed.sql("DELETE FROM {table} WHERE id = 3")  # last written by a v2 epoch
     report = keyed.verify()
     assert {kind for item in report.verifications for kind in found(report, item.sequence)} == {
@@ -437,7 +446,9 @@ def test_the_faucet_verify_check_runs_on_a_schedule_and_sees_a_certificate_chang
         for certificate in stream.store.certificates(stream.name):  # what the sensor reports
             instance.report_runless_asset_event(certificate_events(certificate, key)[0])
         stream.store.mark_reported(stream.name, 3)
-        job = dg.Definitions.merge(defs, dg.Definitions(schedules=[schedule])).resolve_job_def("faucet_verify_job")
+        job = dg.Definitions.merge(defs, dg.Definitions(schedules=[schedule])).resolve_job_def(
+            "faucet_verify_job"
+        )
 
         def evaluate() -> dg.AssetCheckEvaluation:
             [evaluation] = job.execute_in_process(instance=instance).get_asset_check_evaluations()
@@ -490,7 +501,18 @@ defs = build_stream_defs([
 """
     )
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
-    verify = ["verify", "-m", module, "-d", str(tmp_path), "--stream", stream.name, "--from", "1", "--no-record"]
+    verify = [
+        "verify",
+        "-m",
+        module,
+        "-d",
+        str(tmp_path),
+        "--stream",
+        stream.name,
+        "--from",
+        "1",
+        "--no-record",
+    ]
     assert main(verify) == 0
     out = capsys.readouterr().out
     assert out.count(" verified ") >= 3 and "3 verified" in out
@@ -533,7 +555,9 @@ def test_bounded_syncs_verify_bookmark_to_bookmark_and_a_deleted_row_is_named(
     )
     syncs = [files, keyed]
     defs = dg.Definitions(assets=faucet_sync_assets(syncs), asset_checks=faucet_sync_checks(syncs, runs=2))
-    job = dg.Definitions.merge(defs, dg.Definitions(schedules=[verify_schedule(defs.asset_checks or [], "@daily")]))
+    job = dg.Definitions.merge(
+        defs, dg.Definitions(schedules=[verify_schedule(defs.asset_checks or [], "@daily")])
+    )
     (tmp_path / "home").mkdir()
     with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
         dg.materialize(faucet_sync_assets(syncs), instance=instance)
@@ -579,19 +603,33 @@ def test_row_digests_do_not_depend_on_batching_or_interleaving_but_on_every_valu
     from faucet_dagster.verify.replay import _Collector
 
     domains = [OrderingDomain("kafka", "t", str(p), "cluster:topic", "kafka.offset") for p in range(2)]
-    rows = {p: [{"id": p * 1000 + i, "name": None if i % 7 == 0 else f"n{i}"} for i in range(9_000)] for p in range(2)}
+    rows = {
+        p: [{"id": p * 1000 + i, "name": None if i % 7 == 0 else f"n{i}"} for i in range(9_000)]
+        for p in range(2)
+    }
 
-    async def digests(batch_rows: int, chunk: int, interleave: bool, change: int | None = None) -> dict[str, str]:
-        pipeline = Pipeline({"t": ResourceSchema.from_columns(COLUMNS)}, options=PipelineOptions(batch_rows))
+    schema = ResourceSchema.from_columns(COLUMNS)
+    # As a source may hand Arrow batches: slices of a larger batch, at an offset that is no multiple of 8.
+    arrow = {
+        p: pa.RecordBatch.from_pylist(rows[p][:7] + rows[p] + rows[p][:11], schema=schema.schema)
+        for p in range(2)
+    }
+
+    async def digests(
+        batch_rows: int, chunk: int, interleave: bool, change: int | None = None, sliced: bool = False
+    ) -> dict[str, str]:
+        pipeline = Pipeline({"t": schema}, options=PipelineOptions(batch_rows))
         epoch = pipeline.begin(EpochId("s", 1, 1), _Collector(), [])
         order = [(p, s) for s in range(0, 9_000, chunk) for p in range(2)]
         if not interleave:
             order.sort()
         for partition, start in order:
-            part = [dict(row) for row in rows[partition][start : start + chunk]]
+            part: Any = [dict(row) for row in rows[partition][start : start + chunk]]
             if change is not None and partition == 1 and start <= change < start + chunk:
                 part[change - start]["name"] = "changed"
-            positions = [str(i) for i in range(start, start + len(part))]
+            if sliced:
+                part = arrow[partition].slice(7 + start, min(chunk, 9_000 - start))
+            positions = [str(i) for i in range(start, start + part_rows(part))]
             await epoch.write(domains[partition], part, Identities(positions))
         for domain in domains:
             await epoch.control(ProgressBoundary(domain, "8999"))
@@ -599,7 +637,32 @@ def test_row_digests_do_not_depend_on_batching_or_interleaving_but_on_every_valu
         assert sealed.row_counts == {"t": 18_000}
         return dict(sealed.row_digests)
 
-    reference = asyncio.run(digests(16_384, 500, True))
+    reference = asyncio.run(digests(4_096, 4_096, True))  # chunks that are whole, fresh batches
+    assert asyncio.run(digests(16_384, 500, True)) == reference
     assert asyncio.run(digests(700, 333, False)) == reference
     assert asyncio.run(digests(4_096, 9_000, True)) == reference
+    assert asyncio.run(digests(5_000, 5_000, True, sliced=True)) == reference
     assert asyncio.run(digests(700, 333, False, change=4_321)) != reference
+
+
+def part_rows(part: Any) -> int:
+    return part.num_rows if isinstance(part, pa.RecordBatch) else len(part)
+
+
+class OverReadingSource(NatsStreamSource):
+    """The real NATS source, whose re-read writes one record past the range it was asked for: the
+    fault a connector's replay could have (reading on to the stream's end)."""
+
+    async def replay(self, coverage: Any, sink: Any, cancel: Any) -> None:
+        await super().replay(coverage, sink, cancel)
+        beyond = str(int(coverage.end) + 1)
+        await sink.write(coverage.domain, [{"id": -1, "name": "beyond"}], Identities([beyond]))
+
+
+def test_a_replay_that_reads_past_its_range_is_refused_not_counted(stream: Stream) -> None:
+    spec = stream.spec()
+    over = StreamSpec(**{**spec.__dict__, "source": OverReadingSource(spec.source.config)})  # type: ignore[attr-defined]
+    report = asyncio.run(verify_stream(over, stream.store, VerifyOptions(first=1, record=False)))
+    for item in report.verifications:
+        assert found(report, item.sequence) == ["replay differs", "not compared"], item.problems
+        assert "past the certified range" in item.problems[0].detail

@@ -98,6 +98,8 @@ class _Part:
     end: Any
     target: EpochPipeline
     rows: int = 0
+    touched: bool = False
+    """Whether the part's pipeline was handed anything (then it cannot be re-read on its own)."""
 
 
 class _Router(StreamRecordSink):
@@ -144,6 +146,7 @@ class _Router(StreamRecordSink):
 
     async def _close_part(self) -> None:
         part = self._parts[self._index]
+        part.touched = True
         await part.target.control(ProgressBoundary(self._domain, part.coverage.end))
         self._index += 1
 
@@ -169,6 +172,7 @@ class _Router(StreamRecordSink):
             piece = rows if start == 0 and stop == len(positions) else _slice(rows, start, stop)
             ordinals = None if identities.ordinals is None else identities.ordinals[start:stop]
             part.rows += stop - start
+            part.touched = True
             await part.target.write(
                 domain, piece, Identities(positions[start:stop], ordinals), resource=resource
             )
@@ -177,15 +181,19 @@ class _Router(StreamRecordSink):
     async def control(self, control: Control) -> None:
         self._check(control.domain)
         if isinstance(control, TransactionBegin):
-            await self._parts[min(self._index, len(self._parts) - 1)].target.control(control)
+            part = self._parts[min(self._index, len(self._parts) - 1)]
+            part.touched = True
+            await part.target.control(control)
             return
         part = await self._part_of(control.position)
+        part.touched = True
         await part.target.control(control)
 
     async def reject(self, record: RejectedRecord) -> None:
         self._check(record.identity.domain)
         part = await self._part_of(record.identity.position)
         part.rows += 1
+        part.touched = True
         await part.target.reject(record)
 
 
@@ -265,11 +273,13 @@ class Replayer:
                 for certificate, item in run
             ]
             outcome = await self._replay_span(parts, cancel)
-            if isinstance(outcome, Finding) and len(parts) > 1:
-                # Not the whole span: each certificate's range on its own (the later ones may be there).
-                for part in parts:
-                    single = await self._replay_span([part], cancel)
-                    self._settle(results, failed, [part], single)
+            untouched = [part for part in parts if not part.touched]
+            if isinstance(outcome, Finding) and len(parts) > 1 and untouched:
+                # Not the whole span: the ranges nothing was read into yet on their own (the later
+                # ones may still be there); those read into share the span's outcome.
+                self._settle(results, failed, [part for part in parts if part.touched], outcome)
+                for part in untouched:
+                    self._settle(results, failed, [part], await self._replay_span([part], cancel))
                 continue
             self._settle(results, failed, parts, outcome)
         for certificate in certificates:
