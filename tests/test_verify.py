@@ -167,6 +167,8 @@ def test_an_untouched_stream_verifies_and_a_tampered_row_is_named(stream: Stream
     clean = stream.verify()
     assert set(outcomes(clean).values()) == {Outcome.VERIFIED}, clean.verifications
     assert clean.rows_replayed == 300 and clean.rows_compared == 300
+    [(index,)] = stream.sql("SELECT indexdef FROM pg_indexes WHERE tablename = %s", stream.table)
+    assert "USING brin (_faucet_epoch)" in index  # an epoch's rows are found without a table scan
 
     # A row deleted at the destination: its certificate diverged, naming the event's position.
     [(stamp, epoch)] = stream.sql(
@@ -666,3 +668,19 @@ def test_a_replay_that_reads_past_its_range_is_refused_not_counted(stream: Strea
     for item in report.verifications:
         assert found(report, item.sequence) == ["replay differs", "not compared"], item.problems
         assert "past the certified range" in item.problems[0].detail
+
+
+def test_the_epoch_column_is_added_to_an_existing_table_whatever_schema_evolution_says(
+    nats_url: str, postgres_url: str, unique_name: Callable[..., str], tmp_path: Path
+) -> None:
+    name = unique_name("v")
+    asyncio.run(_create(nats_url, name))
+    with StateStore(f"sqlite:///{tmp_path / 'state.db'}") as store:
+        made = Stream(nats_url, postgres_url, name, store)
+        made.sql("CREATE TABLE {table} (id bigint NOT NULL, name text)")
+        made.sql("INSERT INTO {table} VALUES (-1, 'written before the stream')")
+        made.publish([{"id": n, "name": f"row-{n}"} for n in range(150)])
+        assert sum(sum(c.row_counts.values()) for c in made.run()) == 150
+        assert made.sql(f"SELECT count(*) FROM {{table}} WHERE {EPOCH_COLUMN} IS NULL") == [(1,)]
+        report = made.verify()
+        assert set(outcomes(report).values()) == {Outcome.VERIFIED}, [v.problems for v in report.verifications]

@@ -148,7 +148,6 @@ class PostgresDestinationReader(DestinationReader):
                 return DestinationDiff(
                     compared=expected.rows.num_rows,
                     missing=tuple(range(min(limit, expected.rows.num_rows))),
-                    committed=last,
                     totals={"missing": expected.rows.num_rows},
                 )
             comparison = _Comparison(
@@ -159,7 +158,7 @@ class PostgresDestinationReader(DestinationReader):
                 diff = await comparison.append(exact=self._policy is WritePolicy.REPLACE)
             else:
                 diff = await comparison.keyed(self._policy, self._key, last)
-            return DestinationDiff(**{**diff, "committed": last})
+            return DestinationDiff(**diff)
         except psycopg.Error as exc:
             raise pg_error(exc, where=where, doing="comparing the rows") from exc
         finally:

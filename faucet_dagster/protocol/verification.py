@@ -82,8 +82,7 @@ class DestinationDiff:
     name. ``compared`` is how many expected rows (and absent keys) were compared; ``superseded`` how
     many keyed rows an epoch after the compared ones changed (not compared). ``unchecked`` says what
     the reader could not check, and why (``"duplicates: the table records no epoch"``): the engine
-    reports the range as not verifiable for that, never as verified. ``committed`` is the stream's last
-    epoch the destination had committed, read in the same snapshot as the rows (``None``: unknown).
+    reports the range as not verifiable for that, never as verified.
     """
 
     compared: int
@@ -94,7 +93,6 @@ class DestinationDiff:
     resurrected: tuple[int, ...] = ()
     superseded: int = 0
     unchecked: tuple[str, ...] = ()
-    committed: int | None = None
     totals: Mapping[str, int] = field(default_factory=dict)
 
     def total(self, kind: str) -> int:

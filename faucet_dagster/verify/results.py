@@ -174,9 +174,7 @@ def table_rows(report: Report) -> list[dict[str, str]]:
             "certificate": str(item.sequence),
             "outcome": item.outcome.value,
             **{
-                aspect.value: item.aspects.get(aspect, Outcome.VERIFIED).value
-                if aspect in item.aspects
-                else "-"
+                aspect.value: item.aspects[aspect].value if aspect in item.aspects else "-"
                 for aspect in Aspect
             },
             "what": item.summary(),
