@@ -683,4 +683,6 @@ def test_the_epoch_column_is_added_to_an_existing_table_whatever_schema_evolutio
         assert sum(sum(c.row_counts.values()) for c in made.run()) == 150
         assert made.sql(f"SELECT count(*) FROM {{table}} WHERE {EPOCH_COLUMN} IS NULL") == [(1,)]
         report = made.verify()
-        assert set(outcomes(report).values()) == {Outcome.VERIFIED}, [v.problems for v in report.verifications]
+        assert set(outcomes(report).values()) == {Outcome.VERIFIED}, [
+            v.problems for v in report.verifications[:3]
+        ]

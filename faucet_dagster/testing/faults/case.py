@@ -59,7 +59,8 @@ class CaseResult:
     seconds: float
     notes: tuple[str, ...] = ()
     verification: CaseVerification | None = None
-    """``faucet verify`` over the case's certificates (None: not verified, a bounded pair)."""
+    """``faucet verify`` over the case's certificates or synced range (None: not run); what it found
+    that the fault does not explain is in ``notes`` too."""
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "passed": self.passed}

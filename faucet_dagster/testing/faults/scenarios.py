@@ -263,7 +263,7 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         fired=outcome.fired,
         halted_correctly=outcome.halted_correctly,
         seconds=seconds,
-        notes=tuple(outcome.notes),
+        notes=(*outcome.notes, *verification.unexplained),
         verification=verification,
     )
     (case.dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
