@@ -72,6 +72,7 @@ from faucet_dagster.syncs.assets import FaucetTranslator, faucet_sync_assets
 from faucet_dagster.syncs.declaration import FaucetSync, FaucetSyncData, SyncChecks
 from faucet_dagster.syncs.partitions import faucet_partitions_sensor
 from faucet_dagster.syncs.schedules import faucet_schedule
+from faucet_dagster.syncs.verification import sync_verify_check
 
 # Dagster 1.13's component loading rebuilds a component's asset checks with a beta parameter of its own
 # (repository_data.py converts them back through AssetsDefinition(execution_type=...)): a BetaWarning on
@@ -271,10 +272,12 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
         schedules = []
         sensors = []
         assets = []
+        checks = []
         for model in self.syncs:
             sync = self._sync(model, connections)
             [asset] = faucet_sync_assets([sync], translator=translator)
             assets.append(asset)
+            checks.append(sync_verify_check(sync, asset.key))
             if isinstance(asset.partitions_def, dg.DynamicPartitionsDefinition):
                 sensors.append(
                     faucet_partitions_sensor(
@@ -291,7 +294,7 @@ class FaucetComponent(dg.Component, dg.Model, dg.Resolvable):
                         default_status=status or dg.DefaultScheduleStatus.STOPPED,
                     )
                 )
-        return dg.Definitions(assets=assets, schedules=schedules, sensors=sensors)
+        return dg.Definitions(assets=assets, asset_checks=checks, schedules=schedules, sensors=sensors)
 
     def _sync(self, model: SyncModel, connections: Mapping[str, FaucetConnection]) -> FaucetSync:
         where = f"sync {model.name}"

@@ -64,6 +64,7 @@ from faucet_dagster.protocol import (
     SchemaError,
     Source,
     SourceCapabilities,
+    replay_to_bookmark,
 )
 from faucet_files.bookmark import FileEntry, FilesBookmark
 from faucet_files.config import FileFormat, FilesSourceConfig
@@ -156,6 +157,15 @@ class FilesSource(Source):
     def bookmark(self) -> JsonValue | None:
         """The bookmark after the last page handed out (the start bookmark before any)."""
         return self._reached.to_json()
+
+    async def replay_pages(
+        self, ctx: FetchContext, start: JsonValue | None, end: JsonValue | None, batch_size: int
+    ) -> AsyncIterator[Page]:
+        """Re-read one run's files, ``start`` to ``end``, for ``faucet verify``: read again with the run's
+        ``batch_size``, its pages come back with the same bookmarks while no file it read changed
+        (:func:`~faucet_dagster.protocol.bounded.replay_to_bookmark`)."""
+        async for page in replay_to_bookmark(self, ctx, start, end, batch_size):
+            yield page
 
     async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
         if batch_size < 0:

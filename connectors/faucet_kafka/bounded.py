@@ -36,7 +36,8 @@ from faucet_kafka.client import (
 from faucet_kafka.config import KafkaSourceConfig
 from faucet_kafka.decode import raw_schema
 from faucet_kafka.deliver import Deliverer
-from faucet_kafka.reader import CODEC, KafkaReader, ReadTracker
+from faucet_kafka.reader import CODEC, Fallback, KafkaReader, ReadTracker
+from faucet_kafka.replay import check_reached, end_offsets, replay_stops
 from faucet_kafka.source import capabilities
 
 
@@ -59,6 +60,9 @@ class KafkaSource(Source):
         self._start: list[Position] = []
         self._shard: TopicPartitionKey | None = None
         self._reached: JsonValue | None = None
+        self._fallback: Fallback = "committed"
+        self._stops: dict[TopicPartitionKey, int] | None = None
+        """A replay's end offsets (exclusive): ``faucet verify`` re-reads a run's range."""
 
     def capabilities(self) -> SourceCapabilities:
         return capabilities(self.config, continuous=False)
@@ -142,6 +146,20 @@ class KafkaSource(Source):
         pages = [page.records async for page in self.stream_pages(ctx, 0)]
         return pages[0] if pages else []
 
+    async def replay_pages(
+        self, ctx: FetchContext, start: JsonValue | None, end: JsonValue | None, batch_size: int
+    ) -> AsyncIterator[Page]:
+        """Re-read one run's records, after ``start``'s offsets (the partitions' beginnings when None)
+        up to ``end``'s, for ``faucet verify`` (:mod:`faucet_kafka.replay`)."""
+        self._start, self._fallback, self._stops = [], "beginning", None
+        if start is not None:
+            self.apply_start_bookmark(start)
+        if end is not None:
+            self._stops = end_offsets(end, self.dataset_uri())
+        async for page in self.stream_pages(ctx, batch_size):
+            yield page
+        check_reached(end, self._reached, self.dataset_uri())
+
     async def stream_pages(self, ctx: FetchContext, batch_size: int) -> AsyncIterator[Page]:
         """Read every partition (or the shard) from its start to the high watermark captured at start.
 
@@ -163,9 +181,9 @@ class KafkaSource(Source):
                 self.config.topics,
                 lambda topic, partition: shard is None or (topic, partition) == shard,
                 self._start,
-                "committed",
+                self._fallback,
             )
-            stops = dict(reader.high_watermarks)
+            stops = replay_stops(reader, self._stops)
             deliverer = Deliverer(self.config)
             remaining = {key for key, state in reader.parts.items() if state.next_offset < stops[key]}
             self._reached = self._bookmark(reader)

@@ -301,6 +301,12 @@ class KafkaStreamSource(StreamSource):
         source checks: a missing topic raises ConfigError naming it."""
         await partitions_of(self.config, self.config.topics)
 
+    async def replay(self, coverage: DomainCoverage, sink: StreamRecordSink, cancel: CancelToken) -> None:
+        """Re-read one certified partition range for ``faucet verify`` (:mod:`faucet_kafka.replay`)."""
+        from faucet_kafka.replay import replay_range
+
+        await replay_range(self.config, coverage, sink, cancel)
+
     async def open(
         self,
         resources: Sequence[str],

@@ -28,6 +28,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_nats.config import NatsSourceConfig
 from faucet_nats.jetstream import JetStreamApi, connect
+from faucet_nats.replay import check_beginning, check_replayed
 from faucet_nats.source import CODEC, NatsStreamSession, capabilities, close_client, stream_facts, where_of
 
 
@@ -83,6 +84,7 @@ class NatsSource(Source):
         self.config = config
         self._start: Position | None = None
         self._after: int | None = None
+        self._until: int | None = None
         self._bookmark: JsonValue | None = None
 
     def capabilities(self) -> SourceCapabilities:
@@ -135,6 +137,23 @@ class NatsSource(Source):
         finally:
             await close_client(client, where_of(self.config))
 
+    async def replay_pages(
+        self, ctx: FetchContext, start: JsonValue | None, end: JsonValue | None, batch_size: int
+    ) -> AsyncIterator[Page]:
+        """Re-read one run's messages, after ``start``'s sequence up to ``end``'s (:mod:`faucet_nats.replay`
+        says when they are no longer there), for ``faucet verify``."""
+        self._start = self._after = None
+        if start is not None:
+            self.apply_start_bookmark(start)
+        else:
+            await check_beginning(self.config, where_of(self.config))
+        self._until = None if end is None else self.watermark_position(end)
+        last: JsonValue | None = None
+        async for page in self.stream_pages(ctx, batch_size):
+            last = page.bookmark
+            yield page
+        check_replayed(end, last, where_of(self.config))
+
     async def fetch(self, ctx: FetchContext) -> Records:
         pages = [page.records async for page in self.stream_pages(ctx, 0)]
         if not pages:
@@ -158,6 +177,7 @@ class NatsSource(Source):
             bounded=True,
             max_ack_pending=-1 if batch_size == 0 else max(2 * batch_size, config.chunk_messages),
             after=self._after,
+            until=self._until,
         )
         collector = _PageCollector(where_of(config))
         limits = ReadLimits(records=batch_size or None, bytes=None, idle=None, age=None)

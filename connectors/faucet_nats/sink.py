@@ -53,6 +53,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from functools import partial
 
 import nats.errors
 import nats.js.errors
@@ -64,6 +65,7 @@ from faucet_dagster.protocol import (
     ConfigError,
     ConnectionFailed,
     Coverage,
+    DestinationReader,
     Durability,
     EpochId,
     EpochMismatch,
@@ -355,6 +357,12 @@ class NatsStreamingSink(StreamingSink):
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config, continuous=True)
 
+    async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> DestinationReader:
+        """Read back what ``stream`` published, for ``faucet verify`` (:mod:`faucet_nats.verification`)."""
+        from faucet_nats.verification import NatsDestinationReader
+
+        return NatsDestinationReader(self.config, stream, partial(committed_watermark, self.config, stream))
+
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
     ) -> NatsSinkSession:
@@ -371,6 +379,26 @@ class NatsStreamingSink(StreamingSink):
             await publisher.close()
             raise
         return session
+
+
+async def committed_watermark(config: NatsSinkConfig, stream: str) -> SinkCommitState | None:
+    """What ``stream`` last committed to ``config``'s target, read without a session and without
+    creating the watermark bucket (None: nothing committed, or no bucket yet)."""
+    publisher = Publisher(config)
+    try:
+        js = await publisher.open()
+        try:
+            kv = await js.key_value(config.watermark_bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return None
+        except (nats.errors.Error, OSError) as exc:
+            raise ConnectionFailed(
+                f"opening the watermark bucket {config.watermark_bucket} failed: {type(exc).__name__}",
+                where=publisher.where,
+            ) from exc
+        return await NatsSinkSession(publisher, stream, kv).last_committed()
+    finally:
+        await publisher.close()
 
 
 async def _watermark_bucket(js: JetStreamContext, bucket: str, where: str) -> KeyValue:

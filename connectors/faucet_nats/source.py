@@ -75,6 +75,7 @@ from faucet_nats.jetstream import (
     connect,
     stream_missing,
 )
+from faucet_nats.replay import read_range
 
 CODEC = NatsStreamSequenceCodec()
 INLINE_DECODE_MESSAGES = 512
@@ -212,6 +213,8 @@ class NatsStreamSession(StreamSession):
         self._finished = end is not None and consumer is not None and consumer.max_seen >= end
         self._lock = asyncio.Lock()
         self._closed = False
+        self.facts: StreamFacts | None = None
+        """The stream as ``open`` found it."""
 
     @classmethod
     async def open(
@@ -225,11 +228,13 @@ class NatsStreamSession(StreamSession):
         bounded: bool,
         max_ack_pending: int | None = None,
         after: int | None = None,
+        until: int | None = None,
     ) -> "NatsStreamSession":
         """Connect, check the certified position, and (when ``owned``) create the consumer there.
 
         ``after`` (a bounded read only) starts right after that sequence of the current incarnation
         instead, when it is past the certified position: everything up to it is at the destination.
+        ``until`` (a bounded read only) ends it at that sequence instead of the stream's last.
         """
         where = where_of(config)
         client = await connect(config, where=where)
@@ -261,9 +266,10 @@ class NatsStreamSession(StreamSession):
                     where=where,
                 )
                 await consumer.start()
-            return cls(
-                config, client, consumer, domain, resumed=resumed, end=facts.last_seq if bounded else None
-            )
+            end = (facts.last_seq if until is None else until) if bounded else None
+            session = cls(config, client, consumer, domain, resumed=resumed, end=end)
+            session.facts = facts
+            return session
         except BaseException:
             await client.close()
             raise
@@ -558,6 +564,27 @@ class NatsStreamSource(StreamSource):
 
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         return (CODEC,)
+
+    async def replay(self, coverage: DomainCoverage, sink: StreamRecordSink, cancel: CancelToken) -> None:
+        """Re-read one certified sequence range for ``faucet verify`` (:mod:`faucet_nats.replay`)."""
+        config, domain = self.config, coverage.domain
+        if domain.lineage != (config.source_name, config.stream, config.partition):
+            raise IntegrityError(f"the range belongs to {domain}, not to this source", where=where_of(config))
+        start = () if coverage.start is None else (Position(domain, coverage.start),)
+        session = await NatsStreamSession.open(
+            config,
+            start,
+            owned=True,
+            worker=None,
+            durable=False,
+            bounded=True,
+            max_ack_pending=2 * config.chunk_messages,
+            until=CODEC.validate(coverage.end),
+        )
+        try:
+            await read_range(session, coverage, sink, cancel, where_of(config))
+        finally:
+            await session.close()
 
     async def open(
         self,

@@ -82,14 +82,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from faucet_dagster.protocol import (
+    CancelToken,
+    DomainCoverage,
     Emits,
     Membership,
     Operation,
     Ordering,
     Position,
     PositionCodec,
+    PositionUnavailable,
     Replay,
     SourceCapabilities,
+    StreamRecordSink,
     StreamSource,
     WorkerIdentity,
 )
@@ -126,6 +130,17 @@ class PostgresCdcSource(StreamSource):
 
     def codecs(self) -> Sequence[PositionCodec[Any]]:
         return (CODEC,)
+
+    async def replay(self, coverage: DomainCoverage, sink: StreamRecordSink, cancel: CancelToken) -> None:
+        """A certified range cannot be re-read (``faucet verify`` says so, never "ok"): the slot
+        confirmed it when its epoch was acknowledged, and logical decoding never delivers again what a
+        slot confirmed (the WAL behind it is recycled)."""
+        raise PositionUnavailable(
+            f"the change stream after {coverage.start} up to {coverage.end} was confirmed to slot "
+            f"{self.config.slot} when its epoch was certified; a replication slot never delivers again what "
+            "it confirmed",
+            where=str(coverage.domain),
+        )
 
     async def setup_replication(self, tables: Sequence[str] = ()) -> ReplicationSetup:
         """Create (or complete) this source's publication, marker and slot: :func:`setup_replication`

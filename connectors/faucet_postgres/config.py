@@ -215,7 +215,12 @@ class PostgresStreamingSinkConfig(PostgresConnection):
     ``version_column`` names the column VERSIONED_UPSERT compares (a row is applied only when its
     version is newer than the stored one). The stream's last committed epoch with its owner fence
     (``epochs_table``, one row per stream) and its per-domain watermarks (``watermarks_table``) live
-    in ``state_schema_name`` (default: ``schema_name``).
+    in ``state_schema_name`` (default: ``schema_name``). ``epoch_column`` (off by default) adds a
+    ``bigint`` column of that name to every table the stream writes, holding the epoch that last wrote
+    the row (the stream's id above the epoch's sequence: ``faucet_postgres.stream_tables.epoch_stamp``):
+    what lets ``faucet verify`` tell an epoch's rows apart (APPEND: each event once; UPSERT and
+    VERSIONED_UPSERT: a row a later epoch changed); APPLY_CHANGES tables are not stamped (in a table
+    without a key every column of a change is the row's identity). See docs/verification.md for its cost.
 
     Two server timeouts bound what an epoch's open transaction can do to another worker's (see the
     streaming sink's module docstring, "Zombies and locks"): ``lock_timeout`` is how long a statement
@@ -234,6 +239,7 @@ class PostgresStreamingSinkConfig(PostgresConnection):
     create_tables: bool = True
     schema_evolution: bool = False
     version_column: str | None = Field(default=None, min_length=1)
+    epoch_column: str | None = Field(default=None, min_length=1)
     state_schema_name: str | None = None
     epochs_table: str = Field(default="_faucet_stream_epochs", min_length=1)
     watermarks_table: str = Field(default="_faucet_stream_watermarks", min_length=1)
@@ -260,7 +266,16 @@ class PostgresStreamingSinkConfig(PostgresConnection):
             [
                 *([self.table] if self.table else []),
                 *self.tables.values(),
-                *(name for name in (self.schema_name, self.state_schema_name, self.version_column) if name),
+                *(
+                    name
+                    for name in (
+                        self.schema_name,
+                        self.state_schema_name,
+                        self.version_column,
+                        self.epoch_column,
+                    )
+                    if name
+                ),
                 self.epochs_table,
                 self.watermarks_table,
             ]

@@ -54,6 +54,7 @@ from faucet_dagster.protocol import (
     CommitToken,
     ConfigError,
     DataError,
+    DestinationReader,
     Durability,
     JsonValue,
     PartialResult,
@@ -142,6 +143,12 @@ class PostgresSink(Sink):
 
     def write_mode(self) -> tuple[WritePolicy, tuple[str, ...]]:
         return self.mode, tuple(self.config.key)
+
+    async def reader(self, name: str) -> DestinationReader:
+        """Read back the table, for ``faucet verify`` (:mod:`faucet_postgres.verification`)."""
+        from faucet_postgres.verification import PostgresDestinationReader, ReadTarget
+
+        return PostgresDestinationReader(ReadTarget.of_table(self.config), name, self.mode, self.config.key)
 
     def scope_watermark(self, scope: str) -> bool:
         self._watermark_scope = scope

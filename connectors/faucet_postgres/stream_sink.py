@@ -48,6 +48,7 @@ from faucet_dagster.protocol import (
     DEFAULT_POLICY_OPERATIONS,
     ConfigError,
     DataError,
+    DestinationReader,
     Durability,
     EpochId,
     EpochMismatch,
@@ -70,7 +71,7 @@ from faucet_postgres.stream_changes import ChangeApplier
 from faucet_postgres.stream_commit import CommittingSession, Connection
 from faucet_postgres.stream_fence import StreamRows
 from faucet_postgres.stream_state import Committed, Epoch, Tally
-from faucet_postgres.stream_tables import Tables
+from faucet_postgres.stream_tables import Tables, epoch_stamp, stamp_epoch
 from faucet_postgres.stream_zombies import Backend, backend_of
 
 Connect = Callable[..., Awaitable[Connection]]
@@ -123,6 +124,12 @@ class PostgresStreamingSink(StreamingSink):
 
     def capabilities(self) -> SinkCapabilities:
         return _capabilities(self.config)
+
+    async def reader(self, stream: str, policy: WritePolicy, key: Sequence[str]) -> DestinationReader:
+        """Read back what ``stream`` wrote, for ``faucet verify`` (:mod:`faucet_postgres.verification`)."""
+        from faucet_postgres.verification import PostgresDestinationReader, ReadTarget
+
+        return PostgresDestinationReader(ReadTarget.of_stream(self.config), stream, policy, key)
 
     async def open(
         self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
@@ -274,6 +281,11 @@ class PostgresStreamingSinkSession(CommittingSession):
         if state.failed:
             raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
         records, identities, skipped, kept = state.above_watermark(batch, self._where)
+        if self._config.epoch_column is not None and self._policy is not WritePolicy.APPLY_CHANGES:
+            # Not change rows: in a table without a key, every column of a change is the row's identity.
+            records = stamp_epoch(
+                records, self._config.epoch_column, epoch_stamp(epoch.stream, epoch.sequence)
+            )
         positions = identities.positions
         table = self._config.table_for(batch.resource)
         tally = state.tallies.setdefault(batch.resource, Tally(table))

@@ -3,9 +3,10 @@
 ``faucet plan`` (:mod:`.plan`) checks a source/sink pair before anything runs; ``faucet check``
 (:mod:`.check`) connects to every connection of a code location; ``faucet streams`` (:mod:`.streams`)
 shows and releases streams; ``faucet cdc`` (:mod:`.cdc`) prepares a database for change data capture;
-``faucet partitions`` (:mod:`.partitions`) adds the partitions of new shards; ``faucet conformance``
-(:mod:`.conformance`) runs the battery against an installed connector. Exit codes: 0 success,
-1 refused or failed, 2 bad input.
+``faucet partitions`` (:mod:`.partitions`) adds the partitions of new shards; ``faucet verify``
+(:mod:`.verify`) checks certificates again against the source and the destination; ``faucet
+conformance`` (:mod:`.conformance`) runs the battery against an installed connector. Exit codes: 0
+success, 1 refused or failed, 2 bad input (``faucet verify``: 3 not verifiable).
 """
 
 import argparse
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     add_cdc_parser(commands)
     _add_check_parser(commands)
     _add_partitions_parser(commands)
+    _add_verify_parser(commands)
     add_conformance_parser(commands)
     return parser
 
@@ -95,6 +97,38 @@ def _add_code_location_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path.cwd(),
         help="where to import it from (default: .)",
     )
+
+
+def _add_verify_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "verify",
+        help="check certificates again against the source and the destination",
+        description="Import a code location and verify its streams' certificates after the last ones "
+        "verified: the chain in the state store, the covered ranges re-read at the source, the rows at "
+        "the destination and, with $DAGSTER_HOME set, what Dagster received. Prints a line per "
+        "certificate. Exit codes: 0 verified (or nothing new), 1 diverged, 2 bad input, 3 not verifiable.",
+    )
+    _add_code_location_arguments(parser)
+    parser.add_argument("--stream", action="append", default=[], help="only this stream (repeatable)")
+    parser.add_argument(
+        "--sync",
+        action="append",
+        default=[],
+        help="this sync's latest runs too (repeatable; needs $DAGSTER_HOME)",
+    )
+    parser.add_argument("--runs", type=int, default=1, help="runs per sync (default: the latest)")
+    parser.add_argument(
+        "--from", dest="first", type=int, help="first certificate (default: after the last verified)"
+    )
+    parser.add_argument(
+        "--to", dest="last", type=int, help="last certificate (default: --limit from the first)"
+    )
+    parser.add_argument("--limit", type=int, default=100, help="certificates per stream without --to")
+    parser.add_argument("--no-source", action="store_true", help="do not re-read the source")
+    parser.add_argument("--no-destination", action="store_true", help="do not read the destination")
+    parser.add_argument("--no-record", action="store_true", help="do not record the outcomes in the store")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=_dagster_command("faucet_dagster.cli.verify", "verify_command"))
 
 
 def _dagster_command(module: str, name: str) -> Any:

@@ -13,11 +13,18 @@ from faucet_dagster.pipeline.epoch import (
     PipelineOptions,
     SealedEpoch,
 )
-from faucet_dagster.pipeline.integrity import DIGEST_ALGORITHM, EpochDigest, check_batch
+from faucet_dagster.pipeline.integrity import (
+    DIGEST_ALGORITHM,
+    ROW_DIGEST_ALGORITHM,
+    EpochDigest,
+    RowDigests,
+    check_batch,
+)
 from faucet_dagster.pipeline.schema import BadRow, BadRowPolicy, Converted, ResourceSchema, RowConverter
 
 __all__ = [
     "DIGEST_ALGORITHM",
+    "ROW_DIGEST_ALGORITHM",
     "BadRow",
     "BadRowPolicy",
     "Converted",
@@ -28,6 +35,7 @@ __all__ = [
     "PipelineOptions",
     "ResourceSchema",
     "RowConverter",
+    "RowDigests",
     "SealedEpoch",
     "check_batch",
 ]

@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from faucet_dagster.pipeline.builder import Builder, convert_chunks, row_at
 from faucet_dagster.pipeline.domain import DomainState
-from faucet_dagster.pipeline.integrity import EpochDigest, check_batch
+from faucet_dagster.pipeline.integrity import EpochDigest, RowDigests, check_batch
 from faucet_dagster.pipeline.schema import (
     BadRow,
     BadRowPolicy,
@@ -123,6 +123,8 @@ class SealedEpoch:
     dead-letter route took); ``dead_lettered`` rows routed to the dead-letter route per resource;
     ``missing_fields`` per resource and field, the rows whose record lacked that field of the schema
     (they landed with null there, or were refused under ``on_missing_field: refuse``).
+    ``row_digests`` and ``schemas`` are what a replay of the coverage recomputes
+    (:class:`~faucet_dagster.pipeline.integrity.RowDigests`).
     """
 
     epoch: EpochId
@@ -131,6 +133,8 @@ class SealedEpoch:
     dead_lettered: Mapping[str, int]
     digest: str
     missing_fields: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    row_digests: Mapping[str, str] = field(default_factory=dict)
+    schemas: Mapping[str, str] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -207,6 +211,7 @@ class EpochPipeline(StreamRecordSink):
         self._domains: dict[OrderingDomain, DomainState] = {}
         self._builders: dict[tuple[str, OrderingDomain], Builder] = {}
         self._digest = EpochDigest()
+        self._row_digests = RowDigests()
         self._row_counts: Counter[str] = Counter()
         self._dead_lettered: Counter[str] = Counter()
         self._missing: dict[str, Counter[str]] = {}
@@ -389,6 +394,8 @@ class EpochPipeline(StreamRecordSink):
             dict(self._dead_lettered),
             self._digest.hexdigest(),
             {resource: dict(fields) for resource, fields in self._missing.items()},
+            self._row_digests.digests(),
+            self._row_digests.schemas(),
         )
 
     async def discard(self) -> BaseException | None:
@@ -460,6 +467,7 @@ class EpochPipeline(StreamRecordSink):
         assert schema is not None  # set by the conversion above
         check_batch(batch, schema, builder.converter.required)
         self._digest.add(batch)
+        self._row_digests.add(batch)
         self._row_counts[builder.resource] += converted.batch.num_rows
         routed = builder.converter.spec.on_bad_row is BadRowPolicy.DEAD_LETTER
         self._bytes += converted.batch.nbytes

@@ -2,8 +2,8 @@
 
 It depends on the standard library, pyarrow and pydantic, and never imports Dagster. See
 :mod:`.bounded` (FCP v0 sources and sinks), :mod:`.streaming` (sessions and epochs),
-:mod:`.positions` (domains, codecs, identities, tokens), :mod:`.capabilities`, :mod:`.errors` and
-:mod:`.config`.
+:mod:`.positions` (domains, codecs, identities, tokens), :mod:`.verification` (re-reading a certified
+range and reading back what it left), :mod:`.capabilities`, :mod:`.errors` and :mod:`.config`.
 """
 
 from faucet_dagster.protocol.bounded import (
@@ -16,6 +16,7 @@ from faucet_dagster.protocol.bounded import (
     RejectedRow,
     Sink,
     Source,
+    replay_to_bookmark,
 )
 from faucet_dagster.protocol.capabilities import (
     DEFAULT_POLICY_OPERATIONS,
@@ -141,8 +142,18 @@ from faucet_dagster.protocol.streaming import (
     WorkerIdentity,
 )
 from faucet_dagster.protocol.urls import refuse_url_credentials, url_credentials
+from faucet_dagster.protocol.verification import (
+    DEFAULT_DIFF_LIMIT,
+    DestinationDiff,
+    DestinationReader,
+    ExpectedRows,
+    FoundRow,
+    ReadableSink,
+    ReadableStreamingSink,
+)
 
 __all__ = [
+    "DEFAULT_DIFF_LIMIT",
     "DEFAULT_POLICY_OPERATIONS",
     "MISSING_COLUMN",
     "OPERATION_COLUMN",
@@ -169,6 +180,8 @@ __all__ = [
     "CredentialsFileAuth",
     "DataError",
     "Delivery",
+    "DestinationDiff",
+    "DestinationReader",
     "DiscoveredDataset",
     "DomainCoverage",
     "Durability",
@@ -178,8 +191,10 @@ __all__ = [
     "EpochMismatch",
     "ErrorKind",
     "EventIdentity",
+    "ExpectedRows",
     "FaucetError",
     "FetchContext",
+    "FoundRow",
     "Identities",
     "IncarnationChanged",
     "IntegerPositionCodec",
@@ -205,6 +220,8 @@ __all__ = [
     "PositionUnavailable",
     "ProgressBoundary",
     "ReadLimits",
+    "ReadableSink",
+    "ReadableStreamingSink",
     "Receipt",
     "Records",
     "RejectedRecord",
@@ -252,6 +269,7 @@ __all__ = [
     "postgres_identifier_problem",
     "record_count",
     "refuse_url_credentials",
+    "replay_to_bookmark",
     "schema_from_columns",
     "sink_capabilities_from",
     "source_capabilities_from",

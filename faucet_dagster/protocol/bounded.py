@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from faucet_dagster.protocol.capabilities import SinkCapabilities, SourceCapabilities, WritePolicy
 from faucet_dagster.protocol.config import ConnectorConfig
-from faucet_dagster.protocol.errors import ConfigError, UnsupportedOperation
+from faucet_dagster.protocol.errors import ConfigError, PositionUnavailable, UnsupportedOperation
 from faucet_dagster.protocol.positions import CommitToken
 from faucet_dagster.protocol.records import JsonValue, Records, record_count, slice_records
 
@@ -175,6 +175,25 @@ class Source(Connector):
         """A bookmark for "now" (CDC: the current log position) taken before a snapshot read."""
         return None
 
+    async def replay_pages(
+        self, ctx: FetchContext, start: JsonValue | None, end: JsonValue | None, batch_size: int
+    ) -> AsyncIterator[Page]:
+        """Re-read what one run read, for ``faucet verify``: the records after bookmark ``start``
+        (``None``: the beginning) up to and including bookmark ``end`` (``None``: the end of what the
+        source holds now), in pages as ``stream_pages`` yields them (a shard applied before applies).
+        Replaces any start bookmark applied before; reads nothing past ``end``.
+
+        Side-effect free (commits no consumer offset, acknowledges nothing). Raises
+        :class:`PositionUnavailable` when the source no longer holds the range (retention, a file
+        modified since, rows the re-read cannot reach again), :class:`IncarnationChanged` when the
+        source was re-created since, and :class:`UnsupportedOperation` (this default) when the
+        connector cannot re-read a range: the run is then not verifiable at its source.
+        """
+        raise UnsupportedOperation(
+            f"the {self.connector_name} source cannot re-read a run's range", where=self.dataset_uri()
+        )
+        yield  # an async generator, for its callers
+
     watermark_by_position: ClassVar[bool] = False
     """True when this source's pages have positions the atomic watermark can use as commit tokens:
     every page carries a bookmark, :meth:`watermark_position` maps it to a non-negative integer that
@@ -308,3 +327,25 @@ class Sink(Connector):
     async def evolve_schema(self, changes: Sequence[AddColumn]) -> None:
         """Apply additive changes with ADD COLUMN IF NOT EXISTS semantics (safe to repeat)."""
         raise UnsupportedOperation(f"{self.connector_name} does not evolve schemas", where=self.dataset_uri())
+
+
+async def replay_to_bookmark(
+    source: Source, ctx: FetchContext, start: JsonValue | None, end: JsonValue | None, batch_size: int
+) -> AsyncIterator[Page]:
+    """``Source.replay_pages`` for a source whose re-reads page exactly as its runs did: from
+    ``start``, with the run's ``batch_size``, its pages carry the same bookmarks, the last one
+    ``end`` (a deterministic source that pages by count, such as files read in a fixed order). The
+    pages are yielded up to the one whose bookmark is ``end``; a source that ends without yielding
+    it no longer holds what the run read (:class:`PositionUnavailable`)."""
+    if start is not None:
+        source.apply_start_bookmark(start)
+    async for page in source.stream_pages(ctx, batch_size):
+        yield page
+        if end is not None and page.bookmark == end:
+            return
+    if end is not None:
+        raise PositionUnavailable(
+            "re-reading from the run's start bookmark did not reach its end bookmark: the source no "
+            "longer holds what the run read (rows or files changed since)",
+            where=source.dataset_uri(),
+        )

@@ -16,7 +16,7 @@ stored as themselves; datetimes, dates, times, decimals, bytes, UUIDs and durati
 import datetime as dt
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -24,10 +24,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.protocol.bounded import FetchContext, Source
+from faucet_dagster.protocol.bounded import FetchContext, Page, Source
 from faucet_dagster.protocol.capabilities import Emits, Operation, Ordering, Replay, SourceCapabilities
-from faucet_dagster.protocol.errors import ConfigError, DataError
-from faucet_dagster.protocol.records import JsonValue, Records
+from faucet_dagster.protocol.errors import ConfigError, DataError, UnsupportedOperation
+from faucet_dagster.protocol.records import JsonValue, Records, record_count, slice_records
 
 KEYSET_BOOKMARK_VERSION = 1
 
@@ -146,6 +146,29 @@ class KeysetSource(Source):
         pages = [page.records async for page in self.stream_pages(ctx, 0)]
         return pages[0] if pages else []
 
+    async def replay_pages(
+        self, ctx: FetchContext, start: JsonValue | None, end: JsonValue | None, batch_size: int
+    ) -> AsyncIterator[Page]:
+        """The rows after ``start`` up to ``end`` in ``(cursor, key...)`` order, as the table holds
+        them now (a row updated or deleted since the run is another row, or none: the comparison
+        with the destination says so). A page's rows past ``end`` are cut off and the read ends."""
+        known = self.order_of(self._key) if self._key else None
+        self._after = self._reached = None
+        if start is not None:
+            self.apply_start_bookmark(start)
+        stop = None if end is None else KeysetBookmark.from_json(end, known, where=self.dataset_uri())
+        async for page in self.stream_pages(ctx, batch_size):
+            if stop is None:
+                yield page
+                continue
+            kept = _rows_upto(page.records, stop, self.dataset_uri())
+            if kept == record_count(page.records):
+                yield page
+                continue
+            if kept:
+                yield Page(slice_records(page.records, 0, kept), end)
+            return
+
 
 def tie_start(batch: pa.RecordBatch, order: Sequence[str]) -> int:
     """In ``batch`` (sorted by ``order``), the index of the first row whose ``order`` values equal the
@@ -260,3 +283,29 @@ def decode_scalar(raw: JsonValue) -> Any:
         except (ValueError, InvalidOperation) as exc:
             raise DataError(f"malformed {raw['type']} value {raw['value']!r}: {exc}") from None
     raise DataError(f"not an encoded bookmark value: {raw!r}")
+
+
+def _rows_upto(records: Records, stop: KeysetBookmark, where: str) -> int:
+    """How many leading rows of ``records`` (ascending) are at or before ``stop``'s position."""
+    columns = stop.columns
+    if isinstance(records, pa.RecordBatch):
+        missing = [name for name in columns if name not in records.schema.names]
+        values = (
+            list(zip(*(records.column(name).to_pylist() for name in columns), strict=True))
+            if not missing
+            else []
+        )
+    else:
+        missing = [name for name in columns if records and name not in records[0]]
+        values = [tuple(row[name] for name in columns) for row in records] if not missing else []
+    if missing:
+        raise UnsupportedOperation(
+            f"the pages do not carry the ordering column(s) {', '.join(missing)}: a range cannot be cut",
+            where=where,
+        )
+    try:
+        return next((index for index, row in enumerate(values) if row > stop.values), len(values))
+    except TypeError as exc:
+        raise DataError(
+            f"a row's ordering values do not compare with the bookmark's: {exc}", where=where
+        ) from exc

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from faucet_dagster.protocol.bounded import PartialResult
 from faucet_dagster.protocol.capabilities import Delivery, SinkCapabilities, SourceCapabilities, WritePolicy
-from faucet_dagster.protocol.errors import DataError
+from faucet_dagster.protocol.errors import DataError, UnsupportedOperation
 from faucet_dagster.protocol.positions import EventIdentity, OrderingDomain, Position, PositionCodec
 from faucet_dagster.protocol.records import Records
 
@@ -349,6 +349,28 @@ class StreamSource(ABC):
         :class:`IncarnationChanged`. Never falls back to the latest position.
         """
 
+    async def replay(self, coverage: "DomainCoverage", sink: StreamRecordSink, cancel: CancelToken) -> None:
+        """Re-read exactly one certified range, for ``faucet verify``: every record of
+        ``coverage.domain`` after ``coverage.start`` (``None``: the domain's beginning) up to and
+        including ``coverage.end``, written into ``sink`` as ``StreamSession.read`` writes it: the
+        same decoding, resources and event identities, records that cannot become rows through
+        ``sink.reject`` (or the DataError the source's policy raises). Controls are optional; the
+        caller ends the range itself.
+
+        Side-effect free: acknowledges nothing, never moves a consumer group's or a durable
+        consumer's state, and uses nothing a live session of the stream uses. Returns once the whole
+        range was written; writes nothing outside it; a record it cannot account for raises
+        :class:`IntegrityError`. Raises :class:`PositionUnavailable` when the source no longer holds
+        part of the range (retention, a purge, a truncated log, a replication slot that confirmed
+        it), :class:`IncarnationChanged` when the domain's source was deleted and recreated since,
+        and :class:`UnsupportedOperation` (this default) when the connector cannot re-read a range.
+        Returns early, having written a prefix of the range, when ``cancel`` is cancelled.
+        """
+        raise UnsupportedOperation(
+            f"the {self.connector_name} stream source cannot re-read a certified range",
+            where=str(coverage.domain),
+        )
+
 
 @dataclass(frozen=True, order=True)
 class EpochId:
@@ -480,7 +502,10 @@ class EpochCertificate:
     ``lag`` is how far the source's head was ahead of the epoch's coverage when its read ended (empty
     when the source cannot tell). ``missing_fields`` counts, per resource and field, the rows whose
     record lacked that field of the resource's schema (null there, or refused by a strict schema):
-    a field that stops arriving shows here.
+    a field that stops arriving shows here. ``row_digests`` are, per resource, the digest of the rows
+    handed to the sink that a replay of the coverage recomputes (:class:`faucet_dagster.pipeline.RowDigests`:
+    independent of how rows were batched and interleaved; empty in a certificate written before
+    they existed), and ``schemas`` a fingerprint of the Arrow schema each resource's rows had.
     """
 
     stream: str
@@ -497,6 +522,8 @@ class EpochCertificate:
     dead_lettered: Mapping[str, int] = field(default_factory=dict)
     lag: tuple[SourceLag, ...] = ()
     missing_fields: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    row_digests: Mapping[str, str] = field(default_factory=dict)
+    schemas: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def epoch(self) -> EpochId:
@@ -543,4 +570,6 @@ class EpochCertificate:
                 for item in raw.get("lag", ())
             ),
             missing_fields=raw.get("missing_fields", {}),
+            row_digests=raw.get("row_digests", {}),
+            schemas=raw.get("schemas", {}),
         )

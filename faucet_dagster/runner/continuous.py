@@ -132,7 +132,8 @@ class StreamRunner:
         self.worker_id = worker_id or default_worker_id()
         self.started_at = time.time() if started is None else started
         self.plan: Plan = continuous_plan(spec)
-        self._pipeline = stream_pipeline(spec, store, dead_letters)
+        # Always a route: a source whose own policy dead-letters undecodable records needs one too.
+        self._pipeline = stream_pipeline(spec, dead_letters or StoreDeadLetterRoute(store, spec.name))
         self._lease = StreamLease(
             store,
             spec.name,
@@ -483,6 +484,8 @@ class StreamRunner:
             dead_lettered={} if sealed is None else sealed.dead_lettered,
             lag=lag,
             missing_fields={} if sealed is None else sealed.missing_fields,
+            row_digests={} if sealed is None else sealed.row_digests,
+            schemas={} if sealed is None else sealed.schemas,
         )
 
     # -- closing and handing over ---------------------------------------------------------------

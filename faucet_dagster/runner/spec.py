@@ -68,6 +68,19 @@ class StreamSpec:
         return any(spec.on_bad_row is BadRowPolicy.DEAD_LETTER for spec in specs)
 
 
+def stream_pipeline(spec: StreamSpec, dead_letters: DeadLetterRoute) -> Pipeline:
+    """The pipeline ``spec``'s epochs go through: its declared schemas, each keyed by the stream's key
+    unless it names its own (the runner's, and what ``faucet verify`` replays a range through)."""
+    schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
+    default = spec.default_schema or ResourceSchema()
+    return Pipeline(
+        schemas,
+        default_schema=replace(default, key=default.key or spec.key),
+        dead_letters=dead_letters,
+        options=spec.pipeline,
+    )
+
+
 class StoreDeadLetterRoute(DeadLetterRoute):
     """Dead letters kept in the state store, keyed by event identity (a replay stores nothing twice)."""
 
@@ -116,20 +129,6 @@ def continuous_plan(spec: StreamSpec) -> Plan:
         delivery=spec.delivery,
         durable_state=True,
         dead_letter=spec.dead_letter,
-    )
-
-
-def stream_pipeline(spec: StreamSpec, store: StateStore, dead_letters: DeadLetterRoute | None) -> Pipeline:
-    """``spec``'s pipeline: its schemas keyed by the stream's key, its dead letters routed to
-    ``dead_letters`` or, by default, to the state store."""
-    schemas = {name: replace(schema, key=schema.key or spec.key) for name, schema in spec.schemas.items()}
-    default = spec.default_schema or ResourceSchema()
-    return Pipeline(
-        schemas,
-        default_schema=replace(default, key=default.key or spec.key),
-        # Always a route: a source whose own policy dead-letters undecodable records needs one too.
-        dead_letters=dead_letters or StoreDeadLetterRoute(store, spec.name),
-        options=spec.pipeline,
     )
 
 

@@ -122,7 +122,15 @@ def fingerprint_and_body(certificate: EpochCertificate) -> tuple[str, str]:
     """What makes two certificates the same epoch (a digest of everything but timings and the
     creation time), and the stored body (``certificate.to_json()``), from one ``asdict``."""
     plain = asdict(certificate)
-    body = json.dumps(plain, sort_keys=True, separators=(",", ":"))
+    return _fingerprint(plain), json.dumps(plain, sort_keys=True, separators=(",", ":"))
+
+
+def body_fingerprint(body: str) -> str:
+    """The fingerprint of a stored body, as :func:`fingerprint_and_body` computed it when the
+    certificate was stored (``faucet verify`` finds a body changed since by comparing the two)."""
+    return _fingerprint(json.loads(body))
+
+
+def _fingerprint(plain: dict[str, Any]) -> str:
     same = {**plain, "timings": {}, "created_at": ""}
-    fingerprint = hashlib.blake2b(json.dumps(same, sort_keys=True, default=str).encode(), digest_size=32)
-    return fingerprint.hexdigest(), body
+    return hashlib.blake2b(json.dumps(same, sort_keys=True, default=str).encode(), digest_size=32).hexdigest()

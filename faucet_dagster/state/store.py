@@ -104,10 +104,11 @@ class StateStore:
         return self._where
 
     @contextmanager
-    def transaction(self, action: str) -> Iterator[Connection]:
+    def transaction(self, action: str, *, read_only: bool = False) -> Iterator[Connection]:
         """One transaction on the store, its failures translated as the store's own (``action`` names
-        what was being done, for the message): for tables kept beside the store's (:mod:`.members`)."""
-        with self._db.transaction(action) as conn:
+        what was being done, for the message): for tables kept beside the store's (:mod:`.members`,
+        :mod:`.verifications`). ``read_only``: it writes nothing (on SQLite it then waits for no writer)."""
+        with self._db.transaction(action, read_only=read_only) as conn:
             yield conn
 
     def close(self) -> None:

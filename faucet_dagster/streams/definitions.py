@@ -17,6 +17,7 @@ from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.health import health_check
 from faucet_dagster.streams.reports import AssetTarget
 from faucet_dagster.streams.sensor import faucet_stream_sensor
+from faucet_dagster.streams.verification import verify_check
 from faucet_dagster.streams.workers import build_worker_defs
 
 
@@ -49,6 +50,9 @@ def build_stream_defs(
     jobs: list[UnresolvedAssetJobDefinition] = []
     for stream in streams:
         spec = with_code_reference(specs.get(stream.name) or stream.asset_spec(), declared_at)
+        targets = stream.asset_targets(spec)
+        # One verification per stream: the first of its sink assets carries it.
+        checks.append(verify_check(stream, targets[0][0].key))
         if stream.workers > 1:
             worker_assets, worker_checks, sensor, job = build_worker_defs(
                 stream, spec, minimum_interval_seconds=minimum_interval_seconds, default_status=default_status
@@ -58,7 +62,6 @@ def build_stream_defs(
             sensors.append(sensor)
             jobs.append(job)
             continue
-        targets = stream.asset_targets(spec)
         names = [stream.name]
         for target, _ in targets:
             assets.append(target)

@@ -3,7 +3,8 @@ storage.
 
 Every materialization carries Dagster's table metadata (``dagster/row_count``, the table's rows after
 the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualified; ``dagster/storage_kind``;
-``dagster/column_schema``), ``faucet/bookmark``, ``faucet/commit_token``, ``faucet/delivery``,
+``dagster/column_schema``), ``faucet/bookmark`` (and ``faucet/start_bookmark``, where the run
+started: the range ``faucet verify`` re-reads), ``faucet/commit_token``, ``faucet/delivery``,
 ``faucet/plan``, ``faucet/rows_read``, ``faucet/rows_written`` (this run's),
 ``faucet/rows_dead_lettered``, ``faucet/rows_skipped``, ``faucet/pages``, ``faucet/rows_per_second``,
 ``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets). The next run
@@ -25,6 +26,9 @@ BOOKMARK_KEY = "faucet/bookmark"
 
 
 COMMIT_TOKEN_KEY = "faucet/commit_token"
+
+START_BOOKMARK_KEY = "faucet/start_bookmark"
+"""The bookmark the run started from: with ``faucet/bookmark``, the range ``faucet verify`` re-reads."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
     return {
         **{key: table[key] for key in list(table.keys())},  # keys(): the fields that are set
         BOOKMARK_KEY: _bookmark_value(result.bookmark),
+        START_BOOKMARK_KEY: _bookmark_value(None if previous is None else previous.bookmark),
         COMMIT_TOKEN_KEY: dg.MetadataValue.null() if token is None else dg.MetadataValue.text(str(token)),
         "faucet/delivery": dg.MetadataValue.text(result.plan.delivery.value),
         "faucet/plan": dg.MetadataValue.json(result.plan.to_dict()),
@@ -185,6 +190,11 @@ def _bookmark_value(bookmark: JsonValue | None) -> dg.MetadataValue[Any]:
     return dg.MetadataValue.text(json.dumps(bookmark))
 
 
+def bookmark_from(value: dg.MetadataValue[Any]) -> JsonValue | None:
+    """A bookmark as :func:`sync_metadata` recorded it (``None``: none)."""
+    return _bookmark_from(value)
+
+
 def _bookmark_from(value: dg.MetadataValue[Any]) -> JsonValue | None:
     if isinstance(value, dg.JsonMetadataValue):
         return cast(JsonValue, value.data)
@@ -197,8 +207,10 @@ def _bookmark_from(value: dg.MetadataValue[Any]) -> JsonValue | None:
 __all__ = [
     "BOOKMARK_KEY",
     "COMMIT_TOKEN_KEY",
+    "START_BOOKMARK_KEY",
     "SyncOutcome",
     "SyncState",
+    "bookmark_from",
     "last_sync_state",
     "last_table_rows",
     "storage_kind",

@@ -18,6 +18,7 @@ from faucet_dagster.testing.faults.catalog import ONCE_PER_RUN
 from faucet_dagster.testing.faults.oracle import Verdict, covered, foreign_incarnations, judge, judge_state
 from faucet_dagster.testing.faults.pairs import Key, Pair, Produced, Servers
 from faucet_dagster.testing.faults.spec import EXIT_DONE, EXIT_HALTED, Endpoint, Event, WorkerSpec
+from faucet_dagster.testing.faults.verification import CaseVerification
 from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 from faucet_dagster.testing.servers import make_unique_name
 
@@ -44,7 +45,8 @@ class CaseParams:
 @dataclass(frozen=True)
 class CaseResult:
     """The verdict on one case; ``passed`` when nothing was lost, nothing unexpected found, no
-    duplicate beyond what the plan allows, and the stream halted (or recovered) as it should."""
+    duplicate beyond what the plan allows, the stream halted (or recovered) as it should, and its
+    certificates verified with nothing the fault does not explain."""
 
     pair: str
     fault: str
@@ -56,6 +58,9 @@ class CaseResult:
     halted_correctly: bool
     seconds: float
     notes: tuple[str, ...] = ()
+    verification: CaseVerification | None = None
+    """``faucet verify`` over the case's certificates or synced range (None: not run); what it found
+    that the fault does not explain is in ``notes`` too."""
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "passed": self.passed}
@@ -68,6 +73,7 @@ class CaseResult:
             and verdict.unexpected == 0
             and (verdict.duplicated == 0 or self.duplicates_allowed)
             and self.halted_correctly
+            and (self.verification is None or self.verification.clean)
         )
 
 

@@ -19,6 +19,7 @@ from faucet_dagster.testing.faults.case import CaseParams, CaseResult
 from faucet_dagster.testing.faults.catalog import Fault, FaultKind, named_faults, not_applicable
 from faucet_dagster.testing.faults.pairs import PAIRS, Pair, Servers
 from faucet_dagster.testing.faults.scenarios import run_case
+from faucet_dagster.testing.faults.verification import verified_cell
 from faucet_dagster.testing.servers import (
     ConformantFetchKafkaServer,
     NatsServer,
@@ -108,19 +109,19 @@ def managed_servers(pairs: Sequence[Pair], base_dir: Path | None = None) -> Iter
 
 def table(results: Sequence[CaseResult], pairs: Sequence[Pair] = PAIRS) -> str:
     """The pair x fault table (markdown): runs, how many faults fired as scheduled, records, lost,
-    duplicated, halted correctly, passed; each pair headed by the planner's delivery guarantee, and
-    the faults left out, with why, below."""
-    lines = [
-        "| pair | fault | runs | fired | records | lost | duplicated | halted correctly | passed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    duplicated, halted correctly, how the certificates verified (``faucet verify``), passed; each
+    pair headed by the planner's delivery guarantee, and the faults left out, with why, below."""
+    head = (
+        "| pair | fault | runs | fired | records | lost | duplicated | halted correctly | verified | passed |"
+    )
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     left_out: dict[str, list[str]] = {}
     for pair in pairs:
         mine = [result for result in results if result.pair == pair.name]
         if not mine:
             continue
         delivery = mine[0].delivery.replace("_", "-")
-        lines.append(f"| **{pair.label}** | *{delivery}* | | | | | | | |")
+        lines.append(f"| **{pair.label}** | *{delivery}* | | | | | | | | |")
         for fault in dict.fromkeys(result.fault for result in mine):
             rows = [result for result in mine if result.fault == fault]
             runs = len(rows)
@@ -128,7 +129,8 @@ def table(results: Sequence[CaseResult], pairs: Sequence[Pair] = PAIRS) -> str:
                 f"| {pair.name} | {fault} | {runs} | {sum(r.fired for r in rows)} | "
                 f"{sum(r.verdict.records for r in rows)} | {sum(r.verdict.lost for r in rows)} | "
                 f"{sum(r.verdict.duplicated for r in rows)} | "
-                f"{sum(r.halted_correctly for r in rows)}/{runs} | {sum(r.passed for r in rows)}/{runs} |"
+                f"{sum(r.halted_correctly for r in rows)}/{runs} | {verified_cell(rows)} | "
+                f"{sum(r.passed for r in rows)}/{runs} |"
             )
         for fault_name, reason in not_applicable(pair):
             left_out.setdefault(f"{fault_name}: {reason}", []).append(pair.name)

@@ -48,6 +48,7 @@ from faucet_dagster.testing.faults.spec import (
     EXIT_HALTED,
     Event,
 )
+from faucet_dagster.testing.faults.verification import verify_case
 from faucet_dagster.testing.faults.worker_process import HarnessError, WorkerProcess
 
 # -- one case -------------------------------------------------------------------------------------
@@ -364,6 +365,7 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         except HarnessError as exc:
             outcome = CaseOutcome(False, False, all_keys(case.produced), all_keys(case.produced), [str(exc)])
         verdict = case.judge(outcome)
+        verification = verify_case(case, fault)
     finally:
         case.close()
     seconds = time.monotonic() - started
@@ -379,7 +381,8 @@ def run_case(servers: Servers, root: Path, pair: Pair, fault: Fault, params: Cas
         fired=outcome.fired,
         halted_correctly=outcome.halted_correctly,
         seconds=seconds,
-        notes=tuple(outcome.notes),
+        notes=(*outcome.notes, *verification.unexplained),
+        verification=verification,
     )
     (case.dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result

@@ -78,10 +78,11 @@ class PostgresSinkSide(SinkSide):
 
 class PostgresStreamSinkSide(PostgresSinkSide):
     """:class:`PostgresSinkSide` for a continuous stream: its epoch transactions bounded by
-    :data:`STREAM_SINK_TIMEOUTS`, fitted to the harness's short leases."""
+    :data:`STREAM_SINK_TIMEOUTS`, fitted to the harness's short leases; each row stamped with the
+    epoch that wrote it (``epoch_column``), so ``faucet verify`` checks each event is there once."""
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), **STREAM_SINK_TIMEOUTS}
+        return {**super().config(), **STREAM_SINK_TIMEOUTS, "epoch_column": "_faucet_epoch"}
 
 
 class PostgresMultisetSinkSide(PostgresStreamSinkSide):
