@@ -39,9 +39,9 @@ from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
 from faucet_dagster.state.certificates import fingerprint_and_body
 from faucet_dagster.state.tables import certificates_table
-from faucet_dagster.streams.certificates import certificate_events
 from faucet_dagster.streams.declaration import FaucetStream
 from faucet_dagster.streams.definitions import build_stream_defs
+from faucet_dagster.streams.reports import AssetTarget, report_events
 from faucet_dagster.syncs.assets import faucet_sync_assets
 from faucet_dagster.syncs.declaration import FaucetSync
 from faucet_dagster.syncs.verification import faucet_sync_checks
@@ -445,8 +445,9 @@ def test_the_faucet_verify_check_runs_on_a_schedule_and_sees_a_certificate_chang
     key = declared.asset_spec().key
     (tmp_path / "dagster").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
-        for certificate in stream.store.certificates(stream.name):  # what the sensor reports
-            instance.report_runless_asset_event(certificate_events(certificate, key)[0])
+        # What the sensor reports: one materialization listing the certificates.
+        certificates = stream.store.certificates(stream.name)
+        instance.report_runless_asset_event(report_events(certificates, [AssetTarget(key)])[0])
         stream.store.mark_reported(stream.name, 3)
         job = dg.Definitions.merge(defs, dg.Definitions(schedules=[schedule])).resolve_job_def(
             "faucet_verify_job"
@@ -475,7 +476,7 @@ def test_the_faucet_verify_check_runs_on_a_schedule_and_sees_a_certificate_chang
         tampered = evaluate()
         assert not tampered.passed and tampered.severity is dg.AssetCheckSeverity.ERROR
         assert "reported differently" in tampered.metadata["faucet/problems"].value
-        assert "worker" in tampered.metadata["faucet/problems"].value
+        assert "fingerprint differs" in tampered.metadata["faucet/problems"].value
 
 
 def test_the_cli_prints_a_line_per_certificate_and_exits_by_the_worst_outcome(

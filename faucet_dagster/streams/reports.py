@@ -17,7 +17,8 @@ The report's metadata (:func:`report_metadata`), what Dagster plots and what it 
 * ``faucet/rows_missing_fields``: per resource and field, the rows stored with null there because
   their record lacked the field (JSON);
 * tables: ``faucet/coverage`` (per ordering domain, the start of the first certificate and the end of
-  the last), ``faucet/certificates`` (sequence, coverage, rows, digest of each), ``faucet/lag``;
+  the last), ``faucet/certificates`` (sequence, coverage, rows, digest and fingerprint of each),
+  ``faucet/lag``;
 * ``faucet/last_certificate``: the newest certificate as stored, incarnations included.
 
 An ordering domain is shown by :func:`domain_label` (``kafka/orders/3``): its incarnation (a Kafka
@@ -36,6 +37,7 @@ from dagster._core.definitions.metadata import TableMetadataSet
 
 from faucet_dagster.protocol import EpochCertificate, OrderingDomain, SourceLag
 from faucet_dagster.state import StateStore
+from faucet_dagster.state.certificates import fingerprint_and_body
 from faucet_dagster.streams.certificates import (
     CERTIFICATE_CHECK,
     MAX_REPORTS_PER_TICK,
@@ -280,7 +282,9 @@ def coverage_table(certificates: Iterable[EpochCertificate]) -> dg.TableMetadata
 
 
 def certificates_table(report: Report) -> dg.TableMetadataValue:
-    """One row per certificate reported: sequence, coverage, rows, digest (and stream, on workers)."""
+    """One row per certificate reported: sequence, coverage, rows, digest (and stream, on workers),
+    and the certificate's fingerprint as stored (``faucet verify`` finds a certificate changed in the
+    store after it was reported by comparing the two)."""
     several = len({certificate.stream for certificate in report.certificates}) > 1
     columns = {
         **({"stream": "string"} if several else {}),
@@ -289,6 +293,7 @@ def certificates_table(report: Report) -> dg.TableMetadataValue:
         "rows": "int",
         "digest": "string",
         "certified_at": "string",
+        "fingerprint": "string",
     }
     return metadata_table(
         columns,
@@ -303,6 +308,7 @@ def certificates_table(report: Report) -> dg.TableMetadataValue:
                 "rows": report.rows_in(certificate),
                 "digest": certificate.digest,
                 "certified_at": certificate.created_at,
+                "fingerprint": fingerprint_and_body(certificate)[0],
             }
             for certificate in report.certificates
         ],

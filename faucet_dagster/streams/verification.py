@@ -7,7 +7,6 @@ Each execution verifies the certificates after the last one verified, at most ``
 the destination. A stream on several workers is verified partition group by partition group.
 """
 
-import json
 import os
 from collections.abc import Mapping
 
@@ -70,8 +69,9 @@ def verify_check(
 
 def materialized(instance: dg.DagsterInstance, key: dg.AssetKey) -> Reports:
     """What the materializations of ``key`` report, as :data:`~faucet_dagster.verify.streams.Reports`:
-    the certificates of a chain from ``first`` to ``last``, read back newest first until the range is
-    passed (at most ``REPORT_PAGES`` pages)."""
+    the fingerprint of each certificate of a chain from ``first`` to ``last``, from the reports'
+    ``faucet/certificates`` tables, read back newest first until the range is passed (at most
+    ``REPORT_PAGES`` pages)."""
 
     def reports(name: str, first: int, last: int) -> Mapping[int, str]:
         found: dict[int, str] = {}
@@ -83,16 +83,18 @@ def materialized(instance: dg.DagsterInstance, key: dg.AssetKey) -> Reports:
             oldest = None
             for record in page.records:
                 materialization = record.asset_materialization
-                value = (
-                    None if materialization is None else materialization.metadata.get("faucet/certificate")
+                table = (
+                    None if materialization is None else materialization.metadata.get("faucet/certificates")
                 )
-                body = getattr(value, "data", None)
-                if not isinstance(body, dict) or body.get("stream") != name:
-                    continue
-                sequence = int(body.get("sequence", 0))
-                oldest = sequence if oldest is None else min(oldest, sequence)
-                if first <= sequence <= last:
-                    found.setdefault(sequence, json.dumps(body, sort_keys=True))
+                for row in table.records if isinstance(table, dg.TableMetadataValue) else ():
+                    data = row.data
+                    # A report of one stream names no stream; one of partition groups names each.
+                    if data.get("stream", name) != name or not data.get("fingerprint"):
+                        continue
+                    sequence = int(str(data["sequence"]))
+                    oldest = sequence if oldest is None else min(oldest, sequence)
+                    if first <= sequence <= last:
+                        found.setdefault(sequence, str(data["fingerprint"]))
             if not page.has_more or (oldest is not None and oldest < first):
                 break
             cursor = page.cursor

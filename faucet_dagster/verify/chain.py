@@ -17,7 +17,6 @@ For each certificate of the range (DESIGN.md section 6.1):
 and, when Dagster's materializations were read, the certificate Dagster was sent is the one stored.
 """
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -288,9 +287,9 @@ def check_reports(
     reported: Mapping[int, str],
     reported_through: int,
 ) -> None:
-    """Compare each stored certificate with the one Dagster was sent (``reported``: the certificate
-    JSON of each materialization, by sequence). One the store says Dagster received (at or below
-    ``reported_through``) that no materialization holds cannot be checked."""
+    """Compare each stored certificate with the one Dagster was sent (``reported``: the fingerprint
+    of each certificate the materializations list, by sequence). One the store says Dagster received
+    (at or below ``reported_through``) that no materialization lists cannot be checked."""
     for record in stored:
         sent = reported.get(record.sequence)
         where = f"certificate {record.sequence}"
@@ -303,16 +302,12 @@ def check_reports(
                         Outcome.NOT_VERIFIABLE,
                         "no report",
                         where,
-                        "the store says Dagster received it, but no materialization of the asset holds it "
+                        "the store says Dagster received it, but no materialization of the asset lists it "
                         "(the event log was wiped or trimmed)",
                     ),
                 )
             continue
-        try:
-            stored_body, sent_body = json.loads(record.body), json.loads(sent)
-        except ValueError:
-            stored_body, sent_body = record.body, sent
-        if stored_body == sent_body:
+        if body_fingerprint(record.body) == sent:
             result.add(
                 record.sequence,
                 Finding(
@@ -320,20 +315,13 @@ def check_reports(
                 ),
             )
             continue
-        fields = (
-            sorted(
-                key for key in set(stored_body) | set(sent_body) if stored_body.get(key) != sent_body.get(key)
-            )
-            if isinstance(stored_body, dict) and isinstance(sent_body, dict)
-            else ["body"]
-        )
         result.add(
             record.sequence,
             _diverged(
                 "reported differently",
                 where,
-                f"Dagster received another certificate under this sequence (differing: {', '.join(fields)}): "
-                "the stored one was changed after it was reported",
+                "Dagster received another certificate under this sequence (its fingerprint differs): the "
+                "stored one was changed after it was reported",
                 Aspect.REPORTS,
             ),
         )

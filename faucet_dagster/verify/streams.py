@@ -51,8 +51,8 @@ HISTORY_PAGE = 64
 """Certificates read back at a time to find each domain's coverage before the range."""
 
 Reports = Callable[[str, int, int], Mapping[int, str]]
-"""The certificates Dagster received for a chain (its name) from ``first`` to ``last``: the certificate
-JSON each materialization carries, by sequence."""
+"""The certificates Dagster received for a chain (its name) from ``first`` to ``last``: the fingerprint
+of each certificate the materializations list, by sequence."""
 
 
 @dataclass(frozen=True)
