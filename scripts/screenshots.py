@@ -8,7 +8,11 @@ install -y chromium``; ``--chromium PATH`` for another), driven through the DevT
 until the page shows what the shot is about, and saves it under ``docs/images/``:
 
 * ``sync-materialization.png``: the ``customers`` sync's latest materialization and its metadata;
-* ``stream-certificate.png``: the ``order_events_nats`` stream's latest certificate;
+* ``sync-asset-automation.png``: the ``orders`` sync's asset, its schedule, sensor and checks;
+* ``sync-materialization-events.png``: the ``orders`` sync's materializations, a partition each;
+* ``stream-asset-automation.png``: the ``order_events_nats`` stream's asset, linked to its sensor;
+* ``stream-sensor-ticks.png``: that sensor's ticks, each saying what it reported;
+* ``stream-certificate.png``: the ``order_events_nats`` stream's latest report of its certificates;
 * ``stream-health.png``: its ``faucet_stream_health`` check, passing with the lag;
 * ``stream-stalled.png``: the same check failing with its reason and remedy, once the servers stopped.
 
@@ -92,6 +96,27 @@ def main() -> int:
             f"{base}/assets/customers?view=events",
             "faucet/delivery",
             args.out / "sync-materialization.png",
+        )
+        shoot(
+            browser, f"{base}/assets/orders", "faucet_orders_schedule", args.out / "sync-asset-automation.png"
+        )
+        shoot(
+            browser,
+            f"{base}/assets/orders?view=events",
+            "faucet/delivery",
+            args.out / "sync-materialization-events.png",
+        )
+        shoot(
+            browser,
+            f"{base}/assets/order_events_nats",
+            "order_events_nats_stream",
+            args.out / "stream-asset-automation.png",
+        )
+        shoot(
+            browser,
+            f"{base}/locations/example_project/sensors/order_events_nats_stream",
+            "certified",
+            args.out / "stream-sensor-ticks.png",
         )
         shoot(
             browser,

@@ -10,13 +10,11 @@ the streams (the deployment: :mod:`ui_deployment`):
   "started reading" in between), the daemon's log gets no stack trace for it, and the health check
   fails once, with the remedy; the server back, the stream runs and the check passes again.
 
-``FAUCET_UI_TOUR=<folder>`` also saves screenshots of those pages there (Debian's ``chromium``).
+The screenshots of those pages in ``docs/images`` are taken by ``scripts/screenshots.py``.
 """
 
 import asyncio
 import importlib
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -165,15 +163,6 @@ def test_the_stream_asset_lists_its_sensor_and_the_sync_its_running_schedule(ui:
     assert schedule["scheduleState"]["status"] == "RUNNING", (
         "the orders sync is scheduled hourly from the start"
     )
-    if os.environ.get("FAUCET_UI_TOUR"):  # a sync's materialization to show: the example's command one
-        subprocess.run(
-            [sys.executable, "-m", "example_project"],
-            cwd=ui.project,
-            env=ui.env,
-            check=True,
-            capture_output=True,
-        )
-        _tour(ui, "sync")
 
 
 def test_each_tick_says_what_it_did_where_the_ui_shows_a_tick(ui: UiDeployment) -> None:
@@ -203,7 +192,6 @@ def test_each_tick_says_what_it_did_where_the_ui_shows_a_tick(ui: UiDeployment) 
     # One materialization and one certificate evaluation a tick, whatever the number of epochs.
     certified = evaluations(ui, NATS_ASSET, "faucet_epoch_certificate")
     assert len(certified) == len(reports) <= len(ticks(ui, NATS_SENSOR))
-    _tour(ui, "stream")
 
 
 def test_a_stopped_server_halts_the_stream_on_every_tick_and_fails_its_health_once(
@@ -242,7 +230,6 @@ def test_a_stopped_server_halts_the_stream_on_every_tick_and_fails_its_health_on
     [failure] = failing  # once, not once a tick
     remedy = [e["text"] for e in failure["metadataEntries"] if e["label"] == "faucet/remedy"]
     assert remedy and "reachable" in remedy[0]
-    _tour(ui, "halted")
 
     daemon_log = next(log for log in ui.logs if log.name == "daemon.log").read_text(errors="replace")
     assert "Traceback" not in daemon_log, "a halted stream's ticks write no stack trace to the daemon's log"
@@ -254,50 +241,3 @@ def test_a_stopped_server_halts_the_stream_on_every_tick_and_fails_its_health_on
         bound=BOUND,
     )
     assert len([e for e in evaluations(ui, NATS_ASSET, "faucet_stream_health") if not e["success"]]) == 1
-
-
-TOUR = {
-    "sync": {
-        "sync-asset-automation-and-checks": "/assets/orders",
-        "sync-materialization-events": "/assets/orders?view=events",
-    },
-    "stream": {
-        "stream-asset-automation": "/assets/order_events_nats",
-        "stream-sensor-ticks": f"/locations/example_project/sensors/{NATS_SENSOR}",
-        "stream-certificate-events": "/assets/order_events_nats?view=events",
-    },
-    "halted": {
-        "stream-health-check-halted": "/assets/order_events_nats?view=checks&checkDetail=faucet_stream_health"
-    },
-}
-
-
-def _tour(ui: UiDeployment, part: str) -> None:
-    """With ``FAUCET_UI_TOUR=<folder>``, screenshots of this part of the tour, taken with Debian's
-    ``chromium`` headless (nothing otherwise)."""
-    folder = os.environ.get("FAUCET_UI_TOUR")
-    if not folder:
-        return
-    for name, page in TOUR[part].items():
-        with tempfile.TemporaryDirectory(prefix="faucet_chromium_") as profile:
-            subprocess.run(
-                [
-                    "chromium",
-                    "--headless",
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-quic",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                    f"--user-data-dir={profile}",
-                    "--window-size=1600,1800",
-                    "--virtual-time-budget=20000",
-                    f"--screenshot={Path(folder) / f'{name}.png'}",
-                    f"{ui.url}{page}",
-                ],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
