@@ -78,10 +78,15 @@ class SinkSetup:
         sink without a configurable mode. ``stall()`` is a context inside which the destination
         stops answering the sink's open sessions (their server processes SIGSTOPped, or a proxy
         holding the responses) and answers again on exit: the shutdown check commits against it.
+        ``read_resource(resource)`` returns every row (every column) the destination holds for one
+        resource, where each resource lands on its own (a table per resource); ``None`` when every
+        resource lands in one place, which ``read_back()`` reads. A read that would wait on a lock
+        (an SQL ``lock_timeout`` of a fraction of a second) raises :class:`ReadBlocked`.
     """
 
     config: Mapping[str, Any]
     read_back: ReadBack
+    read_resource: Callable[[str], Awaitable[list[dict[str, Any]]]] | None = None
     keyed_config: Mapping[str, Any] | None = None
     read_keyed: ReadBack | None = None
     refused_rows: Sequence[Row] | None = None
@@ -89,6 +94,13 @@ class SinkSetup:
     cleanup: Cleanup | None = None
     configure: Callable[[WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
     stall: Callable[[], AbstractAsyncContextManager[None]] | None = None
+
+
+class ReadBlocked(Exception):
+    """Raised by a setup's read when the destination makes the reader wait for a lock that an open
+    epoch holds (a column added in the epoch's transaction): the reader sees nothing of that epoch.
+    The battery reads with a bounded lock wait only while an epoch is open; a read blocked after
+    its commit or abort is a lock the sink left behind."""
 
 
 Setup = SourceSetup | SinkSetup

@@ -6,7 +6,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
-from faucet_dagster.conformance.setup import Row, SinkSetup, SourceSetup
+from faucet_dagster.conformance.setup import ReadBlocked, Row, SinkSetup, SourceSetup
 from faucet_dagster.conformance.targets._common import (
     NAME_LIMIT,
     refused_rows,
@@ -42,6 +42,27 @@ def _pg_reader(url: str, table: str) -> Callable[[], Coroutine[Any, Any, list[di
         return [{"id": i, "name": name} for i, name in await _pg(url, f"SELECT id, name FROM public.{table}")]
 
     return read_back
+
+
+async def _pg_table(url: str, table: str) -> list[dict[str, Any]]:
+    """Every row and column of ``public.<table>`` (an identifier of any spelling), none when missing."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.rows import dict_row
+
+    name = sql.Identifier("public", table)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = conn.cursor(row_factory=dict_row)
+        await cursor.execute("SET lock_timeout = '200ms'")
+        await cursor.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (name.as_string(conn),))
+        found = await cursor.fetchone()
+        if not found or not found["present"]:
+            return []
+        try:
+            await cursor.execute(sql.SQL("SELECT * FROM {}").format(name))
+        except psycopg.errors.LockNotAvailable as exc:
+            raise ReadBlocked(f"table {table!r} is locked: {exc}") from None
+        return [dict(row) for row in await cursor.fetchall()]
 
 
 def _pg_unreachable(table: str) -> dict[str, Any]:
@@ -89,15 +110,17 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
 
 
 def postgres_streaming_sink(postgres_url: str) -> SinkSetup:
-    """Epochs into ``items`` (name at most 40 characters), one transaction each; ``stall`` stops the
-    server processes of the database's open connections (a local server only)."""
+    """Epochs into a table per resource (``items``: name at most 40 characters), one transaction
+    each, with schema evolution and ``version`` as the version column; ``stall`` stops the server
+    processes of the database's open connections (a local server only)."""
     run_setup(
         lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))")
     )
     unreachable = _pg_unreachable("items")
     return SinkSetup(
-        {"url": postgres_url, "table": "items"},
+        {"url": postgres_url, "schema_evolution": True, "version_column": "version"},
         _pg_reader(postgres_url, "items"),
+        read_resource=lambda resource: _pg_table(postgres_url, resource),
         refused_rows=refused_rows(),
         unreachable=unreachable,
         stall=(lambda: _pg_stalled(postgres_url)) if _is_local(postgres_url) else None,

@@ -1,0 +1,66 @@
+"""One explorer per connector role, and the ``scenarios`` check that runs them.
+
+Each explorer reads what the connector declares (offline), draws scenarios from a seed and runs them
+through :func:`.engine.explore`; see the role's modules for what its scenarios do.
+"""
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from faucet_dagster.conformance.harness import Subject
+from faucet_dagster.conformance.options import Outcome
+from faucet_dagster.conformance.scenarios import sink_steps
+from faucet_dagster.conformance.scenarios.engine import Explorer, Step, Trace, explore
+from faucet_dagster.conformance.scenarios.sink_run import SinkRun
+from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration
+from faucet_dagster.protocol import Role
+
+SCENARIO_RULE = "the battery's generated scenarios (seed 004 section 7: the battery is the contract)"
+
+
+class StreamingSinkExplorer(Explorer[SinkDeclaration]):
+    def declaration(self, subject: Subject) -> SinkDeclaration:
+        sink = subject.streaming_sink()
+        return SinkDeclaration(
+            sink.capabilities(),
+            per_resource=subject.sink_setup.read_resource is not None,
+            replay_duplicates=subject.options.replay_duplicates,
+        )
+
+    def generate(self, rng: random.Random, declared: SinkDeclaration) -> list[Step]:
+        return sink_steps.generate(rng, declared)
+
+    async def run(
+        self, steps: Sequence[Step], subject: Any, setup: Any, declared: SinkDeclaration, trace: Trace
+    ) -> None:
+        await SinkRun(subject, setup, declared, trace).run(steps)
+
+
+EXPLORERS: dict[Role, Explorer[Any]] = {Role.STREAMING_SINK: StreamingSinkExplorer()}
+
+
+async def _cleanup(setup: Any) -> None:
+    if setup.cleanup is not None:
+        await setup.cleanup()
+
+
+async def scenarios(subject: Subject) -> Outcome:
+    """The generated scenarios of the subject's role: ``options.examples`` of ``options.seed``."""
+    explorer = EXPLORERS.get(subject.role)
+    if explorer is None:
+        return Outcome.not_applicable(f"no scenarios for the {subject.role.value} role yet")
+    options = subject.options
+    shrink = options.shrink_runs if subject.fresh is not None else 0
+    return await explore(
+        explorer,
+        subject,
+        subject.fresh_setup,
+        _cleanup,
+        seed=options.seed,
+        examples=options.examples,
+        shrink_runs=shrink,
+    )
+
+
+__all__ = ["EXPLORERS", "SCENARIO_RULE", "StreamingSinkExplorer", "scenarios"]
