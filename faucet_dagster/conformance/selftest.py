@@ -213,9 +213,7 @@ CASES: tuple[SelfTestCase, ...] = (
     _case(
         "unavailable_position", broken.LatestWhenUnavailableSource,
         lambda: broken.wrapping(
-            "nats",
-            Role.STREAM_SOURCE,
-            lambda inner: broken.LatestWhenUnavailableSource(inner, broken.WrappedSession),
+            "nats", Role.STREAM_SOURCE, broken.LatestWhenUnavailableSource, broken.WrappedSession
         ),
         _STREAM, _NATS, "PositionUnavailable",
     ),

@@ -50,6 +50,13 @@ class SourceSetup:
     records deleted below the low watermark, a replication slot advanced past them), so a position
     among them can no longer be resumed from; ``None`` when the system cannot remove data under a
     reader.
+
+    For the generated scenarios of a bounded source: ``add_rows_before(rows)`` stores rows where the
+    source reads them before everything stored so far (a file whose name sorts first), which a run
+    resumed from any earlier bookmark must still deliver; ``cursor_config`` is ``config`` reading the
+    same dataset through a cursor column (``update_rows`` moves rows past the others by changing them:
+    rows are matched by ``id``, their ``name`` replaced, their cursor advanced; the rows of one
+    ``add_rows`` share one cursor value).
     """
 
     config: Mapping[str, Any]
@@ -61,6 +68,9 @@ class SourceSetup:
     cleanup: Cleanup | None = None
     redelivered: Callable[[], Awaitable[int]] | None = None
     make_unavailable: Callable[[], Awaitable[None]] | None = None
+    add_rows_before: AddRows | None = None
+    cursor_config: Mapping[str, Any] | None = None
+    update_rows: AddRows | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,10 @@ class SinkSetup:
         resource, where each resource lands on its own (a table per resource); ``None`` when every
         resource lands in one place, which ``read_back()`` reads. A read that would wait on a lock
         (an SQL ``lock_timeout`` of a fraction of a second) raises :class:`ReadBlocked`.
+        ``write_to(resource, policy, key)`` (bounded sinks) is a config writing ``resource`` (a table
+        of that name) with ``policy`` and ``key``, with schema evolution on where the sink has it;
+        ``read_resource`` reads it back. The generated scenarios run every policy the sink's configs
+        declare, each into a table of its own; ``None``: only ``config``, read by ``read_back()``.
     """
 
     config: Mapping[str, Any]
@@ -94,6 +108,7 @@ class SinkSetup:
     cleanup: Cleanup | None = None
     configure: Callable[[WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
     stall: Callable[[], AbstractAsyncContextManager[None]] | None = None
+    write_to: Callable[[str, WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
 
 
 class ReadBlocked(Exception):

@@ -5,11 +5,13 @@ import ctypes
 import glob
 import os
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 from faucet_files.config import FilesSourceConfig
+from faucet_files.bookmark import FileEntry
 from faucet_files.source import FilesSource
+from faucet_postgres.source import PostgresSource
 from faucet_sql.sink import SqlSink
 from pydantic import model_validator
 
@@ -137,6 +139,28 @@ class LaggingBookmarkSource(FilesSource):
             previous = page.bookmark
 
 
+class NameOrderFilesSource(FilesSource):
+    """File-order resumes: resumes after the last file it completed *by name* (files sort by date,
+    the author assumed), so a file that appears later with a name sorting before it is never read."""
+
+    def _files_to_read(self) -> list[tuple[FileEntry, int]]:
+        plan = super()._files_to_read()
+        done = max(self._start.completed, default=None)
+        return [(entry, row) for entry, row in plan if done is None or entry.path > done]
+
+
+class CursorOnlyResumeSource(PostgresSource):
+    """Cursor resumes: resumes after the last *cursor value* read (``WHERE cursor > last``), not
+    after the last ``(cursor, key)`` position: rows sharing that cursor value that a page boundary
+    left for the next page are skipped."""
+
+    def start_after(self, order: tuple[str, ...]) -> tuple[Any, ...] | None:
+        values = super().start_after(order)
+        if values is None or self._cursor is None:
+            return values
+        return (values[0], *(2**62 for _ in values[1:]))
+
+
 class EmptyDiscoverySource(FilesSource):
     """Check 5: claims ``discover`` but finds nothing."""
 
@@ -243,6 +267,51 @@ class TwoTransactionSink(SqlSink):
         written = await self.write_batch(records)
         await super().write_batch_idempotent(records.slice(0, 0), token)
         return written
+
+
+class OneCallTwoCommitsSink(SqlSink):
+    """Two commits inside one synchronous call: its idempotent write runs in one worker thread (no
+    await between its statements), committing the rows in one transaction and the token in a second,
+    so only a crash between two synchronous calls (not at an await) splits them."""
+
+    def _write(self, batch: pa.RecordBatch, token: CommitToken | None) -> int:
+        if token is None:
+            return super()._write(batch, None)
+        stored = self._read_token()
+        if stored is not None and token.sequence <= stored.sequence:
+            return 0
+        written = super()._write(batch, None)  # the rows, committed
+        with self.db.engine.connect() as conn, conn.begin():
+            self._claim(conn, token)  # the token, committed after them
+        return written
+
+
+class ProcessTokenSink(SqlSink):
+    """Tokens across processes: keeps the commit token in a process-wide table and writes it to the
+    destination only when the sink closes ("state is saved at shutdown"); in one process, and across
+    sinks of one process, the token looks durable."""
+
+    tokens: ClassVar[dict[str, CommitToken]] = {}
+
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        stored = await self.last_committed_token()
+        if stored is not None and token.sequence <= stored.sequence:
+            return 0
+        written = await self.write_batch(records)
+        ProcessTokenSink.tokens[self.config.watermark_scope()] = token
+        self._schema = records.schema
+        return written
+
+    async def last_committed_token(self) -> CommitToken | None:
+        remembered = ProcessTokenSink.tokens.get(self.config.watermark_scope())
+        return remembered if remembered is not None else await super().last_committed_token()
+
+    async def close(self) -> None:
+        token = ProcessTokenSink.tokens.get(self.config.watermark_scope())
+        schema = getattr(self, "_schema", None)
+        if token is not None and schema is not None:
+            await super().write_batch_idempotent(pa.RecordBatch.from_pylist([], schema=schema), token)
+        await super().close()
 
 
 class AppendingUpsertSink(SqlSink):

@@ -9,7 +9,7 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.conformance.broken.common import _next_open, spec_with, wrapping
+from faucet_dagster.conformance.broken.common import _next_open, real_role, spec_with, wrapping
 from faucet_dagster.protocol import (
     Authority,
     CancelToken,
@@ -36,7 +36,6 @@ from faucet_dagster.protocol import (
     TransactionBegin,
     TransactionEnd,
     WorkerIdentity,
-    get_connector,
 )
 
 # -- stream sources -----------------------------------------------------------------------------------
@@ -141,13 +140,13 @@ class SlotPositionSource(WrappedSource):
             return await super().open(resources, moved, membership, worker)
 
 
+def _slot_position_source(config: Any) -> SlotPositionSource:
+    real = real_role("postgres", Role.STREAM_SOURCE)
+    return SlotPositionSource(cast(StreamSource, real.factory(config)), config.url, config.slot)
+
+
 def slot_position_source() -> ConnectorSpec:
-    real = get_connector("postgres").roles[Role.STREAM_SOURCE]
-    return spec_with(
-        "postgres",
-        Role.STREAM_SOURCE,
-        lambda config: SlotPositionSource(cast(StreamSource, real.factory(config)), config.url, config.slot),
-    )
+    return spec_with("postgres", Role.STREAM_SOURCE, _slot_position_source)
 
 
 class ForwardingSink(StreamRecordSink):
@@ -473,4 +472,4 @@ class LeaseIdentitySession(RenumberingSession):
 
 
 def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpec:
-    return wrapping(name, Role.STREAM_SOURCE, lambda inner: WrappedSource(inner, session_type))
+    return wrapping(name, Role.STREAM_SOURCE, WrappedSource, session_type)

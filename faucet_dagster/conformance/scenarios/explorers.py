@@ -10,7 +10,7 @@ from typing import Any
 
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import Outcome
-from faucet_dagster.conformance.scenarios import sink_steps
+from faucet_dagster.conformance.scenarios import bounded_sink, bounded_source, sink_steps
 from faucet_dagster.conformance.scenarios.engine import Explorer, Step, Trace, explore
 from faucet_dagster.conformance.scenarios.sink_run import SinkRun
 from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration
@@ -37,7 +37,47 @@ class StreamingSinkExplorer(Explorer[SinkDeclaration]):
         await SinkRun(subject, setup, declared, trace).run(steps)
 
 
-EXPLORERS: dict[Role, Explorer[Any]] = {Role.STREAMING_SINK: StreamingSinkExplorer()}
+class BoundedSinkExplorer(Explorer[bounded_sink.BoundedSinkDeclaration]):
+    def declaration(self, subject: Subject) -> bounded_sink.BoundedSinkDeclaration:
+        return bounded_sink.declaration(subject)
+
+    def generate(self, rng: random.Random, declared: bounded_sink.BoundedSinkDeclaration) -> list[Step]:
+        return bounded_sink.generate(rng, declared)
+
+    async def run(
+        self,
+        steps: Sequence[Step],
+        subject: Any,
+        setup: Any,
+        declared: bounded_sink.BoundedSinkDeclaration,
+        trace: Trace,
+    ) -> None:
+        await bounded_sink.BoundedSinkRun(subject, setup, declared, trace).run(steps)
+
+
+class BoundedSourceExplorer(Explorer[bounded_source.BoundedSourceDeclaration]):
+    def declaration(self, subject: Subject) -> bounded_source.BoundedSourceDeclaration:
+        return bounded_source.declaration(subject)
+
+    def generate(self, rng: random.Random, declared: bounded_source.BoundedSourceDeclaration) -> list[Step]:
+        return bounded_source.generate(rng, declared)
+
+    async def run(
+        self,
+        steps: Sequence[Step],
+        subject: Any,
+        setup: Any,
+        declared: bounded_source.BoundedSourceDeclaration,
+        trace: Trace,
+    ) -> None:
+        await bounded_source.BoundedSourceRun(subject, setup, declared, trace).run(steps)
+
+
+EXPLORERS: dict[Role, Explorer[Any]] = {
+    Role.SOURCE: BoundedSourceExplorer(),
+    Role.STREAMING_SINK: StreamingSinkExplorer(),
+    Role.SINK: BoundedSinkExplorer(),
+}
 
 
 async def _cleanup(setup: Any) -> None:

@@ -103,7 +103,12 @@ class _Stream:
     tables: dict[int, TableModel] = field(default_factory=dict)
     committed: set[Identity] = field(default_factory=set)
     applied: dict[Identity, Mapping[str, Any]] = field(default_factory=dict)
-    """Every event applied in any epoch (what a destination without transactions may already hold)."""
+    """Every event handed to ``apply`` in any epoch (what a destination without transactions may
+    hold before a commit, and keeps after an abort)."""
+    stored: set[Identity] = field(default_factory=set)
+    """Events a destination without transactions is known to hold (their apply returned)."""
+    unsure: set[Identity] = field(default_factory=set)
+    """Events whose apply a crash interrupted: the recovery looks whether they landed."""
     columns: dict[int, list[str]] = field(default_factory=dict)
     last_epoch: EpochId | None = None
     certified_sequence: int = 0
@@ -294,14 +299,13 @@ class SinkRun:
             self.trace.note("skipped: " + ("no active epoch" if active is None else "nothing produced"))
             return
         batch = self._batch(stream, active.epoch, lane, events)
-        active.repeated |= {event.identity for event in events if event.identity in stream.applied}
-        for event in events:
-            stream.applied.setdefault(event.identity, event.change.row)
+        self._applying(stream, active, events)
         active.applied.append((lane, start, start + len(events)))
         stream.cursor[lane] = start + len(events)
         try:
             if not await self._lifecycle(stream, "apply", active.epoch, batch, what=f"apply({active.epoch})"):
                 return
+            self._applied(stream, events)
         except _Refused as refused:
             if await self._new_columns_refused(stream, lane, refused):
                 return
@@ -311,6 +315,15 @@ class SinkRun:
                 await self._compare(stream, VISIBILITY_RULE, f"after apply({active.epoch}), before its commit")
             except ReadBlocked:
                 self.trace.note("a reader waits for the epoch's lock: it sees nothing of it")
+
+    def _applying(self, stream: _Stream, active: _Active, events: Sequence[_Event]) -> None:
+        active.repeated |= {event.identity for event in events if event.identity in stream.stored}
+        for event in events:
+            stream.applied.setdefault(event.identity, event.change.row)
+
+    def _applied(self, stream: _Stream, events: Sequence[_Event]) -> None:
+        if not self.declared.transactional:
+            stream.stored |= {event.identity for event in events}
 
     async def _new_columns_refused(self, stream: _Stream, lane: Lane, refused: _Refused) -> bool:
         """A batch bringing columns the sink does not evolve to may be refused (SchemaError, or a
@@ -409,8 +422,13 @@ class SinkRun:
         """The stream's worker died: an epoch it was committing is uncertain until the next worker
         asks the sink; that recovery runs at once (a restart)."""
         self.trace.note("the worker died")
-        if stream.active is not None and stream.active.committing:
-            stream.uncertain = stream.active
+        active = stream.active
+        if active is not None and active.committing:
+            stream.uncertain = active
+        if active is not None and not self.declared.transactional:
+            stream.unsure |= {
+                event.identity for lane, start, stop in active.applied for event in stream.log[lane][start:stop]
+            }
         self._lost(stream)
         await self._session(stream)
 
@@ -503,10 +521,7 @@ class SinkRun:
                     calls.append(("apply", (active.epoch, self._batch(stream, active.epoch, lane, stream.log[lane][start:stop]))))
                     active.applied.append((lane, start, stop))
                     stream.cursor[lane] = stop
-                    for event in stream.log[lane][start:stop]:
-                        if event.identity in stream.applied:
-                            active.repeated.add(event.identity)
-                        stream.applied.setdefault(event.identity, event.change.row)
+                    self._applying(stream, active, stream.log[lane][start:stop])
             calls.append(("commit_epoch", (active.epoch, self._coverage(stream, active))))
             made, receipts = 0, None
             try:
@@ -525,6 +540,8 @@ class SinkRun:
                 await self._replay(stream)
                 continue
             stream.active = None
+            for lane, start, stop in active.applied:
+                self._applied(stream, stream.log[lane][start:stop])
             self._check_receipts(stream, active, receipts or (), self._committed(stream, active))
             self._certify(stream, active)
             await self._compare(stream, POLICY_RULE, f"after the sweep's epoch completed ({made} effects)")
@@ -595,8 +612,18 @@ class SinkRun:
             if landed:
                 self._committed(stream, uncertain)
         self._judge_state(stream, state, "read by the recovering worker")
+        await self._settle_unsure(stream)
         await self._compare(stream, ATOMIC_RULE, "after the recovery")
         return session
+
+    async def _settle_unsure(self, stream: _Stream) -> None:
+        """Which events of an apply a crash interrupted did land: the destination says (each event
+        of the battery's source has a key of its own)."""
+        if not stream.unsure:
+            return
+        held = {row.get(KEY) for rows in (await self._places(stream)).values() for row in rows}
+        stream.stored |= {identity for identity in stream.unsure if stream.applied[identity].get(KEY) in held}
+        stream.unsure.clear()
 
     async def _read_state(self, stream: _Stream, session: _Session | None) -> SinkCommitState | None:
         """last_committed(), in ``session``'s worker or (None) in a new process of its own."""

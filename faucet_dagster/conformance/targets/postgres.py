@@ -14,6 +14,7 @@ from faucet_dagster.conformance.targets._common import (
     unreachable_url,
     with_mode,
 )
+from faucet_dagster.protocol import WritePolicy
 
 
 async def _pg(url: str, *statements: str, rows: Sequence[Sequence[object]] = ()) -> list[tuple[Any, ...]]:
@@ -70,15 +71,25 @@ def _pg_unreachable(table: str) -> dict[str, Any]:
 
 
 def postgres_source(postgres_url: str) -> SourceSetup:
-    """A table ``items`` (id bigint primary key, name text, score numeric(10, 2)) in a fresh database."""
+    """A table ``items`` (id bigint primary key, name text, score numeric(10, 2), updated bigint) in a
+    fresh database, read in key order, or by the cursor ``updated``."""
     run_setup(
         lambda: _pg(
-            postgres_url, "CREATE TABLE items (id bigint PRIMARY KEY, name text, score numeric(10, 2))"
+            postgres_url,
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text, score numeric(10, 2), updated bigint)",
         )
     )
+    tick = [0]
 
     async def add_rows(rows: Sequence[Row]) -> None:
-        await _pg(postgres_url, "INSERT INTO items (id, name) VALUES (%s, %s)", rows=_pg_rows(rows))
+        tick[0] += 1
+        values = [(*pair, tick[0]) for pair in _pg_rows(rows)]
+        await _pg(postgres_url, "INSERT INTO items (id, name, updated) VALUES (%s, %s, %s)", rows=values)
+
+    async def update_rows(rows: Sequence[Row]) -> None:
+        tick[0] += 1
+        values = [(row["name"], tick[0], row["id"]) for row in rows]
+        await _pg(postgres_url, "UPDATE items SET name = %s, updated = %s WHERE id = %s", rows=values)
 
     async def add_malformed() -> None:
         # numeric NaN has no decimal128 form.
@@ -90,6 +101,8 @@ def postgres_source(postgres_url: str) -> SourceSetup:
         add_rows,
         unreachable=_pg_unreachable("items"),
         add_malformed=add_malformed,
+        cursor_config={**config, "cursor": "updated"},
+        update_rows=update_rows,
     )
 
 
@@ -98,9 +111,14 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
     run_setup(
         lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))")
     )
+    def write_to(table: str, policy: WritePolicy, key: tuple[str, ...]) -> dict[str, Any]:
+        return {"url": postgres_url, "table": table, "mode": policy.value, "key": list(key)}
+
     return SinkSetup(
         {"url": postgres_url, "table": "items", "mode": "append"},
         _pg_reader(postgres_url, "items"),
+        read_resource=lambda table: _pg_table(postgres_url, table),
+        write_to=write_to,
         keyed_config={"url": postgres_url, "table": "items_keyed", "mode": "upsert", "key": ["id"]},
         read_keyed=_pg_reader(postgres_url, "items_keyed"),
         refused_rows=refused_rows(),
