@@ -57,6 +57,13 @@ class SourceSetup:
     same dataset through a cursor column (``update_rows`` moves rows past the others by changing them:
     rows are matched by ``id``, their ``name`` replaced, their cursor advanced; the rows of one
     ``add_rows`` share one cursor value).
+
+    For the generated scenarios of a stream source: ``update_rows`` and ``delete_rows`` change and
+    delete rows by ``id``, each call one source transaction (a source emitting changes delivers
+    them); ``recreate()`` deletes the stream (topic) and creates it again, empty, under the same name
+    (no session is open when it is called); ``domain_of(row)`` names the ordering domain a row lands
+    in (any label, the same for rows of one domain: Kafka's ``id % partitions``), so a skipped row is
+    seen at once; ``None``: every row lands in one domain.
     """
 
     config: Mapping[str, Any]
@@ -71,6 +78,9 @@ class SourceSetup:
     add_rows_before: AddRows | None = None
     cursor_config: Mapping[str, Any] | None = None
     update_rows: AddRows | None = None
+    delete_rows: AddRows | None = None
+    recreate: Callable[[], Awaitable[None]] | None = None
+    domain_of: Callable[[dict[str, Any]], str] | None = None
 
 
 @dataclass(frozen=True)

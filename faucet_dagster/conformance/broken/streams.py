@@ -1,7 +1,9 @@
 """Broken stream sources: sessions wrapping a shipped source's, each breaking one rule."""
 
 import asyncio
+import functools
 import time
+import uuid
 import zlib
 from collections.abc import Sequence
 from typing import Any, cast
@@ -19,6 +21,7 @@ from faucet_dagster.protocol import (
     Coverage,
     DomainCoverage,
     Identities,
+    IncarnationChanged,
     Membership,
     OrderingDomain,
     Position,
@@ -138,6 +141,51 @@ class SlotPositionSource(WrappedSource):
             now = CODEC.canonicalize(CODEC.validate(row[0]) - 1)
             moved = [Position(position.domain, now) for position in resume_positions]
             return await super().open(resources, moved, membership, worker)
+
+
+class IncarnationBlindSource(WrappedSource):
+    """Re-creation: when the stream was deleted and created again, it keeps the certified sequence
+    numbers and reads on from them in the new incarnation (it finds the new incarnation by peeking at
+    the first message), so the new stream's first messages are skipped."""
+
+    async def open(
+        self,
+        resources: Sequence[str],
+        resume_positions: Sequence[Position],
+        membership: Membership,
+        worker: WorkerIdentity,
+    ) -> StreamSession:
+        try:
+            return await super().open(resources, resume_positions, membership, worker)
+        except IncarnationChanged:
+            pass
+        peek = _DomainPeek()
+        probe = await self.inner.open(resources, (), membership, worker)
+        try:
+            await probe.read(peek, ReadLimits(records=1, bytes=None, idle=0.5, age=None), peek.stop)
+        finally:
+            await probe.close()
+        if peek.domain is None:
+            return await super().open(resources, (), membership, worker)
+        moved = [Position(peek.domain, p.value) for p in resume_positions if p.domain.lineage == peek.domain.lineage]
+        return await super().open(resources, moved, membership, worker)
+
+
+class _DomainPeek(StreamRecordSink):
+    """Takes the domain of the first row written and stops the read (writes nothing anywhere)."""
+
+    def __init__(self) -> None:
+        self.domain: OrderingDomain | None = None
+        self.stop = CancelToken()
+
+    async def write(
+        self, domain: OrderingDomain, rows: Records, identities: Identities, *, resource: str | None = None
+    ) -> None:
+        self.domain = self.domain or domain
+        self.stop.cancel()
+
+    async def control(self, control: Control) -> None:
+        return None
 
 
 def _slot_position_source(config: Any) -> SlotPositionSource:
@@ -449,10 +497,15 @@ class RenumberingSession(WrappedSession):
 
 
 class ReidentifyingSession(RenumberingSession):
-    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+    """Replay: numbers its events by the session (the attempt's run id), not by the source position
+    alone."""
 
     def ordinals(self, identities: Identities) -> list[int]:
-        return [self.opened] * len(identities)
+        return [self.attempt] * len(identities)
+
+    @functools.cached_property
+    def attempt(self) -> int:
+        return uuid.uuid4().int % 1_000_000
 
 
 class WorkerIdentitySession(RenumberingSession):

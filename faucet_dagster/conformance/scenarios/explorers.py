@@ -10,7 +10,7 @@ from typing import Any
 
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import Outcome
-from faucet_dagster.conformance.scenarios import bounded_sink, bounded_source, sink_steps
+from faucet_dagster.conformance.scenarios import bounded_sink, bounded_source, sink_steps, stream_source
 from faucet_dagster.conformance.scenarios.engine import Explorer, Step, Trace, explore
 from faucet_dagster.conformance.scenarios.sink_run import SinkRun
 from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration
@@ -73,7 +73,26 @@ class BoundedSourceExplorer(Explorer[bounded_source.BoundedSourceDeclaration]):
         await bounded_source.BoundedSourceRun(subject, setup, declared, trace).run(steps)
 
 
+class StreamSourceExplorer(Explorer[stream_source.StreamSourceDeclaration]):
+    def declaration(self, subject: Subject) -> stream_source.StreamSourceDeclaration:
+        return stream_source.declaration(subject)
+
+    def generate(self, rng: random.Random, declared: stream_source.StreamSourceDeclaration) -> list[Step]:
+        return stream_source.generate(rng, declared)
+
+    async def run(
+        self,
+        steps: Sequence[Step],
+        subject: Any,
+        setup: Any,
+        declared: stream_source.StreamSourceDeclaration,
+        trace: Trace,
+    ) -> None:
+        await stream_source.StreamSourceRun(subject, setup, declared, trace).run(steps)
+
+
 EXPLORERS: dict[Role, Explorer[Any]] = {
+    Role.STREAM_SOURCE: StreamSourceExplorer(),
     Role.SOURCE: BoundedSourceExplorer(),
     Role.STREAMING_SINK: StreamingSinkExplorer(),
     Role.SINK: BoundedSinkExplorer(),

@@ -203,6 +203,12 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
     async def add_rows(rows: Sequence[Row]) -> None:
         await _pg(postgres_url, "INSERT INTO items (id, name) VALUES (%s, %s)", rows=_pg_rows(rows))
 
+    async def update_rows(rows: Sequence[Row]) -> None:
+        await _pg(postgres_url, "UPDATE items SET name = %s WHERE id = %s", rows=[(r["name"], r["id"]) for r in rows])
+
+    async def delete_rows(rows: Sequence[Row]) -> None:
+        await _pg(postgres_url, "DELETE FROM items WHERE id = %s", rows=[(r["id"],) for r in rows])
+
     async def add_malformed() -> None:
         # A BC date has no Arrow form: the source must refuse it (DataError), never drop it.
         await _pg(postgres_url, "ALTER TABLE items ADD COLUMN IF NOT EXISTS born date")
@@ -241,4 +247,6 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
         acknowledged=acknowledged,
         cleanup=cleanup,
         make_unavailable=advance_out_of_band,
+        update_rows=update_rows,
+        delete_rows=delete_rows,
     )
