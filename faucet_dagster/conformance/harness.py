@@ -19,7 +19,6 @@ from faucet_dagster.conformance.setup import Row, SinkSetup, SourceSetup
 from faucet_dagster.pipeline import Pipeline, ResourceSchema
 from faucet_dagster.protocol import (
     CancelToken,
-    ConfigError,
     Control,
     Coverage,
     DomainCoverage,
@@ -71,21 +70,8 @@ class Subject:
     setup: SourceSetup | SinkSetup
     options: ConformanceOptions
     fresh: Callable[[], SourceSetup | SinkSetup] | None = None
-    """A new setup against the same servers (the generated scenarios use one per run); ``None``:
-    only ``setup`` exists, so one scenario runs and a failure is not shrunk."""
-
-    def fresh_setup(self) -> SourceSetup | SinkSetup:
-        if self.fresh is not None:
-            return self.fresh()
-        if self._used:
-            raise ConfigError(
-                f"{self.label}: only one setup was given; build the subject with fresh=... to run more",
-                where="faucet conformance",
-            )
-        self._used = True
-        return self.setup
-
-    _used: bool = False
+    """A new setup against the same servers (the generated scenarios use one per run, after
+    ``setup``); ``None``: only ``setup`` exists, so one scenario runs and a failure is not shrunk."""
 
     @property
     def label(self) -> str:

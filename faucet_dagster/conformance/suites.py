@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from faucet_dagster.conformance import bounded, streaming
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import ConformanceFailure, Outcome
+from faucet_dagster.conformance.scenarios.explorers import SCENARIO_RULE, scenarios
 from faucet_dagster.protocol import Role
 
 CheckFunction = Callable[[Subject], Awaitable[Outcome]]
@@ -44,16 +45,9 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "bounded_memory", "2 memory", bounded.MEMORY_RULE, frozenset({Role.SOURCE}), bounded.bounded_memory
     ),
-    Check("resume", "3 resume", bounded.RESUME_RULE, frozenset({Role.SOURCE}), bounded.resume),
-    Check(
-        "idempotent_replay",
-        "4 replay",
-        bounded.REPLAY_RULE,
-        frozenset({Role.SINK}),
-        bounded.idempotent_replay,
-    ),
     Check("capabilities", "5 capabilities", bounded.CAPABILITY_RULE, _ALL, bounded.capabilities),
     Check("no_panic", "6 no panic", bounded.PANIC_RULE, _ALL, bounded.no_panic),
+    Check("scenarios", "G scenarios", SCENARIO_RULE, _ALL, scenarios),
     Check(
         "slow_sink", "slow sink", streaming.SLOW_RULE, frozenset({Role.STREAM_SOURCE}), streaming.slow_sink
     ),
@@ -63,41 +57,6 @@ CHECKS: tuple[Check, ...] = (
         streaming.CANCEL_RULE,
         frozenset({Role.STREAM_SOURCE}),
         streaming.cancel_during_read,
-    ),
-    Check(
-        "partial_transaction",
-        "partial tx",
-        streaming.TRANSACTION_RULE,
-        frozenset({Role.STREAM_SOURCE}),
-        streaming.partial_transaction,
-    ),
-    Check(
-        "speculative_ack",
-        "no early ack",
-        streaming.SPECULATIVE_RULE,
-        frozenset({Role.STREAM_SOURCE}),
-        streaming.speculative_acknowledgement,
-    ),
-    Check(
-        "unavailable_position",
-        "unavailable pos",
-        streaming.UNAVAILABLE_RULE,
-        frozenset({Role.STREAM_SOURCE}),
-        streaming.unavailable_position,
-    ),
-    Check(
-        "ownership_lost_before_ack",
-        "ownership",
-        streaming.OWNERSHIP_RULE,
-        frozenset({Role.STREAM_SOURCE}),
-        streaming.ownership_lost_before_ack,
-    ),
-    Check(
-        "unwritten_position",
-        "unwritten pos",
-        streaming.UNWRITTEN_RULE,
-        frozenset({Role.STREAM_SOURCE}),
-        streaming.unwritten_position,
     ),
     Check(
         "failed_writes",
@@ -127,15 +86,12 @@ CHECKS: tuple[Check, ...] = (
         frozenset({Role.STREAMING_SINK}),
         streaming.shutdown_with_outstanding_work,
     ),
-    Check(
-        "replay_after_commit",
-        "commit->cert",
-        streaming.REPLAY_RULE,
-        frozenset({Role.STREAM_SOURCE, Role.STREAMING_SINK}),
-        streaming.replay_after_commit,
-    ),
 )
-"""Every check, in table order: the FCP's six, then the streaming interruptions."""
+"""Every check, in table order: the FCP's checks that are not scenarios (1, 2, 5, 6), the generated
+scenarios (which hold the FCP's resume and idempotent replay, and the streaming contract's replays,
+acknowledgements, ownership, positions and transactions), then the interruptions a scenario does not
+draw (a slow sink, a cancelled read, refused writes, an uncertain commit, misordered calls, a stalled
+shutdown)."""
 
 CHECKS_BY_ID: Mapping[str, Check] = {check.id: check for check in CHECKS}
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
 import pyarrow as pa
-from faucet_files.config import FilesSourceConfig
 from faucet_files.bookmark import FileEntry
+from faucet_files.config import FilesSourceConfig
 from faucet_files.source import FilesSource
 from faucet_postgres.source import PostgresSource
 from faucet_sql.sink import SqlSink

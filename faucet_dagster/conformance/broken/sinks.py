@@ -14,10 +14,10 @@ from faucet_dagster.protocol import (
     ConnectorSpec,
     Coverage,
     DomainCoverage,
-    OrderingDomain,
     EpochId,
     FaucetError,
     Identities,
+    OrderingDomain,
     Receipt,
     Role,
     SinkBatch,
@@ -322,7 +322,9 @@ class OneWatermarkSession(WrappedSinkSession):
         return OrderingDomain(domain.source, domain.resource, "0", domain.incarnation, domain.codec)
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        merged = SinkBatch(batch.epoch, batch.resource, self._merged(batch.domain), batch.records, batch.identities)
+        merged = SinkBatch(
+            batch.epoch, batch.resource, self._merged(batch.domain), batch.records, batch.identities
+        )
         await self.inner.apply(epoch, merged)
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:

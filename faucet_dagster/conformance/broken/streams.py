@@ -167,7 +167,11 @@ class IncarnationBlindSource(WrappedSource):
             await probe.close()
         if peek.domain is None:
             return await super().open(resources, (), membership, worker)
-        moved = [Position(peek.domain, p.value) for p in resume_positions if p.domain.lineage == peek.domain.lineage]
+        moved = [
+            Position(peek.domain, p.value)
+            for p in resume_positions
+            if p.domain.lineage == peek.domain.lineage
+        ]
         return await super().open(resources, moved, membership, worker)
 
 

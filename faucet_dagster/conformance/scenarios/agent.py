@@ -255,7 +255,9 @@ class _Agent:
             try:
                 async for page in stream:
                     records = page.records
-                    rows = _rows(records) if isinstance(records, pa.RecordBatch) else [dict(r) for r in records]
+                    rows = (
+                        _rows(records) if isinstance(records, pa.RecordBatch) else [dict(r) for r in records]
+                    )
                     seen.append(PageSeen(tuple(rows), page.bookmark))
                     if take is not None and len(seen) >= take:
                         break

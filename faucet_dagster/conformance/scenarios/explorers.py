@@ -14,7 +14,7 @@ from faucet_dagster.conformance.scenarios import bounded_sink, bounded_source, s
 from faucet_dagster.conformance.scenarios.engine import Explorer, Step, Trace, explore
 from faucet_dagster.conformance.scenarios.sink_run import SinkRun
 from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration
-from faucet_dagster.protocol import Role
+from faucet_dagster.protocol import ConfigError, Role
 
 SCENARIO_RULE = "the battery's generated scenarios (seed 004 section 7: the battery is the contract)"
 
@@ -99,26 +99,32 @@ EXPLORERS: dict[Role, Explorer[Any]] = {
 }
 
 
-async def _cleanup(setup: Any) -> None:
-    if setup.cleanup is not None:
-        await setup.cleanup()
-
-
 async def scenarios(subject: Subject) -> Outcome:
-    """The generated scenarios of the subject's role: ``options.examples`` of ``options.seed``."""
-    explorer = EXPLORERS.get(subject.role)
-    if explorer is None:
-        return Outcome.not_applicable(f"no scenarios for the {subject.role.value} role yet")
+    """The generated scenarios of the subject's role: ``options.examples`` of ``options.seed``. The
+    first run uses the subject's setup (cleaned up by the caller), every later one a fresh setup."""
+    explorer = EXPLORERS[subject.role]
     options = subject.options
+    unused = [subject.setup]
+
+    def fresh_setup() -> Any:
+        if unused:
+            return unused.pop()
+        if subject.fresh is None:
+            raise ConfigError(
+                f"{subject.label}: one setup was given and a second run needs another "
+                "(build the Subject with fresh=...)",
+                where="faucet conformance",
+            )
+        return subject.fresh()
+
+    async def cleanup(setup: Any) -> None:
+        if setup is not subject.setup and setup.cleanup is not None:
+            await setup.cleanup()
+
+    examples = options.examples if subject.fresh is not None else 1
     shrink = options.shrink_runs if subject.fresh is not None else 0
     return await explore(
-        explorer,
-        subject,
-        subject.fresh_setup,
-        _cleanup,
-        seed=options.seed,
-        examples=options.examples,
-        shrink_runs=shrink,
+        explorer, subject, fresh_setup, cleanup, seed=options.seed, examples=examples, shrink_runs=shrink
     )
 
 

@@ -10,9 +10,6 @@ be imported is left for its worker to import, where the error is reported.
 import contextlib
 import importlib
 
-import faucet_dagster.conformance.scenarios.agent  # noqa: F401 - the worker's main
-import faucet_dagster.pipeline  # noqa: F401
-import faucet_dagster.protocol
 from faucet_dagster.protocol import load_connectors
 
 _LAZY = ("sqlalchemy.dialects.sqlite", "sqlalchemy.dialects.postgresql", "psycopg.pq", "nats.js.kv")

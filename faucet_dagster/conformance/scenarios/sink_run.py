@@ -9,7 +9,6 @@ epoch uncertain: the recovering worker reads ``last_committed()``, the model tak
 reports, and the destination must agree (all of the epoch or none of it at a transactional sink).
 """
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,13 +16,13 @@ from typing import Any
 import pyarrow as pa
 
 from faucet_dagster.conformance.scenarios import sink_steps as steps
-from faucet_dagster.conformance.setup import ReadBlocked
 from faucet_dagster.conformance.scenarios.agent import AgentPlan, Handle
 from faucet_dagster.conformance.scenarios.effects import EFFECTS
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
 from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration, StreamPlan
 from faucet_dagster.conformance.scenarios.tables import KEY, MISSING, VERSION, Change, TableModel, difference
 from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
+from faucet_dagster.conformance.setup import ReadBlocked
 from faucet_dagster.protocol import (
     OPERATION_COLUMN,
     Coverage,
@@ -157,7 +156,9 @@ class SinkRun:
 
     async def run(self, scenario: Sequence[Step]) -> None:
         try:
-            import os, time
+            import os
+            import time
+
             for step in scenario:
                 self.trace.ran.append(step.describe())
                 t0 = time.perf_counter()
@@ -193,10 +194,14 @@ class SinkRun:
             sink = await worker.build(self.setup.config)
             handle = await worker.call(sink, "open", plan.name, plan.policy, plan.key, identity)
         except Failed as failed:
-            raise _Refused(failed, f"open({plan.name!r}, {plan.policy.value}, key {list(plan.key)})") from None
+            raise _Refused(
+                failed, f"open({plan.name!r}, {plan.policy.value}, key {list(plan.key)})"
+            ) from None
         return _Session(worker, handle, token)
 
-    async def _call(self, session: _Session, method: str, *args: Any, what: str, crash_at: int | None = None) -> Any:
+    async def _call(
+        self, session: _Session, method: str, *args: Any, what: str, crash_at: int | None = None
+    ) -> Any:
         try:
             return await session.worker.call(session.handle, method, *args, crash_at=crash_at)
         except Failed as failed:
@@ -208,7 +213,12 @@ class SinkRun:
         for index, plan in enumerate(cast.streams):
             stream = _Stream(index, plan)
             for lane in stream.lanes():
-                stream.log[lane], stream.cursor[lane], stream.certified[lane], stream.marks[lane] = [], 0, 0, 0
+                stream.log[lane], stream.cursor[lane], stream.certified[lane], stream.marks[lane] = (
+                    [],
+                    0,
+                    0,
+                    0,
+                )
             for resource in range(len(plan.resources)):
                 stream.tables[resource] = TableModel(plan.policy)
                 stream.columns[resource] = [KEY, "name", *([VERSION] * (stream.base_columns() - 2))]
@@ -245,9 +255,15 @@ class SinkRun:
                 key = (stream.index + 1) * 1_000_000 + self.keys
                 stream.versions[key] = 1
                 keys.append(key)
-            log.append(_Event(lane, len(log) + 1, Change(operation, self._row(stream, lane[0], key, version, operation))))
+            log.append(
+                _Event(
+                    lane, len(log) + 1, Change(operation, self._row(stream, lane[0], key, version, operation))
+                )
+            )
 
-    def _row(self, stream: _Stream, resource: int, key: int, version: int, operation: Operation) -> dict[str, Any]:
+    def _row(
+        self, stream: _Stream, resource: int, key: int, version: int, operation: Operation
+    ) -> dict[str, Any]:
         if operation is Operation.TRUNCATE:
             return {column: None for column in stream.columns[resource]} | {KEY: 0}
         row: dict[str, Any] = {KEY: key, "name": f"n{key}v{version}"}
@@ -312,7 +328,9 @@ class SinkRun:
             raise
         if self.declared.transactional and look:
             try:
-                await self._compare(stream, VISIBILITY_RULE, f"after apply({active.epoch}), before its commit")
+                await self._compare(
+                    stream, VISIBILITY_RULE, f"after apply({active.epoch}), before its commit"
+                )
             except ReadBlocked:
                 self.trace.note("a reader waits for the epoch's lock: it sees nothing of it")
 
@@ -358,7 +376,14 @@ class SinkRun:
         crash_at, stream.crash_at = stream.crash_at, None
         what = f"commit_epoch({active.epoch})"
         try:
-            receipts = await self._call(active.session, "commit_epoch", active.epoch, self._coverage(stream, active), what=what, crash_at=crash_at)
+            receipts = await self._call(
+                active.session,
+                "commit_epoch",
+                active.epoch,
+                self._coverage(stream, active),
+                what=what,
+                crash_at=crash_at,
+            )
         except Crashed:
             await self._crashed(stream)
             return
@@ -418,16 +443,18 @@ class SinkRun:
         stream.session.worker.kill()
         await self._crashed(stream)
 
-    async def _crashed(self, stream: _Stream) -> None:
+    async def _crashed(self, stream: _Stream, *, recover: bool = True) -> None:
         """The stream's worker died: an epoch it was committing is uncertain until the next worker
-        asks the sink; that recovery runs at once (a restart)."""
+        asks the sink; that recovery runs at once (a restart), or with the next session."""
         self.trace.note("the worker died")
         active = stream.active
         if active is not None and active.committing:
             stream.uncertain = active
         if active is not None and not self.declared.transactional:
             stream.unsure |= {
-                event.identity for lane, start, stop in active.applied for event in stream.log[lane][start:stop]
+                event.identity
+                for lane, start, stop in active.applied
+                for event in stream.log[lane][start:stop]
             }
         self._lost(stream)
         await self._session(stream)
@@ -470,9 +497,15 @@ class SinkRun:
             for lane in stream.lanes():
                 events = stream.log[lane][stream.certified[lane] :]
                 if events:
-                    await zombie.worker.call(zombie.handle, "apply", epoch, self._batch(stream, epoch, lane, events))
+                    await zombie.worker.call(
+                        zombie.handle, "apply", epoch, self._batch(stream, epoch, lane, events)
+                    )
                     ends[lane] = events[-1].position
-            coverage = Coverage(tuple(DomainCoverage(stream.domain(lane), None, str(end)) for lane, end in sorted(ends.items())))
+            coverage = Coverage(
+                tuple(
+                    DomainCoverage(stream.domain(lane), None, str(end)) for lane, end in sorted(ends.items())
+                )
+            )
             await zombie.worker.call(zombie.handle, "commit_epoch", epoch, coverage)
         except Failed as failed:
             if not failed.error.is_a(OwnershipLost, LifecycleError):
@@ -501,43 +534,46 @@ class SinkRun:
         await self._check_state(stream, None, "read by another process")
 
     async def _sweep(self, step: steps.Sweep) -> None:
-        """An epoch of every lane, with the worker killed before effect 0, 1, 2...: each time the
-        destination must hold all of the epoch or none of it, and the recovery must replay it once."""
+        """Epochs of every resource, the worker killed before effect 0, 1, 2... of the commit (and of
+        the applies, where the destination accepts writes before the commit): each time the next
+        worker recovers (the destination holds all of the epoch or none of it, as last_committed()
+        says) and its epoch replays what was not committed, with the next crash point armed."""
         stream = self.streams[step.stream]
         self.trace.exercised.add("a crash at every effect of an epoch")
         self._lost(stream)
         for point in range(256):
-            for resource in range(len(stream.plan.resources)):
-                operations = ("insert", "update:-1") if stream.plan.policy.keyed else ("insert",)
-                self._produce_events(stream, (resource, 0), operations)
-            stream.token += 1
-            session = await self._open(stream, self._worker(f"{stream.plan.name}-sweep-{point}"), stream.token)
-            stream.session = session
-            active = stream.active = _Active(EpochId(stream.plan.name, stream.certified_sequence + 1, session.token), session, dict(stream.marks))
+            if all(stream.certified[lane] == len(stream.log[lane]) for lane in stream.lanes()):
+                for resource in range(len(stream.plan.resources)):
+                    operations = ("insert", "update:-1") if stream.plan.policy.keyed else ("insert",)
+                    self._produce_events(stream, (resource, 0), operations)
+            session = await self._session(stream)
+            active = stream.active = _Active(
+                EpochId(stream.plan.name, stream.certified_sequence + 1, session.token), session, dict(stream.marks)
+            )
             calls: list[tuple[str, tuple[Any, ...]]] = [("begin_epoch", (active.epoch,))]
             for lane in stream.lanes():
                 start, stop = stream.cursor[lane], len(stream.log[lane])
                 if stop > start:
-                    calls.append(("apply", (active.epoch, self._batch(stream, active.epoch, lane, stream.log[lane][start:stop]))))
+                    events = stream.log[lane][start:stop]
+                    calls.append(("apply", (active.epoch, self._batch(stream, active.epoch, lane, events))))
                     active.applied.append((lane, start, stop))
                     stream.cursor[lane] = stop
-                    self._applying(stream, active, stream.log[lane][start:stop])
+                    self._applying(stream, active, events)
             calls.append(("commit_epoch", (active.epoch, self._coverage(stream, active))))
             made, receipts = 0, None
             try:
                 for method, args in calls:
                     active.committing = method == "commit_epoch"
-                    # The points: every effect of the commit, and of the applies where the destination
-                    # accepts writes before the commit (a transactional sink's are tentative: a crash
-                    # there loses them all, as the visibility check after each apply shows).
+                    # A transactional sink's applies are tentative (a crash there loses them all,
+                    # as the visibility check after each apply shows): only its commit is swept.
                     swept = method == "commit_epoch" or (method == "apply" and not self.declared.transactional)
-                    crash_at = point - made if swept else None
-                    receipts = await self._call(session, method, *args, what=f"{method} in the sweep", crash_at=crash_at)
+                    receipts = await self._call(
+                        session, method, *args, what=f"{method} in the sweep", crash_at=point - made if swept else None
+                    )
                     made += len(session.worker.effects) if swept else 0
             except Crashed:
                 self.trace.note(f"died at effect {point}")
-                await self._crashed(stream)
-                await self._replay(stream)
+                await self._crashed(stream, recover=False)
                 continue
             stream.active = None
             for lane, start, stop in active.applied:
@@ -549,13 +585,6 @@ class SinkRun:
             return
         raise Divergence(WORKS_RULE, "an epoch of a few rows made more than 256 effects")
 
-    async def _replay(self, stream: _Stream) -> None:
-        """The recovering worker reads again from the certified positions and commits."""
-        await self._begin(steps.Begin(stream.index))
-        for resource, partition in stream.lanes():
-            await self._apply(steps.Apply(stream.index, resource, partition, 1_000), look=False)
-        await self._commit(steps.Commit(stream.index))
-
     # -- the model --------------------------------------------------------------------------------
 
     def _coverage(self, stream: _Stream, active: _Active) -> Coverage:
@@ -564,7 +593,11 @@ class SinkRun:
             ends[lane] = max(ends.get(lane, 0), stop)
         return Coverage(
             tuple(
-                DomainCoverage(stream.domain(lane), str(stream.certified[lane]) if stream.certified[lane] else None, str(end))
+                DomainCoverage(
+                    stream.domain(lane),
+                    str(stream.certified[lane]) if stream.certified[lane] else None,
+                    str(end),
+                )
                 for lane, end in sorted(ends.items())
             )
         )
@@ -601,7 +634,9 @@ class SinkRun:
         if stream.session is not None:
             return stream.session
         stream.token += 1
-        session = await self._open(stream, self._worker(f"{stream.plan.name}-worker-{stream.token}"), stream.token)
+        session = await self._open(
+            stream, self._worker(f"{stream.plan.name}-worker-{stream.token}"), stream.token
+        )
         stream.session = session
         stream.cursor = dict(stream.certified)
         state = await self._read_state(stream, session)
@@ -677,7 +712,11 @@ class SinkRun:
         self.trace.exercised.add("atomic_watermark" if self.caps.atomic_watermark else "last_committed()")
 
     def _check_receipts(
-        self, stream: _Stream, active: _Active, receipts: Sequence[Receipt], expected: Mapping[int, tuple[int, int]]
+        self,
+        stream: _Stream,
+        active: _Active,
+        receipts: Sequence[Receipt],
+        expected: Mapping[int, tuple[int, int]],
     ) -> None:
         wanted = {stream.plan.resources[resource]: counts for resource, counts in expected.items()}
         seen: dict[str, Receipt] = {}
@@ -698,9 +737,15 @@ class SinkRun:
                     f"commit_epoch({active.epoch}) returned no receipt for resource {name!r}, where it applied "
                     f"{written + skipped} row(s)",
                 )
-            exact = (self.caps.atomic_watermark or self.caps.dedup_by_event_identity) and receipt.rows_skipped != skipped
+            exact = (
+                self.caps.atomic_watermark or self.caps.dedup_by_event_identity
+            ) and receipt.rows_skipped != skipped
             counted = receipt.rows_written + receipt.rows_skipped
-            if exact or counted > written + skipped or (not stream.plan.policy.keyed and counted != written + skipped):
+            if (
+                exact
+                or counted > written + skipped
+                or (not stream.plan.policy.keyed and counted != written + skipped)
+            ):
                 raise Divergence(
                     RECEIPT_RULE,
                     f"the receipt of resource {name!r} for epoch {active.epoch} says {receipt.rows_written} "
@@ -735,16 +780,28 @@ class SinkRun:
             for resource, name in enumerate(stream.plan.resources):
                 may = [] if transactional else _uncommitted(stream, resource)
                 problem = difference(
-                    name, held[name], stream.tables[resource].rows(), stream.columns[resource], may=may,
+                    name,
+                    held[name],
+                    stream.tables[resource].rows(),
+                    stream.columns[resource],
+                    may=may,
                     duplicates_allowed=duplicates,
                 )
                 if problem:
                     raise Divergence(NAME_RULE if MISSING in problem else rule, f"{when}: {problem}")
             return
         must = [row for other in self.streams for table in other.tables.values() for row in table.rows()]
-        may = [] if transactional else [row for other in self.streams for r in other.tables for row in _uncommitted(other, r)]
-        columns = sorted({c for other in self.streams for cs in other.columns.values() for c in cs}, key=_column_order)
-        problem = difference("(all resources)", held["*"], must, columns, may=may, duplicates_allowed=duplicates)
+        may = (
+            []
+            if transactional
+            else [row for other in self.streams for r in other.tables for row in _uncommitted(other, r)]
+        )
+        columns = sorted(
+            {c for other in self.streams for cs in other.columns.values() for c in cs}, key=_column_order
+        )
+        problem = difference(
+            "(all resources)", held["*"], must, columns, may=may, duplicates_allowed=duplicates
+        )
         if problem:
             raise Divergence(NAME_RULE if MISSING in problem else rule, f"{when}: {problem}")
 
@@ -766,7 +823,11 @@ class SinkRun:
 
 def _uncommitted(stream: _Stream, resource: int) -> list[Mapping[str, Any]]:
     """Rows of events applied and not committed (a destination without transactions may hold them)."""
-    return [row for identity, row in stream.applied.items() if identity[0] == resource and identity not in stream.committed]
+    return [
+        row
+        for identity, row in stream.applied.items()
+        if identity[0] == resource and identity not in stream.committed
+    ]
 
 
 def _column_order(column: str) -> tuple[int, str]:

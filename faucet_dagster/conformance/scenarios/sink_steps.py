@@ -251,7 +251,11 @@ class _Draw:
         if Operation.DELETE in accepted and plan.policy.keyed:
             kinds.append("delete")
         chosen = [self.rng.choice(kinds) for _ in range(count)]
-        if Operation.TRUNCATE in accepted and plan.policy is WritePolicy.APPLY_CHANGES and self.rng.random() < 0.1:
+        if (
+            Operation.TRUNCATE in accepted
+            and plan.policy is WritePolicy.APPLY_CHANGES
+            and self.rng.random() < 0.1
+        ):
             chosen.append("truncate")
         if mixed and "update" in kinds:
             chosen = ["insert", "update:-1", *chosen]
@@ -301,7 +305,14 @@ class _Draw:
         if choice == "begin":
             return [Begin(index)]
         if choice == "apply":
-            return [Apply(index, rng.randrange(len(plan.resources)), rng.randrange(plan.partitions), 1 + rng.randrange(4))]
+            return [
+                Apply(
+                    index,
+                    rng.randrange(len(plan.resources)),
+                    rng.randrange(plan.partitions),
+                    1 + rng.randrange(4),
+                )
+            ]
         if choice == "commit":
             return [Commit(index, certify=rng.random() < 0.8)]
         if choice == "abort":

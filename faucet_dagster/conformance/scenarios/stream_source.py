@@ -44,7 +44,9 @@ from faucet_dagster.protocol import (
     WorkerIdentity,
 )
 
-ORDER_RULE = "stream 3 an epoch certifies the next changes of each domain, in order: nothing skipped, nothing twice"
+ORDER_RULE = (
+    "stream 3 an epoch certifies the next changes of each domain, in order: nothing skipped, nothing twice"
+)
 TRANSACTION_RULE = "stream 3 no coverage inside an open transaction"
 IDENTITY_RULE = "stream 8 an event keeps its identity on every replay, whichever worker reads it"
 UNWRITTEN_RULE = "stream 3 a position whose rows were not written is never certified"
@@ -91,7 +93,9 @@ class Change(Step):
     delete: bool = False
 
     def describe(self) -> str:
-        return f"source: {len(self.picks)} row(s) {'deleted' if self.delete else 'updated'} in one transaction"
+        return (
+            f"source: {len(self.picks)} row(s) {'deleted' if self.delete else 'updated'} in one transaction"
+        )
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,9 @@ def generate(rng: random.Random, declared: StreamSourceDeclaration) -> list[Step
     steps += [add(), Read(limit(), acknowledge=False), Takeover(), Read(limit())]
     steps += [add(), Read(2, acknowledge=False), Crash(at_effect=rng.randrange(3)), Acknowledge(), Read(None)]
     for _ in range(10):
-        choice = rng.choices(["add", "read", "unsure", "ack", "close", "crash", "takeover", "change"], [4, 5, 1, 2, 1, 1, 1, 1])[0]
+        choice = rng.choices(
+            ["add", "read", "unsure", "ack", "close", "crash", "takeover", "change"], [4, 5, 1, 2, 1, 1, 1, 1]
+        )[0]
         if choice == "add" or (choice == "change" and not declared.changes):
             steps.append(add())
         elif choice == "read":
@@ -236,7 +242,9 @@ class _Model:
     """Per lane (a ``domain_of`` label, or ``*``), the changes in provider order."""
     certified_count: dict[str, int] = field(default_factory=dict)
     lane_of_domain: dict[tuple[str, str, str], str] = field(default_factory=dict)
-    identities: dict[tuple[int, str, str], tuple[tuple[str, str, str], str, int]] = field(default_factory=dict)
+    identities: dict[tuple[int, str, str], tuple[tuple[str, str, str], str, int]] = field(
+        default_factory=dict
+    )
     transactions: dict[int, int] = field(default_factory=dict)
     """Transaction number -> its number of changes."""
 
@@ -374,7 +382,9 @@ class StreamSourceRun:
         limits = ReadLimits(records=records, bytes=None, idle=0.3, age=None)
         crash_at, self.crash_at = self.crash_at, None
         try:
-            read = await session.worker.request("read_epoch", session.handle, epoch, self.certified, limits, None, crash_at=crash_at)
+            read = await session.worker.request(
+                "read_epoch", session.handle, epoch, self.certified, limits, None, crash_at=crash_at
+            )
         except Crashed:
             self.trace.note("the worker died")
             self._drop()
@@ -422,7 +432,9 @@ class StreamSourceRun:
             lane = self.domain_of(dict(event.row)) if self.domain_of is not None else "*"
             known = model.lane_of_domain.setdefault(_lineage(event), lane)
             if known != lane:
-                raise Divergence(ORDER_RULE, f"domain {event.domain} holds rows of two lanes ({known}, {lane})")
+                raise Divergence(
+                    ORDER_RULE, f"domain {event.domain} holds rows of two lanes ({known}, {lane})"
+                )
             by_lane.setdefault(lane, []).append((event, key))
             identity = (_lineage(event), event.position, event.ordinal)
             seen = model.identities.setdefault(key, identity)
@@ -480,14 +492,18 @@ class StreamSourceRun:
             if result.error is not None:
                 raise Divergence(WORKS_RULE, f"acknowledge() with the stream owned raised {result.error}")
             if result.asked == 0:
-                raise Divergence(OWNERSHIP_RULE, "acknowledge() never awaited authority() before acknowledging")
+                raise Divergence(
+                    OWNERSHIP_RULE, "acknowledge() never awaited authority() before acknowledging"
+                )
             self.pending.remove(coverage)
             del before
 
     async def _ack(self, session: _Session, coverage: Coverage, *, lost: bool) -> Acknowledged | None:
         crash_at, self.crash_at = self.crash_at, None
         try:
-            result = await session.worker.request("acknowledge", session.handle, coverage, lost, crash_at=crash_at)
+            result = await session.worker.request(
+                "acknowledge", session.handle, coverage, lost, crash_at=crash_at
+            )
         except Crashed:
             self.trace.note("the worker died")
             self._drop()
@@ -562,13 +578,17 @@ class StreamSourceRun:
                     for lane, log in self.model.log.items()
                     if len(log) > self.model.certified_count.get(lane, 0)
                 }
-                raise Divergence(ORDER_RULE, f"changes never certified after {self.timeout:g}s of epochs: ids {missing}")
+                raise Divergence(
+                    ORDER_RULE, f"changes never certified after {self.timeout:g}s of epochs: ids {missing}"
+                )
             await self._epoch(None)
 
     async def _purge(self, step: Purge) -> None:
         self.trace.exercised.add("rows removed under a reader (retention)")
         self._drop()
-        unread = any(len(log) > self.model.certified_count.get(lane, 0) for lane, log in self.model.log.items())
+        unread = any(
+            len(log) > self.model.certified_count.get(lane, 0) for lane, log in self.model.log.items()
+        )
         await self.setup.make_unavailable()
         try:
             await self._open()

@@ -122,9 +122,7 @@ def _lacks(resource: str, row: FrozenRow, have: Counter[FrozenRow], columns: Seq
     key = dict(row).get(KEY)
     other = [held for held in have if dict(held).get(KEY) == key]
     if other:
-        return (
-            f"resource {resource!r} holds id {key} as {_show(other[0])}; the model holds {_show(row)}"
-        )
+        return f"resource {resource!r} holds id {key} as {_show(other[0])}; the model holds {_show(row)}"
     return f"resource {resource!r} lacks id {key} {_show(row)}; the model holds it"
 
 

@@ -15,8 +15,8 @@ import multiprocessing.context
 import os
 import signal
 import threading
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from collections.abc import Mapping, Sequence
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
 
 from faucet_dagster.conformance.scenarios.agent import AgentPlan, Handle, RemoteError, Reply, serve

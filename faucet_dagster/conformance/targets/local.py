@@ -76,7 +76,9 @@ def _sqlite_rows(path: Path, table: str) -> list[dict[str, Any]]:
     """Every row and column of ``table`` (any spelling: quoted), none when it does not exist."""
     with sqlite3.connect(path) as conn:
         conn.row_factory = sqlite3.Row
-        if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchall():
+        if not conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+        ).fetchall():
             return []
         quoted = '"' + table.replace('"', '""') + '"'
         return [dict(row) for row in conn.execute(f"SELECT * FROM {quoted}")]
@@ -96,7 +98,9 @@ def sql_source(tmp_path: Path) -> SourceSetup:
     async def update_rows(rows: Sequence[Row]) -> None:
         tick[0] += 1
         values = [(row["name"], tick[0], row["id"]) for row in rows]
-        await asyncio.to_thread(_sqlite, path, "UPDATE items SET name = ?, updated = ? WHERE id = ?", rows=values)
+        await asyncio.to_thread(
+            _sqlite, path, "UPDATE items SET name = ?, updated = ? WHERE id = ?", rows=values
+        )
 
     async def add_malformed() -> None:
         # SQLite keeps a BLOB in a TEXT column as it is: invalid UTF-8 has no Arrow string form.

@@ -111,6 +111,7 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
     run_setup(
         lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))")
     )
+
     def write_to(table: str, policy: WritePolicy, key: tuple[str, ...]) -> dict[str, Any]:
         return {"url": postgres_url, "table": table, "mode": policy.value, "key": list(key)}
 
@@ -204,7 +205,11 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
         await _pg(postgres_url, "INSERT INTO items (id, name) VALUES (%s, %s)", rows=_pg_rows(rows))
 
     async def update_rows(rows: Sequence[Row]) -> None:
-        await _pg(postgres_url, "UPDATE items SET name = %s WHERE id = %s", rows=[(r["name"], r["id"]) for r in rows])
+        await _pg(
+            postgres_url,
+            "UPDATE items SET name = %s WHERE id = %s",
+            rows=[(r["name"], r["id"]) for r in rows],
+        )
 
     async def delete_rows(rows: Sequence[Row]) -> None:
         await _pg(postgres_url, "DELETE FROM items WHERE id = %s", rows=[(r["id"],) for r in rows])
