@@ -94,7 +94,9 @@ def conformance_command(args: argparse.Namespace) -> int:
     return 1 if any(result.status == "fail" for result in results) else 0
 
 
-def _scenario_options(options: ConformanceOptions, seed: int | None, examples: int | None) -> ConformanceOptions:
+def _scenario_options(
+    options: ConformanceOptions, seed: int | None, examples: int | None
+) -> ConformanceOptions:
     if seed is not None:
         options = dataclasses.replace(options, seed=seed)
     if examples is not None:
@@ -118,12 +120,16 @@ def _self_test(only: list[str], seeds: int | None) -> int:
             for seed in range(count) if case.seeded else (0,):
                 rows += 1
                 try:
-                    failure = run_case(case, fixtures.setup(case.factory), seed=seed, fresh=fixtures.fresh(case.factory))
+                    failure = run_case(
+                        case, fixtures.setup(case.factory), seed=seed, fresh=fixtures.fresh(case.factory)
+                    )
                 except AssertionError as exc:
                     verdict = f"NOT CAUGHT: {exc}"
                     missed.append(f"{where} seed {seed}")
                 else:
-                    verdict = f"caught [{failure.rule}]" + (f" at {caught_at(failure)}" if case.seeded else "")
+                    verdict = f"caught [{failure.rule}]" + (
+                        f" at {caught_at(failure)}" if case.seeded else ""
+                    )
                 label = f"{case.check} seed {seed}" if case.seeded else case.check
                 print(f"{where:<58} -> {label:<36} {verdict}", flush=True)
     print()

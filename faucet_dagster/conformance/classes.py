@@ -74,7 +74,9 @@ def conformance_tests(
                 value = request.config.getoption(option, default=None)
                 if value is not None:
                     chosen = dataclasses.replace(chosen, **{field: value})
-            more = Fixtures(lambda kind: request.getfixturevalue(f"{kind}_server").start(), hint=request.node.name)
+            more = Fixtures(
+                lambda kind: request.getfixturevalue(f"{kind}_server").start(), hint=request.node.name
+            )
             yield Subject(spec, role, setup, chosen, fresh=more.fresh(config))
             more.close()
 
@@ -83,7 +85,9 @@ def conformance_tests(
             report: dict[str, Any] = {"subject": conformance_subject.label, "check": check_id}
             request.node.user_properties.append((PROPERTY, report))
             outcome = asyncio.run(run_check(CHECKS_BY_ID[check_id], conformance_subject))
-            report.update(status=outcome.status.value, detail=outcome.detail, exercised=list(outcome.exercised))
+            report.update(
+                status=outcome.status.value, detail=outcome.detail, exercised=list(outcome.exercised)
+            )
 
     ConformanceTests.__name__ = ConformanceTests.__qualname__ = f"Conformance_{_name(connector)}_{role.value}"
     return ConformanceTests

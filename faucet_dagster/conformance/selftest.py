@@ -28,6 +28,7 @@ WITHIN_WINDOW = ConformanceOptions(replay_duplicates="within_window")
 SEEDS = 5
 """How many seeds ``faucet conformance --self-test`` runs each scenario case under."""
 
+
 @dataclass(frozen=True)
 class SelfTestCase:
     """``check`` must catch ``broken`` (built by ``spec()``) in ``role`` on ``factory``'s setup, with
@@ -377,7 +378,9 @@ def run_case(
         outcome = asyncio.run(run_check(CHECKS_BY_ID[case.check], subject))
     except ConformanceFailure as failure:
         if failure.rule not in case.accepted:
-            raise AssertionError(f"{label}: failed rule [{failure.rule}], not {list(case.accepted)}") from failure
+            raise AssertionError(
+                f"{label}: failed rule [{failure.rule}], not {list(case.accepted)}"
+            ) from failure
         if failure.__cause__ is not None and "expected it to work" in failure.message:
             raise AssertionError(
                 f"{label}: caught only as a raw {type(failure.__cause__).__name__} (the check does not "
@@ -385,7 +388,9 @@ def run_case(
             ) from failure
         missing = [fragment for fragment in case.fragments if fragment not in failure.message]
         if missing:
-            raise AssertionError(f"{label}: the failure does not say {missing}: {failure.message}") from failure
+            raise AssertionError(
+                f"{label}: the failure does not say {missing}: {failure.message}"
+            ) from failure
         return failure
     except Exception as exc:
         raise AssertionError(

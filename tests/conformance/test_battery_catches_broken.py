@@ -22,7 +22,9 @@ RUNS = [(case, number % SEEDS if case.seeded else 0) for number, case in enumera
 
 @pytest.fixture
 def fresh_setups(request: pytest.FixtureRequest) -> Iterator[Fixtures]:
-    fixtures = Fixtures(lambda kind: request.getfixturevalue(f"{kind}_server").start(), hint=request.node.name)
+    fixtures = Fixtures(
+        lambda kind: request.getfixturevalue(f"{kind}_server").start(), hint=request.node.name
+    )
     yield fixtures
     fixtures.close()
 

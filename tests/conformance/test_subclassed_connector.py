@@ -32,7 +32,9 @@ class CountingSource(KafkaStreamSource):
 SPEC = ConnectorSpec("kafka_counting", {Role.STREAM_SOURCE: ConnectorRole(KafkaSourceConfig, CountingSource)})
 
 
-def test_a_subclass_overriding_one_session_method_passes_the_scenarios(request: pytest.FixtureRequest) -> None:
+def test_a_subclass_overriding_one_session_method_passes_the_scenarios(
+    request: pytest.FixtureRequest,
+) -> None:
     """The scenarios run the connector in worker processes: the subclass (a class of this test module)
     is what they build there, and its acknowledgements are what they judge."""
     setup = kafka_source(**{name: request.getfixturevalue(name) for name in factory_fixtures(kafka_source)})
@@ -50,7 +52,9 @@ def test_the_subclass_is_what_the_worker_builds() -> None:
     async def built() -> str:
         worker = Worker(AgentPlan(SPEC, Role.STREAM_SOURCE), timeout=30)
         try:
-            handle = await worker.build({"bootstrap_servers": "127.0.0.1:9", "topics": ["t"], "group_id": "g"})
+            handle = await worker.build(
+                {"bootstrap_servers": "127.0.0.1:9", "topics": ["t"], "group_id": "g"}
+            )
             return str(await worker.request("attribute", handle, "session_type"))
         finally:
             await worker.stop()

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.conformance.broken.common import _next_open, wrapping
+from faucet_dagster.conformance.seams import WrappedSinkSession, WrappedStreamingSink, wrap_sessions
 from faucet_dagster.protocol import (
     ConnectorSpec,
     Coverage,
@@ -21,9 +21,7 @@ from faucet_dagster.protocol import (
     Receipt,
     Role,
     SinkBatch,
-    SinkCapabilities,
     SinkCommitState,
-    StreamingSink,
     StreamingSinkSession,
     UncertainOutcome,
     WorkerIdentity,
@@ -31,77 +29,6 @@ from faucet_dagster.protocol import (
 )
 
 # -- streaming sinks ----------------------------------------------------------------------------------
-
-
-class WrappedSinkSession(StreamingSinkSession):
-    """A sink session forwarding everything to the real one; subclasses break one method."""
-
-    def __init__(
-        self,
-        inner: StreamingSinkSession,
-        opened: int,
-        worker: WorkerIdentity,
-        policy: WritePolicy = WritePolicy.APPEND,
-    ) -> None:
-        self.inner = inner
-        self.opened = opened
-        self.worker = worker
-        self.policy = policy
-        self.active: EpochId | None = None
-        self.background: list[asyncio.Task[Any]] = []
-
-    async def last_committed(self) -> SinkCommitState | None:
-        return await self.inner.last_committed()
-
-    async def begin_epoch(self, epoch: EpochId) -> None:
-        await self.inner.begin_epoch(epoch)
-        self.active = epoch
-
-    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        await self.inner.apply(epoch, batch)
-
-    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
-        receipts = await self.inner.commit_epoch(epoch, coverage)
-        self.active = None
-        return receipts
-
-    async def abort_epoch(self, epoch: EpochId) -> None:
-        await self.inner.abort_epoch(epoch)
-        self.active = None
-
-    async def close_session(self) -> None:
-        await self.inner.close_session()
-
-
-class WrappedStreamingSink(StreamingSink):
-    """A streaming sink whose sessions are wrapped in ``session_type``; ``claims`` overrides
-    capability fields."""
-
-    def __init__(
-        self,
-        inner: StreamingSink,
-        session_type: type[WrappedSinkSession],
-        claims: dict[str, Any] | None = None,
-    ) -> None:
-        self.inner = inner
-        self.session_type = session_type
-        self.claims = claims or {}
-        self.connector_name = inner.connector_name
-
-    def capabilities(self) -> SinkCapabilities:
-        from dataclasses import replace
-
-        return replace(self.inner.capabilities(), **self.claims)
-
-    async def open(
-        self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
-    ) -> StreamingSinkSession:
-        inner = await self.inner.open(self.destination_stream(stream), policy, key, worker)
-        return self.session_type(inner, _next_open(), worker, policy)
-
-    def destination_stream(self, stream: str) -> str:
-        """The stream name the real sink is opened with (subclasses break it)."""
-        return stream
 
 
 class SwallowingSession(WrappedSinkSession):
@@ -387,4 +314,4 @@ _KEEP: list[asyncio.Task[Any]] = []
 def streaming_sink(
     name: str, session_type: type[WrappedSinkSession], claims: dict[str, Any] | None = None
 ) -> ConnectorSpec:
-    return wrapping(name, Role.STREAMING_SINK, WrappedStreamingSink, session_type, claims)
+    return wrap_sessions(name, Role.STREAMING_SINK, session_type, claims)

@@ -11,7 +11,13 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.conformance.broken.common import _next_open, real_role, spec_with, wrapping
+from faucet_dagster.conformance.seams import (
+    WrappedSession,
+    WrappedSource,
+    real_role,
+    spec_with,
+    wrap_sessions,
+)
 from faucet_dagster.protocol import (
     Authority,
     CancelToken,
@@ -25,14 +31,12 @@ from faucet_dagster.protocol import (
     Membership,
     OrderingDomain,
     Position,
-    PositionCodec,
     PositionUnavailable,
     ProgressBoundary,
     ReadLimits,
     Records,
     RejectedRecord,
     Role,
-    SourceCapabilities,
     StreamRecordSink,
     StreamSession,
     StreamSource,
@@ -42,54 +46,6 @@ from faucet_dagster.protocol import (
 )
 
 # -- stream sources -----------------------------------------------------------------------------------
-
-
-class WrappedSession(StreamSession):
-    """A session forwarding everything to the real one; subclasses break one method. ``worker`` is
-    the identity the session was opened with."""
-
-    def __init__(self, inner: StreamSession, opened: int, worker: WorkerIdentity) -> None:
-        self.inner = inner
-        self.opened = opened
-        self.worker = worker
-
-    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-        return await self.inner.read(sink, limits, cancel)
-
-    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
-        await self.inner.acknowledge(coverage, authority)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def exhausted(self) -> bool:
-        return self.inner.exhausted
-
-
-class WrappedSource(StreamSource):
-    """A stream source whose sessions are wrapped in ``session_type`` (counting opens from 1)."""
-
-    def __init__(self, inner: StreamSource, session_type: type[WrappedSession]) -> None:
-        self.inner = inner
-        self.session_type = session_type
-        self.connector_name = inner.connector_name
-
-    def capabilities(self) -> SourceCapabilities:
-        return self.inner.capabilities()
-
-    def codecs(self) -> Sequence[PositionCodec[Any]]:
-        return self.inner.codecs()
-
-    async def open(
-        self,
-        resources: Sequence[str],
-        resume_positions: Sequence[Position],
-        membership: Membership,
-        worker: WorkerIdentity,
-    ) -> StreamSession:
-        inner = await self.inner.open(resources, resume_positions, membership, worker)
-        return self.session_type(inner, _next_open(), worker)
 
 
 class LatestWhenUnavailableSource(WrappedSource):
@@ -529,4 +485,4 @@ class LeaseIdentitySession(RenumberingSession):
 
 
 def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpec:
-    return wrapping(name, Role.STREAM_SOURCE, WrappedSource, session_type)
+    return wrap_sessions(name, Role.STREAM_SOURCE, session_type)

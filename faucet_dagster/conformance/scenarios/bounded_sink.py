@@ -25,7 +25,7 @@ from faucet_dagster.conformance.scenarios import identifiers
 from faucet_dagster.conformance.scenarios.agent import AgentPlan, Handle
 from faucet_dagster.conformance.scenarios.effects import EFFECTS
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
-from faucet_dagster.conformance.scenarios.tables import KEY, MISSING, Change, TableModel, difference
+from faucet_dagster.conformance.scenarios.tables import KEY, Change, TableModel, absent_columns, difference
 from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
 from faucet_dagster.protocol import (
     OPERATION_COLUMN,
@@ -225,9 +225,12 @@ class _Lane:
 
     config: Mapping[str, Any] = field(default_factory=dict)
     """The lane's config against this run's setup."""
+    feeder: Mapping[str, Any] | None = None
+    """DELETE: the config that writes the rows its pages delete (an APPEND into the same table)."""
 
     def __post_init__(self) -> None:
-        self.table = TableModel(self.plan.policy if not self.plan.dedups else WritePolicy.UPSERT)
+        keyed = self.plan.dedups or self.plan.policy is WritePolicy.DELETE
+        self.table = TableModel(WritePolicy.UPSERT if keyed else self.plan.policy)
         self.snapshot = TableModel(WritePolicy.APPEND)
 
 
@@ -276,6 +279,9 @@ class BoundedSinkRun:
                 config=dict(
                     self.setup.config if write_to is None else write_to(plan.resource, plan.policy, plan.key)
                 ),
+                feeder=None
+                if write_to is None or plan.policy is not WritePolicy.DELETE
+                else dict(write_to(plan.resource, WritePolicy.APPEND, ())),
             )
             for plan in step.lanes
         ]
@@ -286,6 +292,9 @@ class BoundedSinkRun:
 
     async def _produce(self, step: Produce) -> None:
         lane = self.lanes[step.lane]
+        if lane.plan.policy is WritePolicy.DELETE:
+            await self._produce_deletes(lane, step.sizes)
+            return
         keyed = lane.plan.policy.keyed or lane.plan.dedups
         for size in step.sizes:
             page: list[Change] = []
@@ -304,6 +313,37 @@ class BoundedSinkRun:
                     row[column] = f"{len(column)}:{key}"
                 page.append(Change(operation, row))
             lane.pages.append(page)
+
+    async def _produce_deletes(self, lane: _Lane, sizes: Sequence[int]) -> None:
+        """DELETE: rows are written into the table first (through an APPEND config, in a process of
+        its own), then pages of the keys to delete: every other row written, and a key never written."""
+        assert lane.feeder is not None
+        rows: list[dict[str, Any]] = []
+        for size in sizes:
+            page: list[Change] = []
+            for number in range(size):
+                self.next_key += 1
+                row = {KEY: self.next_key, "name": f"d{self.next_key}"}
+                rows.append(row)
+                lane.table.apply(Change(Operation.INSERT, row))
+                if number % 2 == 0:
+                    page.append(Change(Operation.DELETE, row))
+            self.next_key += 1
+            page.append(Change(Operation.DELETE, {KEY: self.next_key, "name": "never written"}))
+            lane.pages.append(page)
+        worker = self._worker(crashable=False)
+        try:
+            feeder = await worker.build(lane.feeder)
+            await worker.call(
+                feeder, "write_batch", self._batch(lane, [Change(Operation.INSERT, row) for row in rows])
+            )
+            await worker.call(feeder, "close")
+        except Failed as failed:
+            raise Divergence(
+                WORKS_RULE, f"writing the rows to delete (append) raised {failed.error}"
+            ) from None
+        finally:
+            await worker.stop()
 
     def _batch(self, lane: _Lane, page: Sequence[Change]) -> pa.RecordBatch:
         fields = [pa.field(KEY, pa.int64(), nullable=False), pa.field("name", pa.string())]
@@ -434,8 +474,9 @@ class BoundedSinkRun:
     async def _compare(self, lane: _Lane, rule: str, when: str) -> None:
         held = await self._held(lane)
         must = lane.snapshot.rows() if lane.plan.policy is WritePolicy.REPLACE else lane.table.rows()
-        if lane.plan.policy is WritePolicy.DELETE:
-            must = []
+        renamed = absent_columns(lane.plan.resource, held, must, lane.columns)
+        if renamed:
+            raise Divergence(NAME_RULE, f"{when}: {renamed}")
         problem = difference(
             lane.plan.resource,
             held,
@@ -444,7 +485,7 @@ class BoundedSinkRun:
             duplicates_allowed=lane.duplicates and not lane.plan.dedups,
         )
         if problem:
-            raise Divergence(NAME_RULE if MISSING in problem else rule, f"{when}: {problem}")
+            raise Divergence(rule, f"{when}: {problem}")
 
     async def _held(self, lane: _Lane) -> list[dict[str, Any]]:
         if self.declared.per_resource:

@@ -20,7 +20,14 @@ from faucet_dagster.conformance.scenarios.agent import AgentPlan, Handle
 from faucet_dagster.conformance.scenarios.effects import EFFECTS
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
 from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration, StreamPlan
-from faucet_dagster.conformance.scenarios.tables import KEY, MISSING, VERSION, Change, TableModel, difference
+from faucet_dagster.conformance.scenarios.tables import (
+    KEY,
+    VERSION,
+    Change,
+    TableModel,
+    absent_columns,
+    difference,
+)
 from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
 from faucet_dagster.conformance.setup import ReadBlocked
 from faucet_dagster.protocol import (
@@ -548,7 +555,9 @@ class SinkRun:
                     self._produce_events(stream, (resource, 0), operations)
             session = await self._session(stream)
             active = stream.active = _Active(
-                EpochId(stream.plan.name, stream.certified_sequence + 1, session.token), session, dict(stream.marks)
+                EpochId(stream.plan.name, stream.certified_sequence + 1, session.token),
+                session,
+                dict(stream.marks),
             )
             calls: list[tuple[str, tuple[Any, ...]]] = [("begin_epoch", (active.epoch,))]
             for lane in stream.lanes():
@@ -566,9 +575,15 @@ class SinkRun:
                     active.committing = method == "commit_epoch"
                     # A transactional sink's applies are tentative (a crash there loses them all,
                     # as the visibility check after each apply shows): only its commit is swept.
-                    swept = method == "commit_epoch" or (method == "apply" and not self.declared.transactional)
+                    swept = method == "commit_epoch" or (
+                        method == "apply" and not self.declared.transactional
+                    )
                     receipts = await self._call(
-                        session, method, *args, what=f"{method} in the sweep", crash_at=point - made if swept else None
+                        session,
+                        method,
+                        *args,
+                        what=f"{method} in the sweep",
+                        crash_at=point - made if swept else None,
                     )
                     made += len(session.worker.effects) if swept else 0
             except Crashed:
@@ -779,6 +794,11 @@ class SinkRun:
         if self.declared.per_resource:
             for resource, name in enumerate(stream.plan.resources):
                 may = [] if transactional else _uncommitted(stream, resource)
+                renamed = absent_columns(
+                    name, held[name], stream.tables[resource].rows(), stream.columns[resource]
+                )
+                if renamed:
+                    raise Divergence(NAME_RULE, f"{when}: {renamed}")
                 problem = difference(
                     name,
                     held[name],
@@ -788,7 +808,7 @@ class SinkRun:
                     duplicates_allowed=duplicates,
                 )
                 if problem:
-                    raise Divergence(NAME_RULE if MISSING in problem else rule, f"{when}: {problem}")
+                    raise Divergence(rule, f"{when}: {problem}")
             return
         must = [row for other in self.streams for table in other.tables.values() for row in table.rows()]
         may = (
@@ -799,11 +819,14 @@ class SinkRun:
         columns = sorted(
             {c for other in self.streams for cs in other.columns.values() for c in cs}, key=_column_order
         )
+        renamed = absent_columns("(all resources)", held["*"], must, columns)
+        if renamed:
+            raise Divergence(NAME_RULE, f"{when}: {renamed}")
         problem = difference(
             "(all resources)", held["*"], must, columns, may=may, duplicates_allowed=duplicates
         )
         if problem:
-            raise Divergence(NAME_RULE if MISSING in problem else rule, f"{when}: {problem}")
+            raise Divergence(rule, f"{when}: {problem}")
 
     def _batch(self, stream: _Stream, epoch: EpochId, lane: Lane, events: Sequence[_Event]) -> SinkBatch:
         resource = lane[0]

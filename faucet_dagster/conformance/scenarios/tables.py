@@ -109,6 +109,30 @@ def difference(
     return "; ".join(problems[:3]) + more
 
 
+def absent_columns(
+    resource: str,
+    held: Iterable[Mapping[str, Any]],
+    must: Iterable[Mapping[str, Any]],
+    columns: Sequence[str],
+) -> str | None:
+    """A column the model holds values in that no row of the destination has (renamed, folded,
+    truncated or dropped), in words; None when every such column is there."""
+    rows = list(held)
+    if not rows:
+        return None
+    present = {name for row in rows for name in row}
+    valued = {column for row in must for column in columns if row.get(column) is not None}
+    missing = [column for column in columns if column in valued and column not in present]
+    if not missing:
+        return None
+    others = sorted(present - set(columns))
+    return (
+        f"resource {resource!r} has no column {', '.join(repr(c) for c in missing)}"
+        + (f" (it has {', '.join(repr(c) for c in others)})" if others else "")
+        + ": a name must land exactly as given, or be refused"
+    )
+
+
 def _by_key(item: tuple[FrozenRow, int]) -> tuple[str, str]:
     row = dict(item[0])
     return (str(row.get(KEY)), repr(item[0]))
@@ -141,4 +165,4 @@ def _times(count: int) -> str:
     return {1: "once", 2: "twice"}.get(count, f"{count} times")
 
 
-__all__ = ["KEY", "MISSING", "VERSION", "Change", "TableModel", "difference", "freeze"]
+__all__ = ["KEY", "MISSING", "VERSION", "Change", "TableModel", "absent_columns", "difference", "freeze"]
