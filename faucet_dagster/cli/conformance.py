@@ -64,7 +64,8 @@ def conformance_command(args: argparse.Namespace) -> int:
     for name in names:
         if name not in installed:
             raise ConfigError(
-                f"no connector named {name!r} is installed (installed: {', '.join(sorted(installed)) or 'none'})",
+                f"no connector named {name!r} is installed "
+                f"(installed: {', '.join(sorted(installed)) or 'none'})",
                 where="faucet conformance",
             )
         if name not in setups:

@@ -83,7 +83,8 @@ class Fixtures:
     def _start(self, kind: str) -> Any:
         server = self._started.get(kind)
         if server is None:
-            made = {"postgres": PostgresServer, "nats": NatsServer, "kafka": KafkaServer}[kind].from_env()
+            kinds: dict[str, Any] = {"postgres": PostgresServer, "nats": NatsServer, "kafka": KafkaServer}
+            made = kinds[kind].from_env()
             self._stack.callback(made.close)
             server = self._started[kind] = made.start()
         return server

@@ -19,7 +19,12 @@ from typing import Any
 from faucet_dagster.conformance import broken, targets
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceFailure, ConformanceOptions
-from faucet_dagster.conformance.scenarios import bounded_sink, bounded_source, sink_run, stream_source
+from faucet_dagster.conformance.scenarios import (
+    bounded_sink_steps,
+    bounded_source,
+    sink_model,
+    stream_source_steps,
+)
 from faucet_dagster.conformance.setup import ConfigFactory, Setup
 from faucet_dagster.conformance.suites import CHECKS_BY_ID, run_check
 from faucet_dagster.protocol import ConnectorSpec, Role
@@ -112,7 +117,7 @@ _FILES, _SQL = targets.files_source, targets.sql_sink
 _NATS, _NATS_SINK = targets.nats_source, targets.nats_sink
 
 _PG_SINK, _CDC = targets.postgres_streaming_sink, targets.postgres_cdc_source
-_SR, _SK = stream_source, sink_run
+_SR, _SK = stream_source_steps, sink_model
 
 
 def _pg_sink(session: type[broken.WrappedSinkSession], sink: Any = None) -> Callable[[], ConnectorSpec]:
@@ -269,16 +274,18 @@ CASES: tuple[SelfTestCase, ...] = (
     ),
     _scenario(
         broken.IncarnationBlindSource,
-        lambda: broken.wrapping("nats", Role.STREAM_SOURCE, broken.IncarnationBlindSource, broken.WrappedSession),
+        lambda: broken.wrapping(
+            "nats", Role.STREAM_SOURCE, broken.IncarnationBlindSource, broken.WrappedSession
+        ),
         _STREAM, _NATS, _SR.INCARNATION_RULE, dimension="re-creation",
     ),
     _scenario(
         broken.ProcessTokenSink, _sql(broken.ProcessTokenSink), _SINK, _SQL,
-        bounded_sink.TOKEN_RULE, bounded_sink.REPLAY_RULE, dimension="tokens across processes",
+        bounded_sink_steps.TOKEN_RULE, bounded_sink_steps.REPLAY_RULE, dimension="tokens across processes",
     ),
     _scenario(
         broken.OneCallTwoCommitsSink, _sql(broken.OneCallTwoCommitsSink), _SINK, _SQL,
-        bounded_sink.REPLAY_RULE, dimension="a double commit inside one synchronous call",
+        bounded_sink_steps.REPLAY_RULE, dimension="a double commit inside one synchronous call",
     ),
     _scenario(
         broken.CursorOnlyResumeSource,
@@ -289,16 +296,19 @@ CASES: tuple[SelfTestCase, ...] = (
         broken.NameOrderFilesSource, _files(broken.NameOrderFilesSource), _SOURCE, _FILES,
         bounded_source.RESUME_RULE, dimension="file-order resumes",
     ),
-    _scenario(broken.ForgetfulSource, _files(broken.ForgetfulSource), _SOURCE, _FILES, bounded_source.RESUME_RULE),
+    _scenario(
+        broken.ForgetfulSource, _files(broken.ForgetfulSource), _SOURCE, _FILES, bounded_source.RESUME_RULE
+    ),
     _scenario(
         broken.LaggingBookmarkSource, _files(broken.LaggingBookmarkSource), _SOURCE, _FILES,
         bounded_source.RESUME_RULE,
     ),
     _scenario(
-        broken.TokenBlindSink, _sql(broken.TokenBlindSink), _SINK, _SQL, bounded_sink.REPLAY_RULE
+        broken.TokenBlindSink, _sql(broken.TokenBlindSink), _SINK, _SQL, bounded_sink_steps.REPLAY_RULE
     ),
     _scenario(
-        broken.TwoTransactionSink, _sql(broken.TwoTransactionSink), _SINK, _SQL, bounded_sink.REPLAY_RULE
+        broken.TwoTransactionSink, _sql(broken.TwoTransactionSink), _SINK, _SQL,
+        bounded_sink_steps.REPLAY_RULE,
     ),
     _scenario(
         broken.StaleWatermarkSession, _pg_sink(broken.StaleWatermarkSession), _STREAMING, _PG_SINK,
@@ -342,7 +352,9 @@ CASES: tuple[SelfTestCase, ...] = (
         _STREAM, _NATS, _SR.UNAVAILABLE_RULE,
     ),
     *(
-        _scenario(session, _stream("postgres", session), _STREAM, _CDC, _SR.UNWRITTEN_RULE, _SR.TRANSACTION_RULE)
+        _scenario(
+            session, _stream("postgres", session), _STREAM, _CDC, _SR.UNWRITTEN_RULE, _SR.TRANSACTION_RULE
+        )
         for session in (broken.CutTransactionSession, broken.LimitCutSession)
     ),
     _scenario(broken.SlotPositionSource, broken.slot_position_source, _STREAM, _CDC, _SR.UNAVAILABLE_RULE),

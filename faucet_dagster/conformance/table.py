@@ -65,7 +65,11 @@ def format_table(results: Sequence[Result]) -> str:
     if exercised:
         lines.append("")
         lines.append("declared capabilities and policies each check exercised:")
-        lines += [f"{r.subject} {codes.get(r.check, r.check)}: {', '.join(r.exercised)}" for r in exercised]
+        lines += [
+            f"{r.subject} {codes.get(r.check, r.check)}: {', '.join(r.exercised)}"
+            + (f" ({r.detail})" if r.status == "pass" else "")
+            for r in exercised
+        ]
     notes = [result for result in results if result.status != "pass"]
     if notes:
         lines.append("")

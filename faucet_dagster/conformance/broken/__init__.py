@@ -59,8 +59,6 @@ from faucet_dagster.conformance.broken.sinks import (
     StreamBlindSink,
     SwallowingSession,
     TokenIdentitySession,
-    WrappedSinkSession,
-    WrappedStreamingSink,
     streaming_sink,
 )
 from faucet_dagster.conformance.broken.streams import (
@@ -85,10 +83,14 @@ from faucet_dagster.conformance.broken.streams import (
     SpeculativeSession,
     UnaskingSession,
     WorkerIdentitySession,
-    WrappedSession,
-    WrappedSource,
     slot_position_source,
     stream_source,
+)
+from faucet_dagster.conformance.seams import (
+    WrappedSession,
+    WrappedSinkSession,
+    WrappedSource,
+    WrappedStreamingSink,
 )
 
 

@@ -300,7 +300,7 @@ async def _serve(conn: Connection, plan: AgentPlan, counter: EffectCounter | Non
     pipe = ThreadPoolExecutor(1, thread_name_prefix="battery-pipe")
     try:
         agent = _Agent(plan)
-    except BaseException as exc:
+    except Exception as exc:  # noqa: BLE001 - sent to the battery, which judges it
         conn.send(Reply(error=RemoteError.of(exc)))
         return
     conn.send(Reply(value="ready"))
@@ -314,7 +314,7 @@ async def _serve(conn: Connection, plan: AgentPlan, counter: EffectCounter | Non
         try:
             value = await _OPERATIONS[operation](agent, *args)
             reply = Reply(value=value)
-        except BaseException as exc:  # noqa: BLE001 - every failure is the battery's to judge
+        except BaseException as exc:  # noqa: BLE001 - every failure, cancellations too, is the battery's to judge
             reply = Reply(error=RemoteError.of(exc))
         effects = counter.disarm() if counter is not None else ()
         with contextlib.suppress(BrokenPipeError):

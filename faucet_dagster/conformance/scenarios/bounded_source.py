@@ -204,8 +204,8 @@ class BoundedSourceRun:
         chosen = sorted({ids[pick % len(ids)] for pick in step.picks})
         self.changes += 1
         changed = [{"id": i, "name": f"row-{i}-changed-{self.changes}"} for i in chosen]
-        for row in changed:
-            self.rows[int(row["id"])] = str(row["name"])
+        for i, row in zip(chosen, changed, strict=True):
+            self.rows[i] = str(row["name"])
         await self.setup.update_rows(changed)
 
     async def _read(self, lane: _Lane, bookmark: Any, batch_size: int, take: int | None) -> list[PageSeen]:
@@ -272,8 +272,8 @@ class BoundedSourceRun:
                 what = f"missing ids {missing[:6]}" if missing else f"old versions of ids {stale[:6]}"
                 raise Divergence(
                     RESUME_RULE,
-                    f"a complete run {start} delivered {len(delivered)} row(s) of the {len(expected)} not yet "
-                    f"committed: {what} (skipped)",
+                    f"a complete run {start} delivered {len(delivered)} row(s) of the {len(expected)} not "
+                    f"yet committed: {what} (skipped)",
                 )
         if self.declared.resumable and pages and complete and pages[-1].bookmark is None:
             raise Divergence(

@@ -1,101 +1,68 @@
 """One explorer per connector role, and the ``scenarios`` check that runs them.
 
 Each explorer reads what the connector declares (offline), draws scenarios from a seed and runs them
-through :func:`.engine.explore`; see the role's modules for what its scenarios do.
+through :func:`.engine.explore`; the role's modules say what its scenarios do: streaming sinks
+(:mod:`.sink_steps`, :mod:`.sink_run`), bounded sinks (:mod:`.bounded_sink`), bounded sources
+(:mod:`.bounded_source`), stream sources (:mod:`.stream_source`).
 """
 
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import Outcome
-from faucet_dagster.conformance.scenarios import bounded_sink, bounded_source, sink_steps, stream_source
+from faucet_dagster.conformance.scenarios import (
+    bounded_sink,
+    bounded_sink_steps,
+    bounded_source,
+    sink_run,
+    sink_steps,
+    stream_source,
+    stream_source_steps,
+)
 from faucet_dagster.conformance.scenarios.engine import Explorer, Step, Trace, explore
-from faucet_dagster.conformance.scenarios.sink_run import SinkRun
-from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration
 from faucet_dagster.protocol import ConfigError, Role
 
 SCENARIO_RULE = "the battery's generated scenarios (seed 004 section 7: the battery is the contract)"
 
 
-class StreamingSinkExplorer(Explorer[SinkDeclaration]):
-    def declaration(self, subject: Subject) -> SinkDeclaration:
-        sink = subject.streaming_sink()
-        return SinkDeclaration(
-            sink.capabilities(),
-            per_resource=subject.sink_setup.read_resource is not None,
-            replay_duplicates=subject.options.replay_duplicates,
-        )
+class Runner(Protocol):
+    """What runs one scenario (built from the subject, its setup, the declaration and the trace)."""
 
-    def generate(self, rng: random.Random, declared: SinkDeclaration) -> list[Step]:
-        return sink_steps.generate(rng, declared)
-
-    async def run(
-        self, steps: Sequence[Step], subject: Any, setup: Any, declared: SinkDeclaration, trace: Trace
-    ) -> None:
-        await SinkRun(subject, setup, declared, trace).run(steps)
+    async def run(self, steps: Sequence[Step]) -> None: ...
 
 
-class BoundedSinkExplorer(Explorer[bounded_sink.BoundedSinkDeclaration]):
-    def declaration(self, subject: Subject) -> bounded_sink.BoundedSinkDeclaration:
-        return bounded_sink.declaration(subject)
+@dataclass(frozen=True)
+class RoleExplorer(Explorer[Any]):
+    """The scenarios of one role: how its declaration is read, how scenarios are drawn, what runs them."""
 
-    def generate(self, rng: random.Random, declared: bounded_sink.BoundedSinkDeclaration) -> list[Step]:
-        return bounded_sink.generate(rng, declared)
+    declare: Callable[[Subject], Any]
+    draw: Callable[[random.Random, Any], list[Step]]
+    runner: Callable[[Any, Any, Any, Trace], Runner]
 
-    async def run(
-        self,
-        steps: Sequence[Step],
-        subject: Any,
-        setup: Any,
-        declared: bounded_sink.BoundedSinkDeclaration,
-        trace: Trace,
-    ) -> None:
-        await bounded_sink.BoundedSinkRun(subject, setup, declared, trace).run(steps)
+    def declaration(self, subject: Subject) -> Any:
+        return self.declare(subject)
 
+    def generate(self, rng: random.Random, declared: Any) -> list[Step]:
+        return self.draw(rng, declared)
 
-class BoundedSourceExplorer(Explorer[bounded_source.BoundedSourceDeclaration]):
-    def declaration(self, subject: Subject) -> bounded_source.BoundedSourceDeclaration:
-        return bounded_source.declaration(subject)
-
-    def generate(self, rng: random.Random, declared: bounded_source.BoundedSourceDeclaration) -> list[Step]:
-        return bounded_source.generate(rng, declared)
-
-    async def run(
-        self,
-        steps: Sequence[Step],
-        subject: Any,
-        setup: Any,
-        declared: bounded_source.BoundedSourceDeclaration,
-        trace: Trace,
-    ) -> None:
-        await bounded_source.BoundedSourceRun(subject, setup, declared, trace).run(steps)
-
-
-class StreamSourceExplorer(Explorer[stream_source.StreamSourceDeclaration]):
-    def declaration(self, subject: Subject) -> stream_source.StreamSourceDeclaration:
-        return stream_source.declaration(subject)
-
-    def generate(self, rng: random.Random, declared: stream_source.StreamSourceDeclaration) -> list[Step]:
-        return stream_source.generate(rng, declared)
-
-    async def run(
-        self,
-        steps: Sequence[Step],
-        subject: Any,
-        setup: Any,
-        declared: stream_source.StreamSourceDeclaration,
-        trace: Trace,
-    ) -> None:
-        await stream_source.StreamSourceRun(subject, setup, declared, trace).run(steps)
+    async def run(self, steps: Sequence[Step], subject: Any, setup: Any, declared: Any, trace: Trace) -> None:
+        await self.runner(subject, setup, declared, trace).run(steps)
 
 
 EXPLORERS: dict[Role, Explorer[Any]] = {
-    Role.STREAM_SOURCE: StreamSourceExplorer(),
-    Role.SOURCE: BoundedSourceExplorer(),
-    Role.STREAMING_SINK: StreamingSinkExplorer(),
-    Role.SINK: BoundedSinkExplorer(),
+    Role.SOURCE: RoleExplorer(
+        bounded_source.declaration, bounded_source.generate, bounded_source.BoundedSourceRun
+    ),
+    Role.SINK: RoleExplorer(
+        bounded_sink_steps.declaration, bounded_sink_steps.generate, bounded_sink.BoundedSinkRun
+    ),
+    Role.STREAM_SOURCE: RoleExplorer(
+        stream_source_steps.declaration, stream_source_steps.generate, stream_source.StreamSourceRun
+    ),
+    Role.STREAMING_SINK: RoleExplorer(sink_steps.declaration, sink_steps.generate, sink_run.SinkRun),
 }
 
 
@@ -128,4 +95,4 @@ async def scenarios(subject: Subject) -> Outcome:
     )
 
 
-__all__ = ["EXPLORERS", "SCENARIO_RULE", "StreamingSinkExplorer", "scenarios"]
+__all__ = ["EXPLORERS", "SCENARIO_RULE", "RoleExplorer", "scenarios"]

@@ -13,6 +13,7 @@ one epoch's every effect, and a final epoch per stream that commits everything p
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from faucet_dagster.conformance.scenarios import identifiers
 from faucet_dagster.conformance.scenarios.engine import Step
@@ -99,7 +100,8 @@ class Apply(Step):
     count: int
 
     def describe(self) -> str:
-        return f"s{self.stream}: apply up to {self.count} event(s) of resource #{self.resource} domain {self.partition}"
+        where = f"resource #{self.resource} domain {self.partition}"
+        return f"s{self.stream}: apply up to {self.count} event(s) of {where}"
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,15 @@ class Sweep(Step):
 
     def describe(self) -> str:
         return f"s{self.stream}: crash sweep over one epoch's every effect"
+
+
+def declaration(subject: Any) -> SinkDeclaration:
+    """What the streaming sink built from the setup's config declares (offline), and its setup."""
+    return SinkDeclaration(
+        subject.streaming_sink().capabilities(),
+        per_resource=subject.sink_setup.read_resource is not None,
+        replay_duplicates=subject.options.replay_duplicates,
+    )
 
 
 def generate(rng: random.Random, declared: SinkDeclaration) -> list[Step]:
@@ -345,5 +356,6 @@ __all__ = [
     "Sweep",
     "Takeover",
     "Zombie",
+    "declaration",
     "generate",
 ]

@@ -17,7 +17,6 @@ latest position.
 """
 
 import asyncio
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,31 @@ from faucet_dagster.conformance.harness import advance
 from faucet_dagster.conformance.scenarios.agent import Acknowledged, AgentPlan, EpochRead, Event, Handle
 from faucet_dagster.conformance.scenarios.effects import EFFECTS
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
+from faucet_dagster.conformance.scenarios.stream_source_steps import (
+    IDENTITY_RULE,
+    INCARNATION_RULE,
+    ORDER_RULE,
+    OWNERSHIP_RULE,
+    SPECULATIVE_RULE,
+    TRANSACTION_RULE,
+    UNAVAILABLE_RULE,
+    UNWRITTEN_RULE,
+    WORKS_RULE,
+    Acknowledge,
+    Add,
+    Cast,
+    Change,
+    Close,
+    Crash,
+    Drain,
+    Purge,
+    Read,
+    Recreate,
+    StreamSourceDeclaration,
+    Takeover,
+    declaration,
+    generate,
+)
 from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
 from faucet_dagster.conformance.setup import make_rows
 from faucet_dagster.protocol import (
@@ -35,7 +59,6 @@ from faucet_dagster.protocol import (
     IncarnationChanged,
     IntegrityError,
     Membership,
-    Operation,
     OwnershipLost,
     Position,
     PositionUnavailable,
@@ -43,180 +66,6 @@ from faucet_dagster.protocol import (
     Role,
     WorkerIdentity,
 )
-
-ORDER_RULE = (
-    "stream 3 an epoch certifies the next changes of each domain, in order: nothing skipped, nothing twice"
-)
-TRANSACTION_RULE = "stream 3 no coverage inside an open transaction"
-IDENTITY_RULE = "stream 8 an event keeps its identity on every replay, whichever worker reads it"
-UNWRITTEN_RULE = "stream 3 a position whose rows were not written is never certified"
-SPECULATIVE_RULE = "stream 5 only certified work is acknowledged, and only in acknowledge()"
-OWNERSHIP_RULE = "stream 5 authority() before every acknowledgement"
-UNAVAILABLE_RULE = "stream 1 an unavailable resume position is refused, never replaced by the latest"
-INCARNATION_RULE = "stream 1 a position of another incarnation is refused, never read in the new one"
-WORKS_RULE = "stream 2 a read of a valid config works, or fails with the typed error the contract names"
-
-
-@dataclass(frozen=True)
-class StreamSourceDeclaration:
-    transactions: bool
-    changes: bool
-    """The setup changes and deletes rows, and the source emits those operations."""
-    acknowledged: bool
-    purge: bool
-    recreate: bool
-    domains: bool
-    """The setup says which ordering domain each row lands in (``domain_of``)."""
-
-
-@dataclass(frozen=True)
-class Cast(Step):
-    fixed = True
-
-    def describe(self) -> str:
-        return "a stream source on a fresh dataset"
-
-
-@dataclass(frozen=True)
-class Add(Step):
-    count: int
-
-    def describe(self) -> str:
-        return f"source: {self.count} rows added in one transaction"
-
-
-@dataclass(frozen=True)
-class Change(Step):
-    """Rows updated (``delete`` False) or deleted, in one transaction, chosen by number."""
-
-    picks: tuple[int, ...]
-    delete: bool = False
-
-    def describe(self) -> str:
-        return (
-            f"source: {len(self.picks)} row(s) {'deleted' if self.delete else 'updated'} in one transaction"
-        )
-
-
-@dataclass(frozen=True)
-class Read(Step):
-    """One epoch: a read with a record limit, sealed; certified or not (the worker dies between the
-    commit and the certificate), then acknowledged or not."""
-
-    records: int | None
-    certify: bool = True
-    acknowledge: bool = True
-
-    def describe(self) -> str:
-        limit = "no record limit" if self.records is None else f"a limit of {self.records} record(s)"
-        if not self.certify:
-            return f"an epoch read with {limit}, committed, then the worker dies before the certificate"
-        return f"an epoch read with {limit}, certified{', acknowledged' if self.acknowledge else ''}"
-
-
-@dataclass(frozen=True)
-class Acknowledge(Step):
-    def describe(self) -> str:
-        return "the certified epochs not yet acknowledged are acknowledged"
-
-
-@dataclass(frozen=True)
-class Close(Step):
-    def describe(self) -> str:
-        return "the session is closed (nothing more acknowledged)"
-
-
-@dataclass(frozen=True)
-class Crash(Step):
-    at_effect: int | None = None
-
-    def describe(self) -> str:
-        if self.at_effect is None:
-            return "the worker process is killed"
-        return f"the worker process is killed at effect {self.at_effect} of its next call"
-
-
-@dataclass(frozen=True)
-class Takeover(Step):
-    """A newer worker takes the stream; the old one acknowledges what it certified anyway."""
-
-    def describe(self) -> str:
-        return "a newer worker (higher fencing token) takes over; the old one tries to acknowledge"
-
-
-@dataclass(frozen=True)
-class Purge(Step):
-    def describe(self) -> str:
-        return "retention removes every stored row, read or not"
-
-
-@dataclass(frozen=True)
-class Recreate(Step):
-    def describe(self) -> str:
-        return "the stream (topic) is deleted and created again"
-
-
-@dataclass(frozen=True)
-class Drain(Step):
-    def describe(self) -> str:
-        return "epochs until every change is certified"
-
-
-def declaration(subject: Any) -> StreamSourceDeclaration:
-    setup = subject.source_setup
-    caps = subject.stream_source().capabilities()
-    changes = setup.update_rows is not None and setup.delete_rows is not None
-    return StreamSourceDeclaration(
-        transactions=caps.transaction_boundaries,
-        changes=changes and {Operation.UPDATE, Operation.DELETE} <= caps.operations,
-        acknowledged=setup.acknowledged is not None,
-        purge=setup.make_unavailable is not None,
-        recreate=setup.recreate is not None,
-        domains=setup.domain_of is not None,
-    )
-
-
-def generate(rng: random.Random, declared: StreamSourceDeclaration) -> list[Step]:
-    def add() -> Step:
-        return Add(3 + rng.randrange(4))
-
-    def limit() -> int | None:
-        return rng.choice([1, 2, 5, None])
-
-    steps: list[Step] = [Cast(), add(), add(), Read(1), Read(limit()), add()]
-    if declared.changes:
-        steps += [Change((rng.randrange(50), rng.randrange(50))), Change((rng.randrange(50),), delete=True)]
-    steps += [Read(2, acknowledge=False), Acknowledge()]
-    steps += [add(), Read(limit(), certify=False), Read(None)]
-    steps += [add(), Read(limit(), acknowledge=False), Close(), add(), Read(limit())]
-    steps += [add(), Read(limit(), acknowledge=False), Takeover(), Read(limit())]
-    steps += [add(), Read(2, acknowledge=False), Crash(at_effect=rng.randrange(3)), Acknowledge(), Read(None)]
-    for _ in range(10):
-        choice = rng.choices(
-            ["add", "read", "unsure", "ack", "close", "crash", "takeover", "change"], [4, 5, 1, 2, 1, 1, 1, 1]
-        )[0]
-        if choice == "add" or (choice == "change" and not declared.changes):
-            steps.append(add())
-        elif choice == "read":
-            steps.append(Read(limit(), acknowledge=rng.random() < 0.7))
-        elif choice == "unsure":
-            steps.append(Read(limit(), certify=False))
-        elif choice == "ack":
-            steps.append(Acknowledge())
-        elif choice == "close":
-            steps.append(Close())
-        elif choice == "crash":
-            steps.append(Crash(None if rng.random() < 0.5 else rng.randrange(4)))
-        elif choice == "takeover":
-            steps.append(Takeover())
-        else:
-            steps.append(Change((rng.randrange(50),), delete=rng.random() < 0.3))
-    steps += [add(), Drain()]
-    if declared.recreate:
-        steps += [add(), Read(None), Recreate(), add(), Drain()]
-    if declared.purge:
-        steps += [add(), Purge()]  # the last step: what remedies a purge depends on the provider
-    return steps
 
 
 @dataclass(frozen=True)
@@ -321,8 +170,8 @@ class StreamSourceRun:
             await self.setup.delete_rows(rows)
         else:
             rows = [{"id": i, "name": f"row-{i}-v{self.transactions}"} for i in chosen]
-            for row in rows:
-                self.rows[int(row["id"])] = str(row["name"])
+            for i, row in zip(chosen, rows, strict=True):
+                self.rows[i] = str(row["name"])
             self._log(rows, "update")
             await self.setup.update_rows(rows)
 
@@ -350,7 +199,8 @@ class StreamSourceRun:
                 raise _Refused(failed) from None
             raise Divergence(WORKS_RULE, f"open at {_positions(resume)} raised {failed.error}") from None
         self.session = _Session(worker, handle, self.token)
-        self.pending.clear()  # what the old session certified is acknowledged by the provider's redelivery path
+        # What the old session certified and did not acknowledge is the new session's to suppress.
+        self.pending.clear()
         return self.session
 
     def _drop(self) -> None:
@@ -441,9 +291,9 @@ class StreamSourceRun:
             if seen != identity:
                 raise Divergence(
                     IDENTITY_RULE,
-                    f"the change {key} was delivered as {identity[1]}#{identity[2]} in {event.domain}, before as "
-                    f"{seen[1]}#{seen[2]}: an identity is built from the source position, never the worker, "
-                    "lease or attempt, or a deduplicating sink takes a replay for new events",
+                    f"the change {key} was delivered as {identity[1]}#{identity[2]} in {event.domain}, "
+                    f"before as {seen[1]}#{seen[2]}: an identity is built from the source position, never "
+                    "the worker, lease or attempt, or a deduplicating sink takes a replay for new events",
                 )
         counts: dict[int, int] = {}
         for lane, events in by_lane.items():
@@ -456,8 +306,8 @@ class StreamSourceRun:
                 skipped = [c.key[0] for c in log[start:] if c.key not in got][: len(got)]
                 raise Divergence(
                     ORDER_RULE,
-                    f"an epoch certified {len(got)} change(s) of lane {lane} starting with {got[:3]}; the next "
-                    f"changes of the log are {[c.key for c in expected][:3]}"
+                    f"an epoch certified {len(got)} change(s) of lane {lane} starting with {got[:3]}; the "
+                    f"next changes of the log are {[c.key for c in expected][:3]}"
                     + (f" (certified again: {twice[:3]})" if twice else "")
                     + (f" (ids skipped: {skipped[:5]})" if skipped and not twice else ""),
                 )
@@ -555,9 +405,10 @@ class StreamSourceRun:
         if result is None:
             return
         if result.error is None or not result.error.is_a(OwnershipLost):
+            outcome = "returned" if result.error is None else f"raised {result.error}"
             raise Divergence(
                 OWNERSHIP_RULE,
-                f"the old worker's acknowledge() {'returned' if result.error is None else f'raised {result.error}'} "
+                f"the old worker's acknowledge() {outcome} "
                 "although authority() raised OwnershipLost: it must stop and propagate it",
             )
         if result.asked == 0:
@@ -565,7 +416,8 @@ class StreamSourceRun:
         if self.declared.acknowledged and await self._acked() != before:
             raise Divergence(
                 OWNERSHIP_RULE,
-                "an acknowledge() whose authority() raised OwnershipLost moved the provider's acknowledgement",
+                "an acknowledge() whose authority() raised OwnershipLost moved the provider's "
+                "acknowledgement",
             )
 
     async def _drain(self, step: Drain) -> None:
@@ -621,8 +473,8 @@ class StreamSourceRun:
         if old:
             raise Divergence(
                 INCARNATION_RULE,
-                f"the source was deleted and created again, and open() at {_positions(old)} (positions of the "
-                "old incarnation) did not raise IncarnationChanged or PositionUnavailable",
+                f"the source was deleted and created again, and open() at {_positions(old)} (positions of "
+                "the old incarnation) did not raise IncarnationChanged or PositionUnavailable",
             )
 
     def _reset(self, *, keep_positions: bool = False) -> None:
@@ -641,7 +493,8 @@ class _Refused(Exception):
 
 
 def _lineage(event: Event) -> tuple[str, str, str]:
-    return tuple(event.domain.lineage)  # type: ignore[return-value]
+    lineage: tuple[str, str, str] = event.domain.lineage
+    return lineage
 
 
 def _change_key(event: Event) -> tuple[int, str, str]:
