@@ -28,7 +28,7 @@ from faucet_dagster.conformance.scenarios.workers import Crashed, Worker
 from faucet_dagster.conformance.seams import WrappedSinkSession, wrap_sessions
 from faucet_dagster.conformance.suites import CHECKS_BY_ID, run_check
 from faucet_dagster.conformance.targets import postgres_streaming_sink, sql_sink
-from faucet_dagster.protocol import CommitToken, ConfigError, Coverage, EpochId, Receipt, Role, get_connector
+from faucet_dagster.protocol import CommitToken, Coverage, EpochId, Receipt, Role, get_connector
 
 
 def test_a_seed_draws_the_same_scenario_every_time_and_another_seed_another() -> None:
@@ -188,20 +188,20 @@ def test_the_bounded_sink_declaration_runs_a_lane_per_declared_policy(tmp_path: 
 
 
 def test_faucet_conformance_tells_a_missing_connector_from_one_without_a_setup(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from faucet_dagster.cli.main import main
     from faucet_dagster.conformance.registry import conformance_setups
 
-    with pytest.raises(ConfigError, match="no connector named 'no_such_connector' is installed"):
-        main(["conformance", "no_such_connector"])
+    assert main(["conformance", "no_such_connector"]) != 0
+    assert "no connector named 'no_such_connector' is installed" in capsys.readouterr().err
     setups = conformance_setups()
     monkeypatch.setattr(
         "faucet_dagster.cli.conformance.conformance_setups",
         lambda: {name: setup for name, setup in setups.items() if name != "kafka"},
     )
-    with pytest.raises(ConfigError, match="'kafka' is installed, but has no conformance setup"):
-        main(["conformance", "kafka"])
+    assert main(["conformance", "kafka"]) != 0
+    assert "connector 'kafka' is installed, but has no conformance setup" in capsys.readouterr().err
 
 
 def test_the_pytest_one_liner_replays_a_seed(tmp_path: Path) -> None:
