@@ -57,7 +57,7 @@ async def capabilities(subject: Subject) -> Outcome:
         Role.STREAMING_SINK: _streaming_sink_capabilities,
     }[subject.role]
     proven = await check(subject)
-    return Outcome.passed("; ".join(proven))
+    return Outcome.passed("; ".join(proven), exercised=tuple(proven))
 
 
 async def _source_capabilities(subject: Subject) -> list[str]:

@@ -96,6 +96,11 @@ class Stream:
     """Events a destination without transactions is known to hold (their apply returned)."""
     unsure: set[Identity] = field(default_factory=set)
     """Events whose apply a crash interrupted: the recovery looks whether they landed."""
+    first_applied: dict[Identity, float] = field(default_factory=dict)
+    """When each event was first applied (the battery's clock): how old a replay is."""
+    late: list[tuple[Identity, Mapping[str, Any]]] = field(default_factory=list)
+    """Events applied again after the destination's duplicate window: it may store them twice, as the
+    sink documents (only a machine slow enough to outlast the window makes these)."""
     columns: dict[int, list[str]] = field(default_factory=dict)
     last_epoch: EpochId | None = None
     certified_sequence: int = 0
@@ -174,12 +179,13 @@ class Stream:
 
 
 def uncommitted(stream: Stream, resource: int) -> list[Mapping[str, Any]]:
-    """Rows of events applied and not committed (a destination without transactions may hold them)."""
+    """Rows a destination without transactions may hold beyond what was committed: events applied
+    and not committed, and replays older than its duplicate window (which it stores again)."""
     return [
         row
         for identity, row in stream.applied.items()
         if identity[0] == resource and identity not in stream.committed
-    ]
+    ] + [row for identity, row in stream.late if identity[0] == resource]
 
 
 def column_order(column: str) -> tuple[int, str]:

@@ -9,6 +9,7 @@ in other processes. A crash leaves one epoch uncertain: the recovering worker re
 the epoch or none of it at a transactional sink).
 """
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -247,8 +248,16 @@ class SinkRun(SinkOracle):
                 self.trace.note("a reader waits for the epoch's lock: it sees nothing of it")
 
     def _applying(self, stream: Stream, active: Active, events: Sequence[Event]) -> None:
-        active.repeated |= {event.identity for event in events if event.identity in stream.stored}
+        """Before ``events`` are applied: which a deduplicating destination holds already (and so
+        suppresses), except those first applied longer ago than its window, which it stores again."""
+        now = time.monotonic()
+        window = self.caps.dedup_window.total_seconds() if self.caps.dedup_window else None
         for event in events:
+            first = stream.first_applied.setdefault(event.identity, now)
+            if window is not None and now - first > 0.9 * window:
+                stream.late.append((event.identity, event.change.row))
+            elif event.identity in stream.stored:
+                active.repeated.add(event.identity)
             stream.applied.setdefault(event.identity, event.change.row)
 
     def _applied(self, stream: Stream, events: Sequence[Event]) -> None:
