@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from faucet_dagster.conformance.scenarios import identifiers
 from faucet_dagster.conformance.scenarios import sink_steps as steps
 from faucet_dagster.conformance.scenarios.agent import AgentPlan
 from faucet_dagster.conformance.scenarios.effects import EFFECTS
@@ -38,6 +39,7 @@ from faucet_dagster.conformance.scenarios.tables import KEY, VERSION, Change, Ta
 from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
 from faucet_dagster.conformance.setup import ReadBlocked
 from faucet_dagster.protocol import (
+    ConfigError,
     Coverage,
     DataError,
     DomainCoverage,
@@ -236,7 +238,7 @@ class SinkRun(SinkOracle):
                 return
             self._applied(stream, events)
         except _Refused as refused:
-            if await self._new_columns_refused(stream, lane, refused):
+            if await self._new_columns_refused(stream, refused):
                 return
             raise
         if self.declared.transactional and look:
@@ -264,26 +266,41 @@ class SinkRun(SinkOracle):
         if not self.declared.transactional:
             stream.stored |= {event.identity for event in events}
 
-    async def _new_columns_refused(self, stream: Stream, lane: Lane, refused: _Refused) -> bool:
-        """A batch bringing columns the sink does not evolve to may be refused (SchemaError, or a
-        DataError naming the column), never dropped: the epoch is aborted and the columns leave the
-        model, as if the source dropped them."""
-        added = stream.columns[lane[0]][stream.base_columns() :]
-        if not added or not refused.error.is_a(SchemaError, DataError):
+    async def _new_columns_refused(self, stream: Stream, refused: _Refused) -> bool:
+        """A batch bringing a column the sink does not take may be refused (SchemaError, a
+        DataError or ConfigError naming it), never dropped or renamed: a sink without schema
+        evolution may refuse every new column, one with it only a name past its limit
+        (:data:`~.identifiers.TOO_LONG`). The epoch is aborted and those columns leave the model, as
+        if the source dropped them."""
+        if not refused.error.is_a(SchemaError, DataError, ConfigError):
             return False
-        if self.caps.schema_evolution:
-            raise Divergence(
-                NAME_RULE,
-                f"schema evolution is declared, but a batch of resource {stream.plan.resources[lane[0]]!r} "
-                f"with new columns {added} was refused: {refused.error}",
-            )
-        self.trace.note("refused as the sink declares no schema evolution: the columns are dropped")
-        del stream.columns[lane[0]][stream.base_columns() :]
-        for log_lane, events in stream.log.items():
-            if log_lane[0] == lane[0]:
-                for number, event in enumerate(events):
-                    row = {k: v for k, v in event.change.row.items() if k not in added}
-                    events[number] = Event(event.lane, event.position, Change(event.change.operation, row))
+        base = stream.base_columns()
+        dropped = {
+            resource: [
+                c for c in columns[base:] if not self.caps.schema_evolution or c == identifiers.TOO_LONG
+            ]
+            for resource, columns in stream.columns.items()
+        }
+        dropped = {resource: names for resource, names in dropped.items() if names}
+        if not dropped:
+            added = {stream.plan.resources[r]: c[base:] for r, c in stream.columns.items() if c[base:]}
+            if added:
+                raise Divergence(
+                    NAME_RULE,
+                    f"schema evolution is declared, but a batch with the new columns {added} was refused "
+                    f"(names within the destination's limits land as given): {refused.error}",
+                )
+            return False
+        self.trace.note(f"refused ({refused.error.kind}): the columns {list(dropped.values())} are dropped")
+        for resource, names in dropped.items():
+            stream.columns[resource] = [c for c in stream.columns[resource] if c not in names]
+            for lane, events in stream.log.items():
+                if lane[0] == resource:
+                    for number, event in enumerate(events):
+                        row = {k: v for k, v in event.change.row.items() if k not in names}
+                        events[number] = Event(
+                            event.lane, event.position, Change(event.change.operation, row)
+                        )
         await self._abort_active(stream)
         return True
 
@@ -308,6 +325,10 @@ class SinkRun(SinkOracle):
         except Crashed:
             await self._crashed(stream)
             return
+        except _Refused as refused:
+            if await self._new_columns_refused(stream, refused):
+                return
+            raise
         stream.active = None
         self._check_receipts(stream, active, receipts, stream.commit(active, self.caps))
         if step.certify:
