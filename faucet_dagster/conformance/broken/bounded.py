@@ -8,8 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
 import pyarrow as pa
-from faucet_files.bookmark import FileEntry
-from faucet_files.config import FilesSourceConfig
+from faucet_files import FilesSourceConfig
 from faucet_files.source import FilesSource
 from faucet_postgres.source import PostgresSource
 from faucet_sql.sink import SqlSink
@@ -141,12 +140,21 @@ class LaggingBookmarkSource(FilesSource):
 
 class NameOrderFilesSource(FilesSource):
     """File-order resumes: resumes after the last file it completed *by name* (files sort by date,
-    the author assumed), so a file that appears later with a name sorting before it is never read."""
+    the author assumed): on resume, every matched file whose name sorts before the greatest completed
+    one counts as completed too, so a file that appears later with such a name is never read."""
 
-    def _files_to_read(self) -> list[tuple[FileEntry, int]]:
-        plan = super()._files_to_read()
-        done = max(self._start.completed, default=None)
-        return [(entry, row) for entry, row in plan if done is None or entry.path > done]
+    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
+        completed = bookmark.get("completed") if isinstance(bookmark, dict) else None
+        if isinstance(bookmark, dict) and isinstance(completed, dict) and completed:
+            done = max(completed)
+            assumed: dict[str, JsonValue] = dict(completed)
+            for pattern in self.config.paths:
+                for name in glob.glob(os.path.expanduser(pattern), recursive=True):
+                    if name < done and name not in assumed and os.path.isfile(name):
+                        stat = os.stat(name)
+                        assumed[name] = [stat.st_size, stat.st_mtime_ns]
+            bookmark = {**bookmark, "completed": assumed}
+        super().apply_start_bookmark(bookmark)
 
 
 class CursorOnlyResumeSource(PostgresSource):
@@ -156,7 +164,7 @@ class CursorOnlyResumeSource(PostgresSource):
 
     def start_after(self, order: tuple[str, ...]) -> tuple[Any, ...] | None:
         values = super().start_after(order)
-        if values is None or self._cursor is None:
+        if values is None or not self.order_of(()):  # order_of(()) is (cursor,) when one is configured
             return values
         return (values[0], *(2**62 for _ in values[1:]))
 
@@ -270,19 +278,20 @@ class TwoTransactionSink(SqlSink):
 
 
 class OneCallTwoCommitsSink(SqlSink):
-    """Two commits inside one synchronous call: its idempotent write runs in one worker thread (no
-    await between its statements), committing the rows in one transaction and the token in a second,
-    so only a crash between two synchronous calls (not at an await) splits them."""
+    """Two commits inside one synchronous call: its idempotent write is one blocking call run in a
+    worker thread (a client library's "write with token" helper: its caller's event loop never waits
+    between its statements), committing the rows in one transaction and the token in a second, so
+    only a crash between two synchronous calls (not at an await of the caller) splits them."""
 
-    def _write(self, batch: pa.RecordBatch, token: CommitToken | None) -> int:
-        if token is None:
-            return super()._write(batch, None)
-        stored = self._read_token()
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        return await asyncio.to_thread(asyncio.run, self._rows_then_token(records, token))
+
+    async def _rows_then_token(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        stored = await self.last_committed_token()
         if stored is not None and token.sequence <= stored.sequence:
             return 0
-        written = super()._write(batch, None)  # the rows, committed
-        with self.db.engine.connect() as conn, conn.begin():
-            self._claim(conn, token)  # the token, committed after them
+        written = await self.write_batch(records)  # the rows, committed
+        await super().write_batch_idempotent(records.slice(0, 0), token)  # the token, after them
         return written
 
 

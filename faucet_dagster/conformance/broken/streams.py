@@ -85,7 +85,6 @@ class SlotPositionSource(WrappedSource):
             return await super().open(resources, resume_positions, membership, worker)
         except PositionUnavailable:
             import psycopg
-            from faucet_postgres.cdc_server import CODEC
 
             async with await psycopg.AsyncConnection.connect(self.url) as conn:
                 cursor = await conn.execute(
@@ -94,8 +93,11 @@ class SlotPositionSource(WrappedSource):
                 )
                 row = await cursor.fetchone()
             assert row is not None
-            now = CODEC.canonicalize(CODEC.validate(row[0]) - 1)
-            moved = [Position(position.domain, now) for position in resume_positions]
+            codecs = {codec.name: codec for codec in self.codecs()}
+            moved = []
+            for position in resume_positions:
+                codec = codecs[position.domain.codec]
+                moved.append(Position(position.domain, codec.canonicalize(codec.validate(row[0]) - 1)))
             return await super().open(resources, moved, membership, worker)
 
 

@@ -181,8 +181,8 @@ def _process_name(pid: int) -> str:
 
 def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> SourceSetup:
     """Changes of ``public.items`` from a fresh slot; each ``add_rows`` is one source transaction."""
+    from faucet_postgres import PostgresCdcConfig
     from faucet_postgres.cdc import setup_replication
-    from faucet_postgres.cdc_config import PostgresCdcConfig
 
     slot = unique_name("slot")
     config = {
