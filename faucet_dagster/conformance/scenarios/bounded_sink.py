@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from faucet_dagster.conformance.scenarios import identifiers
-from faucet_dagster.conformance.scenarios.agent import AgentPlan, Handle
+from faucet_dagster.conformance.scenarios.agent import Handle
 from faucet_dagster.conformance.scenarios.bounded_sink_steps import (
     NAME_RULE,
     POLICY_RULE,
@@ -40,10 +40,10 @@ from faucet_dagster.conformance.scenarios.bounded_sink_steps import (
     declaration,
     generate,
 )
-from faucet_dagster.conformance.scenarios.effects import EFFECTS
-from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
+from faucet_dagster.conformance.scenarios.engine import Divergence, Trace
+from faucet_dagster.conformance.scenarios.runs import WorkerRun
 from faucet_dagster.conformance.scenarios.tables import KEY, Change, TableModel, absent_columns, difference
-from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
+from faucet_dagster.conformance.scenarios.workers import Crashed, Failed
 from faucet_dagster.protocol import (
     OPERATION_COLUMN,
     AddColumn,
@@ -78,36 +78,15 @@ class _Lane:
         self.snapshot = TableModel(WritePolicy.APPEND)
 
 
-class BoundedSinkRun:
+class BoundedSinkRun(WorkerRun):
+    role = Role.SINK
+    works_rule = WORKS_RULE
+
     def __init__(self, subject: Any, setup: Any, declared: BoundedSinkDeclaration, trace: Trace) -> None:
-        self.subject = subject
-        self.setup = setup
+        super().__init__(subject, setup, trace)
         self.declared = declared
-        self.trace = trace
-        self.timeout: float = subject.options.timeout
         self.lanes: list[_Lane] = []
-        self.workers: list[Worker] = []
         self.next_key = 0
-
-    async def run(self, scenario: Sequence[Step]) -> None:
-        try:
-            for step in scenario:
-                self.trace.ran.append(step.describe())
-                try:
-                    await getattr(self, f"_{type(step).__name__.lower()}")(step)
-                except Hung as hung:
-                    raise Divergence(WORKS_RULE, f"a call did not return: {hung}") from None
-        finally:
-            for worker in self.workers:
-                await worker.stop()
-
-    def _worker(self, *, crashable: bool) -> Worker:
-        effects = (EFFECTS | self.subject.options.effects) if crashable else None
-        worker = Worker(
-            AgentPlan(self.subject.spec, Role.SINK, effects), timeout=self.timeout, name="bounded-sink"
-        )
-        self.workers.append(worker)
-        return worker
 
     async def _cast(self, step: Cast) -> None:
         write_to = self.setup.write_to
@@ -169,7 +148,7 @@ class BoundedSinkRun:
             self.next_key += 1
             page.append(Change(Operation.DELETE, {KEY: self.next_key, "name": "never written"}))
             lane.pages.append(page)
-        worker = self._worker(crashable=False)
+        worker = self._worker("bounded-sink", crashable=False)
         try:
             feeder = await worker.build(lane.feeder)
             await worker.call(
@@ -210,7 +189,7 @@ class BoundedSinkRun:
         ``crash_at`` counts the effects of the page writes (what must be atomic with the token).
         ``recovering``: the previous run died; this one (a new process) judges the token it reads
         and the destination before it writes anything."""
-        worker = self._worker(crashable=True)
+        worker = self._worker("bounded-sink")
         made = 0
 
         async def call(handle: Handle, method: str, *args: Any) -> Any:
@@ -333,7 +312,7 @@ class BoundedSinkRun:
         return list(await self.setup.read_back())
 
     async def _read_token(self, lane: _Lane) -> CommitToken | None:
-        worker = self._worker(crashable=False)
+        worker = self._worker("bounded-sink", crashable=False)
         try:
             sink = await worker.build(lane.config)
             token = await worker.call(sink, "last_committed_token")
@@ -366,7 +345,7 @@ class BoundedSinkRun:
             return
         self.trace.exercised.add("replayed pages")
         page = self._batch(lane, lane.pages[lane.committed - 1])
-        worker = self._worker(crashable=False)
+        worker = self._worker("bounded-sink", crashable=False)
         try:
             sink = await worker.build(lane.config)
             for token in (lane.committed, lane.committed - 1):
@@ -408,7 +387,7 @@ class BoundedSinkRun:
     async def _evolve(self, step: Evolve) -> None:
         lane = self.lanes[step.lane]
         self.trace.exercised.add("schema_evolution (hostile column names)")
-        worker = self._worker(crashable=False)
+        worker = self._worker("bounded-sink", crashable=False)
         try:
             sink = await worker.build(lane.config)
             for _ in range(2):  # ADD COLUMN IF NOT EXISTS: repeating it is harmless

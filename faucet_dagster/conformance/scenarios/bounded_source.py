@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from faucet_dagster.conformance.scenarios.agent import AgentPlan, PageSeen
+from faucet_dagster.conformance.scenarios.agent import PageSeen
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
-from faucet_dagster.conformance.scenarios.workers import Failed, Hung, Worker
+from faucet_dagster.conformance.scenarios.runs import WorkerRun
+from faucet_dagster.conformance.scenarios.workers import Failed
 from faucet_dagster.conformance.setup import make_rows
 from faucet_dagster.protocol import Role
 
@@ -150,30 +151,19 @@ class _Lane:
     """Rows committed: id -> the row's version (its name) when it was delivered."""
 
 
-class BoundedSourceRun:
+class BoundedSourceRun(WorkerRun):
+    role = Role.SOURCE
+    works_rule = WORKS_RULE
+    hang = "a read did not end"
+
     def __init__(self, subject: Any, setup: Any, declared: BoundedSourceDeclaration, trace: Trace) -> None:
-        self.subject = subject
-        self.setup = setup
+        super().__init__(subject, setup, trace)
         self.declared = declared
-        self.trace = trace
         self.lanes: dict[str, _Lane] = {}
         self.rows: dict[int, str] = {}
         """The source now: id -> version (name)."""
         self.next_id = 1
         self.changes = 0
-        self.workers: list[Worker] = []
-
-    async def run(self, scenario: Sequence[Step]) -> None:
-        try:
-            for step in scenario:
-                self.trace.ran.append(step.describe())
-                try:
-                    await getattr(self, f"_{type(step).__name__.lower()}")(step)
-                except Hung as hung:
-                    raise Divergence(WORKS_RULE, f"a read did not end: {hung}") from None
-        finally:
-            for worker in self.workers:
-                await worker.stop()
 
     async def _cast(self, step: Cast) -> None:
         for name in step.lanes:
@@ -209,12 +199,7 @@ class BoundedSourceRun:
         await self.setup.update_rows(changed)
 
     async def _read(self, lane: _Lane, bookmark: Any, batch_size: int, take: int | None) -> list[PageSeen]:
-        worker = Worker(
-            AgentPlan(self.subject.spec, Role.SOURCE),
-            timeout=self.subject.options.timeout,
-            name="bounded-source",
-        )
-        self.workers.append(worker)
+        worker = self._worker("bounded-source", crashable=False)
         try:
             source = await worker.build(lane.config)
             if bookmark is not None:

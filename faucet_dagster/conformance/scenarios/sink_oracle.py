@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from faucet_dagster.conformance.scenarios.engine import Divergence, Trace
+from faucet_dagster.conformance.scenarios.runs import WorkerRun
 from faucet_dagster.conformance.scenarios.sink_model import (
     NAME_RULE,
     RECEIPT_RULE,
@@ -20,14 +21,13 @@ from faucet_dagster.conformance.setup import ReadBlocked
 from faucet_dagster.protocol import Receipt, SinkCommitState
 
 
-class SinkOracle:
+class SinkOracle(WorkerRun):
     """What a run compares after each step; the run (:class:`.sink_run.SinkRun`) drives the steps."""
 
-    def __init__(self, setup: Any, declared: SinkDeclaration, trace: Trace) -> None:
-        self.setup = setup
+    def __init__(self, subject: Any, setup: Any, declared: SinkDeclaration, trace: Trace) -> None:
+        super().__init__(subject, setup, trace)
         self.declared = declared
         self.caps = declared.capabilities
-        self.trace = trace
         self.streams: list[Stream] = []
 
     async def _settle_unsure(self, stream: Stream) -> None:

@@ -10,13 +10,11 @@ the epoch or none of it at a transactional sink).
 """
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from faucet_dagster.conformance.scenarios import identifiers
 from faucet_dagster.conformance.scenarios import sink_steps as steps
-from faucet_dagster.conformance.scenarios.agent import AgentPlan
-from faucet_dagster.conformance.scenarios.effects import EFFECTS
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
 from faucet_dagster.conformance.scenarios.sink_model import (
     ATOMIC_RULE,
@@ -36,7 +34,7 @@ from faucet_dagster.conformance.scenarios.sink_model import (
 from faucet_dagster.conformance.scenarios.sink_oracle import SinkOracle
 from faucet_dagster.conformance.scenarios.sink_steps import SinkDeclaration
 from faucet_dagster.conformance.scenarios.tables import KEY, VERSION, Change, TableModel
-from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
+from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Worker
 from faucet_dagster.conformance.setup import ReadBlocked
 from faucet_dagster.protocol import (
     ConfigError,
@@ -68,39 +66,20 @@ class _Refused(Exception):
 class SinkRun(SinkOracle):
     """One scenario's run: the model, the worker processes, and the oracle."""
 
+    role = Role.STREAMING_SINK
+    works_rule = WORKS_RULE
+
     def __init__(self, subject: Any, setup: Any, declared: SinkDeclaration, trace: Trace) -> None:
-        super().__init__(setup, declared, trace)
-        self.subject = subject
-        self.timeout: float = subject.options.timeout
-        self.workers: list[Worker] = []
+        super().__init__(subject, setup, declared, trace)
         self.keys = 0
 
-    async def run(self, scenario: Sequence[Step]) -> None:
-        try:
-            for step in scenario:
-                self.trace.ran.append(step.describe())
-                try:
-                    await self._step(step)
-                except _Refused as refused:
-                    raise Divergence(WORKS_RULE, f"{refused.what} raised {refused.error}") from None
-                except Hung as hung:
-                    raise Divergence(WORKS_RULE, f"a call did not return: {hung}") from None
-        finally:
-            for worker in self.workers:
-                await worker.stop()
-
     async def _step(self, step: Step) -> None:
-        handler: Callable[[Any], Any] = getattr(self, f"_{type(step).__name__.lower()}")
-        await handler(step)
+        try:
+            await super()._step(step)
+        except _Refused as refused:
+            raise Divergence(WORKS_RULE, f"{refused.what} raised {refused.error}") from None
 
     # -- workers ----------------------------------------------------------------------------------
-
-    def _worker(self, name: str, *, crashable: bool = True) -> Worker:
-        effects = (EFFECTS | self.subject.options.effects) if crashable else None
-        plan = AgentPlan(self.subject.spec, Role.STREAMING_SINK, effects)
-        worker = Worker(plan, timeout=self.timeout, name=name)
-        self.workers.append(worker)
-        return worker
 
     async def _open(self, stream: Stream, worker: Worker, token: int) -> Session:
         identity = WorkerIdentity(f"battery-{stream.plan.name}-{token}", token)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from faucet_dagster.conformance.harness import advance
-from faucet_dagster.conformance.scenarios.agent import Acknowledged, AgentPlan, EpochRead, Event, Handle
-from faucet_dagster.conformance.scenarios.effects import EFFECTS
-from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace
+from faucet_dagster.conformance.scenarios.agent import Acknowledged, EpochRead, Event, Handle
+from faucet_dagster.conformance.scenarios.engine import Divergence, Trace
+from faucet_dagster.conformance.scenarios.runs import WorkerRun
 from faucet_dagster.conformance.scenarios.stream_source_steps import (
     IDENTITY_RULE,
     INCARNATION_RULE,
@@ -50,7 +50,7 @@ from faucet_dagster.conformance.scenarios.stream_source_steps import (
     declaration,
     generate,
 )
-from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Hung, Worker
+from faucet_dagster.conformance.scenarios.workers import Crashed, Failed, Worker
 from faucet_dagster.conformance.setup import make_rows
 from faucet_dagster.protocol import (
     OPERATION_COLUMN,
@@ -98,14 +98,13 @@ class _Model:
     """Transaction number -> its number of changes."""
 
 
-class StreamSourceRun:
+class StreamSourceRun(WorkerRun):
+    role = Role.STREAM_SOURCE
+    works_rule = WORKS_RULE
+
     def __init__(self, subject: Any, setup: Any, declared: StreamSourceDeclaration, trace: Trace) -> None:
-        self.subject = subject
-        self.setup = setup
+        super().__init__(subject, setup, trace)
         self.declared = declared
-        self.trace = trace
-        self.timeout: float = subject.options.timeout
-        self.workers: list[Worker] = []
         self.model = _Model()
         self.rows: dict[int, str] = {}
         """The provider's rows now: id -> name."""
@@ -119,18 +118,6 @@ class StreamSourceRun:
         """Certified coverages not yet acknowledged."""
         self.crash_at: int | None = None
         self.domain_of: Callable[[dict[str, Any]], str] | None = setup.domain_of
-
-    async def run(self, scenario: Sequence[Step]) -> None:
-        try:
-            for step in scenario:
-                self.trace.ran.append(step.describe())
-                try:
-                    await getattr(self, f"_{type(step).__name__.lower()}")(step)
-                except Hung as hung:
-                    raise Divergence(WORKS_RULE, f"a call did not return: {hung}") from None
-        finally:
-            for worker in self.workers:
-                await worker.stop()
 
     # -- the provider -----------------------------------------------------------------------------
 
@@ -177,17 +164,11 @@ class StreamSourceRun:
 
     # -- sessions ---------------------------------------------------------------------------------
 
-    def _worker(self) -> Worker:
-        plan = AgentPlan(self.subject.spec, Role.STREAM_SOURCE, EFFECTS | self.subject.options.effects)
-        worker = Worker(plan, timeout=self.timeout, name="stream-source")
-        self.workers.append(worker)
-        return worker
-
     async def _open(self, positions: tuple[Position, ...] | None = None) -> _Session:
         if self.session is not None:
             return self.session
         self.token += 1
-        worker = self._worker()
+        worker = self._worker("stream-source")
         identity = WorkerIdentity(f"battery-worker-{self.token}", self.token)
         resume = self.certified if positions is None else positions
         try:
