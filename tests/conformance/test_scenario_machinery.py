@@ -20,7 +20,7 @@ import pytest
 from faucet_dagster.conformance import broken
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS
-from faucet_dagster.conformance.scenarios import bounded_sink, sink_steps
+from faucet_dagster.conformance.scenarios import bounded_sink_steps, sink_steps
 from faucet_dagster.conformance.scenarios.agent import AgentPlan
 from faucet_dagster.conformance.scenarios.effects import EFFECTS
 from faucet_dagster.conformance.scenarios.engine import Divergence, Step, Trace, scenario_random, shrink
@@ -28,7 +28,15 @@ from faucet_dagster.conformance.scenarios.workers import Crashed, Worker
 from faucet_dagster.conformance.seams import WrappedSinkSession, wrap_sessions
 from faucet_dagster.conformance.suites import CHECKS_BY_ID, run_check
 from faucet_dagster.conformance.targets import postgres_streaming_sink, sql_sink
-from faucet_dagster.protocol import CommitToken, Coverage, EpochId, Receipt, Role, get_connector
+from faucet_dagster.protocol import (
+    CommitToken,
+    ConnectorSpec,
+    Coverage,
+    EpochId,
+    Receipt,
+    Role,
+    get_connector,
+)
 
 
 def test_a_seed_draws_the_same_scenario_every_time_and_another_seed_another() -> None:
@@ -46,9 +54,13 @@ def test_a_seed_draws_the_same_scenario_every_time_and_another_seed_another() ->
     )
 
 
-def _idempotent_write(url: str, token: int, crash_at: int | None) -> tuple[str, ...]:
+def _idempotent_write(
+    url: str, token: int, crash_at: int | None, spec: ConnectorSpec | None = None
+) -> tuple[str, ...]:
+    """One write_batch_idempotent of the SQL sink (or ``spec``'s) in a worker; the effects it made."""
+
     async def write() -> tuple[str, ...]:
-        worker = Worker(AgentPlan(get_connector("sql"), Role.SINK, EFFECTS), timeout=60)
+        worker = Worker(AgentPlan(spec or get_connector("sql"), Role.SINK, EFFECTS), timeout=60)
         try:
             sink = await worker.build({"url": url, "table": "items", "mode": "append"})
             batch = pa.RecordBatch.from_pylist([{"id": token, "name": "a"}])
@@ -84,24 +96,13 @@ def test_a_crash_point_splits_two_commits_made_inside_one_synchronous_call(
     (never one at an await) can show."""
     url = f"sqlite:///{tmp_path / 'sink.db'}"
     spec = broken.spec_with("sql", Role.SINK, broken.OneCallTwoCommitsSink)
-
-    async def write(token: int, crash_at: int | None) -> tuple[str, ...]:
-        worker = Worker(AgentPlan(spec, Role.SINK, EFFECTS), timeout=60)
-        try:
-            sink = await worker.build({"url": url, "table": "items", "mode": "append"})
-            batch = pa.RecordBatch.from_pylist([{"id": token, "name": "a"}])
-            await worker.call(sink, "write_batch_idempotent", batch, CommitToken(token), crash_at=crash_at)
-            return worker.effects
-        finally:
-            await worker.stop()
-
-    asyncio.run(write(1, None))
-    effects = asyncio.run(write(2, None))
+    _idempotent_write(url, 1, None, spec)
+    effects = _idempotent_write(url, 2, None, spec)
     commits = [index for index, effect in enumerate(effects) if effect == "sqlite3:Connection.commit"]
     assert len(commits) == 2, effects
     point = commits[1] if split else commits[0]
     with pytest.raises(Crashed):
-        asyncio.run(write(3, point))
+        _idempotent_write(url, 3, point, spec)
     with sqlite3.connect(tmp_path / "sink.db") as conn:
         rows = conn.execute("SELECT count(*) FROM items WHERE id = 3").fetchone()
         token = conn.execute("SELECT token FROM _faucet_watermarks").fetchone()
@@ -182,7 +183,7 @@ def test_a_streaming_sink_that_builds_its_session_in_open_is_checked_through_the
 
 def test_the_bounded_sink_declaration_runs_a_lane_per_declared_policy(tmp_path: Path) -> None:
     subject = Subject(get_connector("sql"), Role.SINK, sql_sink(tmp_path), DEFAULT_OPTIONS)
-    lanes = bounded_sink.declaration(subject).lanes
+    lanes = bounded_sink_steps.declaration(subject).lanes
     assert sorted(lane.policy.value for lane in lanes) == ["append", "replace", "upsert"]
     assert len({lane.resource for lane in lanes}) == len(lanes)
 

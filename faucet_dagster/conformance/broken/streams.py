@@ -62,10 +62,15 @@ class LatestWhenUnavailableSource(WrappedSource):
         try:
             return await super().open(resources, resume_positions, membership, worker)
         except PositionUnavailable:
-            return await super().open(resources, (), membership, worker)
+            latest = await self.latest_available(resume_positions)
+            return await super().open(resources, latest, membership, worker)
+
+    async def latest_available(self, unavailable: Sequence[Position]) -> Sequence[Position]:
+        """Where to read instead of ``unavailable``: from the start of what the provider keeps."""
+        return ()
 
 
-class SlotPositionSource(WrappedSource):
+class SlotPositionSource(LatestWhenUnavailableSource):
     """Unavailable position (PostgreSQL CDC): when the slot was moved past the certified position,
     resumes where the slot now is (its ``confirmed_flush_lsn``: the "latest available" of a slot)."""
 
@@ -74,31 +79,22 @@ class SlotPositionSource(WrappedSource):
         self.url = url
         self.slot = slot
 
-    async def open(
-        self,
-        resources: Sequence[str],
-        resume_positions: Sequence[Position],
-        membership: Membership,
-        worker: WorkerIdentity,
-    ) -> StreamSession:
-        try:
-            return await super().open(resources, resume_positions, membership, worker)
-        except PositionUnavailable:
-            import psycopg
+    async def latest_available(self, unavailable: Sequence[Position]) -> Sequence[Position]:
+        import psycopg
 
-            async with await psycopg.AsyncConnection.connect(self.url) as conn:
-                cursor = await conn.execute(
-                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                    (self.slot,),
-                )
-                row = await cursor.fetchone()
-            assert row is not None
-            codecs = {codec.name: codec for codec in self.codecs()}
-            moved = []
-            for position in resume_positions:
-                codec = codecs[position.domain.codec]
-                moved.append(Position(position.domain, codec.canonicalize(codec.validate(row[0]) - 1)))
-            return await super().open(resources, moved, membership, worker)
+        async with await psycopg.AsyncConnection.connect(self.url) as conn:
+            cursor = await conn.execute(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                (self.slot,),
+            )
+            row = await cursor.fetchone()
+        assert row is not None
+        codecs = {codec.name: codec for codec in self.codecs()}
+        moved = []
+        for position in unavailable:
+            codec = codecs[position.domain.codec]
+            moved.append(Position(position.domain, codec.canonicalize(codec.validate(row[0]) - 1)))
+        return moved
 
 
 class IncarnationBlindSource(WrappedSource):

@@ -37,8 +37,6 @@ from faucet_dagster.conformance.scenarios.bounded_sink_steps import (
     Replay,
     Run,
     Sweep,
-    declaration,
-    generate,
 )
 from faucet_dagster.conformance.scenarios.engine import Divergence, Trace
 from faucet_dagster.conformance.scenarios.runs import WorkerRun
@@ -406,17 +404,4 @@ class BoundedSinkRun(WorkerRun):
         lane.columns.append(step.column)
 
 
-__all__ = [
-    "BoundedSinkDeclaration",
-    "BoundedSinkRun",
-    "Cast",
-    "Evolve",
-    "LanePlan",
-    "Produce",
-    "ReadToken",
-    "Replay",
-    "Run",
-    "Sweep",
-    "declaration",
-    "generate",
-]
+__all__ = ["BoundedSinkRun"]
