@@ -9,15 +9,20 @@
 
 The returned class has one test per check of the role's suite (``test_conformance[<check id>]``).
 Each test builds a fresh setup by calling the config factory with the fixtures it names (the real
-servers of :mod:`faucet_dagster.testing.pytest_plugin`), runs the check and cleans the setup up. A
-check that does not apply passes after asserting the connector's honest declaration; nothing skips.
+servers of :mod:`faucet_dagster.testing.pytest_plugin`), runs the check and cleans the setup up; the
+generated scenarios call the factory again for every run, on the session's servers. A check that does
+not apply passes after asserting the connector's honest declaration; nothing skips.
+``--conformance-seed`` and ``--conformance-examples`` choose the scenarios (see
+:mod:`faucet_dagster.conformance.pytest_plugin`).
 """
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
 
+from faucet_dagster.conformance.fixtures import Fixtures
 from faucet_dagster.conformance.harness import Subject
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory, factory_fixtures
@@ -61,17 +66,28 @@ def conformance_tests(
         __doc__ = f"The conformance battery on the {role.value} role of {_name(connector)}."
 
         @pytest.fixture
-        def conformance_subject(self, request: pytest.FixtureRequest) -> Subject:
+        def conformance_subject(self, request: pytest.FixtureRequest) -> Any:
             spec = get_connector(connector) if isinstance(connector, str) else connector
             setup = config(**{name: request.getfixturevalue(name) for name in fixtures})
-            return Subject(spec, role, setup, options)
+            chosen = options
+            for option, field in (("--conformance-seed", "seed"), ("--conformance-examples", "examples")):
+                value = request.config.getoption(option, default=None)
+                if value is not None:
+                    chosen = dataclasses.replace(chosen, **{field: value})
+            more = Fixtures(
+                lambda kind: request.getfixturevalue(f"{kind}_server").start(), hint=request.node.name
+            )
+            yield Subject(spec, role, setup, chosen, fresh=more.fresh(config))
+            more.close()
 
         @pytest.mark.parametrize("check_id", checks)
         def test_conformance(self, conformance_subject: Subject, check_id: str, request: Any) -> None:
-            report = {"subject": conformance_subject.label, "check": check_id}
+            report: dict[str, Any] = {"subject": conformance_subject.label, "check": check_id}
             request.node.user_properties.append((PROPERTY, report))
             outcome = asyncio.run(run_check(CHECKS_BY_ID[check_id], conformance_subject))
-            report.update(status=outcome.status.value, detail=outcome.detail)
+            report.update(
+                status=outcome.status.value, detail=outcome.detail, exercised=list(outcome.exercised)
+            )
 
     ConformanceTests.__name__ = ConformanceTests.__qualname__ = f"Conformance_{_name(connector)}_{role.value}"
     return ConformanceTests

@@ -69,6 +69,9 @@ class Subject:
     role: Role
     setup: SourceSetup | SinkSetup
     options: ConformanceOptions
+    fresh: Callable[[], SourceSetup | SinkSetup] | None = None
+    """A new setup against the same servers (the generated scenarios use one per run, after
+    ``setup``); ``None``: only ``setup`` exists, so one scenario runs and a failure is not shrunk."""
 
     @property
     def label(self) -> str:

@@ -27,6 +27,12 @@ class ConformanceOptions:
     keeps its deliveries alive. ``settle_seconds`` is how long the battery waits to see whether
     anything still lands after a call promised that nothing would. ``checks`` restricts the run to
     those check ids (``None``: every check of the role).
+
+    The generated scenarios (check ``scenarios``): ``examples`` scenarios drawn from ``seed`` (the same
+    seed and number replay the same scenarios on any machine); a failure is shrunk in at most
+    ``shrink_runs`` runs. ``effects`` names, as ``module:qualified name``, the calls of a client
+    library the battery does not know that change something outside the process (a crash is armed
+    right before each: see :mod:`faucet_dagster.conformance.scenarios.effects`).
     """
 
     timeout: float = 30.0
@@ -36,6 +42,10 @@ class ConformanceOptions:
     slow_sink_seconds: float = 1.5
     settle_seconds: float = 0.5
     checks: frozenset[str] | None = None
+    seed: int = 0
+    examples: int = 1
+    shrink_runs: int = 40
+    effects: frozenset[str] = frozenset()
 
 
 DEFAULT_OPTIONS = ConformanceOptions()
@@ -57,10 +67,12 @@ class Outcome:
 
     status: Status
     detail: str
+    exercised: tuple[str, ...] = ()
+    """The declared capabilities and policies the check exercised (for the results table)."""
 
     @classmethod
-    def passed(cls, detail: str) -> "Outcome":
-        return cls(Status.PASS, detail)
+    def passed(cls, detail: str, exercised: tuple[str, ...] = ()) -> "Outcome":
+        return cls(Status.PASS, detail, exercised)
 
     @classmethod
     def not_applicable(cls, reason: str) -> "Outcome":

@@ -50,6 +50,20 @@ class SourceSetup:
     records deleted below the low watermark, a replication slot advanced past them), so a position
     among them can no longer be resumed from; ``None`` when the system cannot remove data under a
     reader.
+
+    For the generated scenarios of a bounded source: ``add_rows_before(rows)`` stores rows where the
+    source reads them before everything stored so far (a file whose name sorts first), which a run
+    resumed from any earlier bookmark must still deliver; ``cursor_config`` is ``config`` reading the
+    same dataset through a cursor column (``update_rows`` moves rows past the others by changing them:
+    rows are matched by ``id``, their ``name`` replaced, their cursor advanced; the rows of one
+    ``add_rows`` share one cursor value).
+
+    For the generated scenarios of a stream source: ``update_rows`` and ``delete_rows`` change and
+    delete rows by ``id``, each call one source transaction (a source emitting changes delivers
+    them); ``recreate()`` deletes the stream (topic) and creates it again, empty, under the same name
+    (no session is open when it is called); ``domain_of(row)`` names the ordering domain a row lands
+    in (any label, the same for rows of one domain: Kafka's ``id % partitions``), so a skipped row is
+    seen at once; ``None``: every row lands in one domain.
     """
 
     config: Mapping[str, Any]
@@ -61,6 +75,12 @@ class SourceSetup:
     cleanup: Cleanup | None = None
     redelivered: Callable[[], Awaitable[int]] | None = None
     make_unavailable: Callable[[], Awaitable[None]] | None = None
+    add_rows_before: AddRows | None = None
+    cursor_config: Mapping[str, Any] | None = None
+    update_rows: AddRows | None = None
+    delete_rows: AddRows | None = None
+    recreate: Callable[[], Awaitable[None]] | None = None
+    domain_of: Callable[[dict[str, Any]], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,10 +98,19 @@ class SinkSetup:
         sink without a configurable mode. ``stall()`` is a context inside which the destination
         stops answering the sink's open sessions (their server processes SIGSTOPped, or a proxy
         holding the responses) and answers again on exit: the shutdown check commits against it.
+        ``read_resource(resource)`` returns every row (every column) the destination holds for one
+        resource, where each resource lands on its own (a table per resource); ``None`` when every
+        resource lands in one place, which ``read_back()`` reads. A read that would wait on a lock
+        (an SQL ``lock_timeout`` of a fraction of a second) raises :class:`ReadBlocked`.
+        ``write_to(resource, policy, key)`` (bounded sinks) is a config writing ``resource`` (a table
+        of that name) with ``policy`` and ``key``, with schema evolution on where the sink has it;
+        ``read_resource`` reads it back. The generated scenarios run every policy the sink's configs
+        declare, each into a table of its own; ``None``: only ``config``, read by ``read_back()``.
     """
 
     config: Mapping[str, Any]
     read_back: ReadBack
+    read_resource: Callable[[str], Awaitable[list[dict[str, Any]]]] | None = None
     keyed_config: Mapping[str, Any] | None = None
     read_keyed: ReadBack | None = None
     refused_rows: Sequence[Row] | None = None
@@ -89,6 +118,14 @@ class SinkSetup:
     cleanup: Cleanup | None = None
     configure: Callable[[WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
     stall: Callable[[], AbstractAsyncContextManager[None]] | None = None
+    write_to: Callable[[str, WritePolicy, tuple[str, ...]], Mapping[str, Any]] | None = None
+
+
+class ReadBlocked(Exception):
+    """Raised by a setup's read when the destination makes the reader wait for a lock that an open
+    epoch holds (a column added in the epoch's transaction): the reader sees nothing of that epoch.
+    The battery reads with a bounded lock wait only while an epoch is open; a read blocked after
+    its commit or abort is a lock the sink left behind."""
 
 
 Setup = SourceSetup | SinkSetup

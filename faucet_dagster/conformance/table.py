@@ -12,32 +12,24 @@ PROPERTY = "faucet_conformance"
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("config_schema", "1"),
     ("bounded_memory", "2"),
-    ("resume", "3"),
-    ("idempotent_replay", "4"),
     ("capabilities", "5"),
     ("no_panic", "6"),
+    ("scenarios", "G"),
     ("slow_sink", "S1"),
     ("cancel_during_read", "S2"),
-    ("partial_transaction", "S3"),
-    ("ownership_lost_before_ack", "S4"),
-    ("unwritten_position", "S5"),
-    ("speculative_ack", "S6"),
-    ("unavailable_position", "S7"),
     ("failed_writes", "K1"),
     ("uncertain_commit", "K2"),
     ("lifecycle_order", "K3"),
     ("shutdown_with_outstanding_work", "K4"),
-    ("replay_after_commit", "R"),
 )
 """Each check id and its column heading, in table order."""
 
 LEGEND = (
-    "1 config schema  2 bounded memory  3 resume  4 idempotent replay  5 capabilities  6 no panic | "
-    "S1 slow sink  S2 cancel during read  S3 partial transaction  S4 ownership lost before ack  "
-    "S5 unwritten position  S6 no speculative acknowledgement  S7 unavailable position | "
-    "K1 failed writes  K2 uncertain commit  K3 lifecycle order  "
-    "K4 shutdown with outstanding work | R replay after commit, before certificate | "
-    ". not a check of the role"
+    "1 config schema  2 bounded memory  5 capabilities  6 no panic | "
+    "G generated scenarios (FCP 3 resume and 4 idempotent replay, replays, acknowledgements, "
+    "ownership, positions, transactions, crashes, streams, domains, resources, identifiers) | "
+    "S1 slow sink  S2 cancel during read | K1 failed writes  K2 uncertain commit  "
+    "K3 lifecycle order  K4 shutdown with outstanding work | . not a check of the role"
 )
 
 
@@ -49,11 +41,13 @@ class Result:
     check: str
     status: str
     detail: str
+    exercised: tuple[str, ...] = ()
+    """The declared capabilities and policies the check exercised."""
 
 
 def format_table(results: Sequence[Result]) -> str:
-    """Rows are connector roles (in first-seen order), columns the checks; then every n/a reason and
-    every failure message."""
+    """Rows are connector roles (in first-seen order), columns the checks; then what each check
+    exercised of what the connector declares, every n/a reason and every failure message."""
     subjects = list(dict.fromkeys(result.subject for result in results))
     cells = {(result.subject, result.check): result for result in results}
     width = max([len("connector role"), *map(len, subjects)])
@@ -67,6 +61,15 @@ def format_table(results: Sequence[Result]) -> str:
         lines.append(subject.ljust(width) + " | " + " | ".join(cell.center(4) for cell in row))
     lines += ["", LEGEND]
     codes = dict(COLUMNS)
+    exercised = [result for result in results if result.exercised]
+    if exercised:
+        lines.append("")
+        lines.append("declared capabilities and policies each check exercised:")
+        lines += [
+            f"{r.subject} {codes.get(r.check, r.check)}: {', '.join(r.exercised)}"
+            + (f" ({r.detail})" if r.status == "pass" else "")
+            for r in exercised
+        ]
     notes = [result for result in results if result.status != "pass"]
     if notes:
         lines.append("")

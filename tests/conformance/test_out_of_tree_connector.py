@@ -76,5 +76,5 @@ def test_an_installed_out_of_tree_connector_passes_faucet_conformance_by_name(
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout
     assert "jsonl_example source" in table
-    for check in ("config_schema", "bounded_memory", "resume", "capabilities", "no_panic"):
+    for check in ("config_schema", "bounded_memory", "capabilities", "no_panic", "scenarios"):
         assert f"{check:<32} pass" in table, table

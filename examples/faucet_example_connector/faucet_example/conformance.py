@@ -2,8 +2,9 @@
 
 The config factory asks for the ``tmp_path`` fixture, creates an empty folder and returns a
 SourceSetup: ``add_rows`` writes one file per call (in name order, so the source reads them in the
-order they were added), ``add_malformed`` a line that is not JSON, ``unreachable`` a folder that does
-not exist.
+order they were added), ``add_rows_before`` a file whose name sorts before every file written so far
+(the generated scenarios then resume from every bookmark and expect its rows), ``add_malformed`` a
+line that is not JSON, ``unreachable`` a folder that does not exist.
 """
 
 import asyncio
@@ -34,11 +35,20 @@ def jsonl_source(tmp_path: Path) -> SourceSetup:
     async def add_malformed() -> None:
         await asyncio.to_thread(write, "part-99999.jsonl", ["{not json"])
 
+    before = [0]
+
+    async def add_rows_before(rows: Sequence[Row]) -> None:
+        before[0] += 1  # "part-0-..." sorts before "part-00001...", each one before the last
+        await asyncio.to_thread(
+            write, f"part-0-{99_999 - before[0]:05d}.jsonl", [json.dumps(dict(row)) for row in rows]
+        )
+
     return SourceSetup(
         {"folder": str(folder)},
         add_rows,
         unreachable={"folder": str(tmp_path / "missing")},
         add_malformed=add_malformed,
+        add_rows_before=add_rows_before,
     )
 
 

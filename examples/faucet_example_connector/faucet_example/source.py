@@ -1,9 +1,12 @@
 """A bounded source reading JSON Lines files in name order, one page at a time.
 
-Bookmark: ``{"file": <name>, "line": <number>}`` of the last line delivered; a resumed read starts
-after it. Memory: one page of records (``batch_size`` lines) at a time. Errors: a missing folder is a
-ConfigError, an unreadable file a ConnectionFailed, a line that is not a JSON object a DataError naming
-the file and line; nothing else escapes.
+Bookmark: ``{"done": [<names of the files read to their end>], "file": <name>, "line": <number>}``:
+the files completed, and the last line delivered of the file being read. A resumed read skips the
+completed files and the delivered lines, and reads every other file, whatever its name: a file that
+appears later with a name sorting before the ones read is read too (a bookmark that kept only the
+last name would skip it). Memory: one page of records (``batch_size`` lines) at a time. Errors: a
+missing folder is a ConfigError, an unreadable file a ConnectionFailed, a line that is not a JSON
+object a DataError naming the file and line; nothing else escapes.
 """
 
 import asyncio
@@ -43,8 +46,10 @@ class JsonLinesSource(Source):
 
     def __init__(self, config: JsonLinesConfig) -> None:
         self.config = config
+        self._done: frozenset[str] = frozenset()
         self._start: tuple[str, int] | None = None
         self._reached: tuple[str, int] | None = None
+        self._completed: set[str] = set()
 
     def capabilities(self) -> SourceCapabilities:
         return SourceCapabilities(
@@ -64,14 +69,24 @@ class JsonLinesSource(Source):
         return self.dataset_uri()
 
     def bookmark(self) -> JsonValue | None:
-        return None if self._reached is None else {"file": self._reached[0], "line": self._reached[1]}
+        if self._reached is None and not self._completed:
+            return None
+        file, line = self._reached if self._reached is not None else (None, 0)
+        return {"done": sorted(self._completed), "file": file, "line": line}
 
     def apply_start_bookmark(self, bookmark: JsonValue) -> None:
-        name = bookmark.get("file") if isinstance(bookmark, dict) else None
-        line = bookmark.get("line") if isinstance(bookmark, dict) else None
-        if not isinstance(name, str) or not isinstance(line, int):
+        raw = bookmark if isinstance(bookmark, dict) else {}
+        done, name, line = raw.get("done"), raw.get("file"), raw.get("line")
+        if (
+            not isinstance(done, list)
+            or not all(isinstance(item, str) for item in done)
+            or not (name is None or isinstance(name, str))
+            or not isinstance(line, int)
+        ):
             raise ConfigError("the bookmark is not one this source emitted", where=self.dataset_uri())
-        self._start = self._reached = (name, line)
+        self._done = frozenset(str(item) for item in done)
+        self._completed = set(self._done)
+        self._start = self._reached = None if name is None else (name, line)
 
     async def check(self) -> None:
         await asyncio.to_thread(self._names)
@@ -89,12 +104,16 @@ class JsonLinesSource(Source):
             if found is None:
                 break
             name, number, record = found
+            if record is None:  # the end of a file: it is read to its end
+                self._completed.add(name)
+                self._reached = None
+                continue
             page.append(record)
             self._reached = (name, number)
             if batch_size and len(page) == batch_size:
                 yield Page(page, self.bookmark())
                 page = []
-        if page or batch_size == 0:
+        if page or batch_size == 0 or self._completed != set(self._done):
             yield Page(page, self.bookmark())
 
     def _names(self) -> list[str]:
@@ -110,10 +129,11 @@ class JsonLinesSource(Source):
             ) from None
         return sorted(name for name in names if name.endswith(self.config.suffix))
 
-    def _lines(self) -> Iterator[tuple[str, int, dict[str, Any]]]:
-        """Every line after the start bookmark as (file, line number, record), read lazily."""
+    def _lines(self) -> Iterator[tuple[str, int, dict[str, Any] | None]]:
+        """Every line after the start bookmark as (file, line number, record), read lazily; each
+        file ends with (file, 0, None)."""
         for name in self._names():
-            if self._start is not None and name < self._start[0]:
+            if name in self._done:
                 continue
             path = os.path.join(self.config.folder, name)
             try:
@@ -124,7 +144,7 @@ class JsonLinesSource(Source):
                 ) from None
             with handle:
                 for number, text in enumerate(handle, 1):
-                    if self._start is not None and (name, number) <= self._start:
+                    if self._start is not None and name == self._start[0] and number <= self._start[1]:
                         continue
                     if not text.strip():
                         continue
@@ -135,3 +155,4 @@ class JsonLinesSource(Source):
                     if not isinstance(record, dict):
                         raise DataError("the line is not a JSON object", where=f"{path}:{number}")
                     yield name, number, record
+            yield name, 0, None

@@ -4,10 +4,9 @@
    config satisfies;
 2. :func:`bounded_memory` (:mod:`.memory`): pages never exceed ``batch_size``, ``batch_size == 0`` is
    one page, and a paging source holds far less than the dataset at once;
-3. :func:`resume` (:mod:`.resume`): a run started from a bookmark replays nothing committed and skips
-   nothing;
-4. :func:`idempotent_replay` (:mod:`.replay`): replaying pages leaves an atomic-watermark or
-   keyed-upsert destination unchanged, or the honest branch (no mechanism, effectively-once refused);
+3. and 4. (resume from the bookmark, idempotent replay) are the generated scenarios of bounded
+   sources and sinks (:mod:`faucet_dagster.conformance.scenarios`), which resume from every page's
+   bookmark while the dataset changes and crash writes at every effect;
 5. :func:`capabilities` (:mod:`.capabilities`): each capability claimed works, each one denied is
    refused by the planner (planning the capabilities of the connector built from the spec under test);
 6. :func:`no_panic` (:mod:`.panic`): bad config, an unreachable endpoint, a malformed record and an
@@ -25,15 +24,11 @@ from faucet_dagster.conformance.bounded.common import (
     CAPABILITY_RULE,
     MEMORY_RULE,
     PANIC_RULE,
-    REPLAY_RULE,
-    RESUME_RULE,
     SCHEMA_RULE,
     read_all,
 )
 from faucet_dagster.conformance.bounded.memory import bounded_memory
 from faucet_dagster.conformance.bounded.panic import no_panic
-from faucet_dagster.conformance.bounded.replay import idempotent_replay
-from faucet_dagster.conformance.bounded.resume import resume
 from faucet_dagster.conformance.bounded.schema import config_schema
 from faucet_dagster.conformance.harness import QUIET
 
@@ -44,14 +39,10 @@ __all__ = [
     "MEMORY_RULE",
     "PANIC_RULE",
     "QUIET",
-    "REPLAY_RULE",
-    "RESUME_RULE",
     "SCHEMA_RULE",
     "bounded_memory",
     "capabilities",
     "config_schema",
-    "idempotent_replay",
     "no_panic",
     "read_all",
-    "resume",
 ]

@@ -28,8 +28,6 @@ from faucet_dagster.protocol import (
 
 SCHEMA_RULE = "FCP 3 config schema (check 1)"
 MEMORY_RULE = "FCP 2.2 bounded memory (check 2)"
-RESUME_RULE = "FCP 2.5 resume from the bookmark (check 3)"
-REPLAY_RULE = "FCP 3.1 idempotent replay (check 4)"
 CAPABILITY_RULE = "FCP 2.4/3.3 truthful capabilities (check 5)"
 PANIC_RULE = "FCP 2.1/4 no panic (check 6)"
 

@@ -13,6 +13,7 @@ from faucet_dagster.conformance.broken.bounded import (
     AppendingUpsertSink,
     BufferingSource,
     ChildBufferingSource,
+    CursorOnlyResumeSource,
     EmptyDiscoverySource,
     EmptyIsAnErrorSource,
     FirstConfigDedupSink,
@@ -22,9 +23,12 @@ from faucet_dagster.conformance.broken.bounded import (
     LaggingBookmarkSource,
     LeakySource,
     ModeBlindDedupSink,
+    NameOrderFilesSource,
     NativeBufferingSource,
     NoEvolutionSink,
+    OneCallTwoCommitsSink,
     OversizedPagesSource,
+    ProcessTokenSink,
     RawCaptureSource,
     RawCheckSource,
     RawShardsSource,
@@ -43,14 +47,18 @@ from faucet_dagster.conformance.broken.sinks import (
     DroppingRefusedSession,
     EagerCloseSession,
     FinishTheBatchSession,
+    FirstWinsUpsertSession,
+    FoldedNamesSession,
     LateCommitSession,
     LenientSession,
+    MisroutedResourceSession,
+    OneWatermarkSession,
     RebeginSession,
     StaleWatermarkSession,
+    StreamBlindSession,
+    StreamBlindSink,
     SwallowingSession,
     TokenIdentitySession,
-    WrappedSinkSession,
-    WrappedStreamingSink,
     streaming_sink,
 )
 from faucet_dagster.conformance.broken.streams import (
@@ -62,6 +70,7 @@ from faucet_dagster.conformance.broken.streams import (
     DroppingSession,
     ForwardingSink,
     ImpatientSession,
+    IncarnationBlindSource,
     LateRowSession,
     LatestWhenUnavailableSource,
     LeaseIdentitySession,
@@ -74,10 +83,14 @@ from faucet_dagster.conformance.broken.streams import (
     SpeculativeSession,
     UnaskingSession,
     WorkerIdentitySession,
-    WrappedSession,
-    WrappedSource,
     slot_position_source,
     stream_source,
+)
+from faucet_dagster.conformance.seams import (
+    WrappedSession,
+    WrappedSinkSession,
+    WrappedSource,
+    WrappedStreamingSink,
 )
 
 
@@ -85,6 +98,7 @@ def reset() -> None:
     """Forget what broken connectors remembered across instances (before each self-test case)."""
     FirstConfigDedupSink.answer = None
     StaleWatermarkSession.cached.clear()
+    ProcessTokenSink.tokens.clear()
 
 
 __all__ = [
@@ -96,6 +110,7 @@ __all__ = [
     "CancelIsAnErrorSession",
     "ChildBufferingSource",
     "ConfidentCloseSession",
+    "CursorOnlyResumeSource",
     "CutTransactionSession",
     "DeafSession",
     "DroppingRefusedSession",
@@ -106,10 +121,13 @@ __all__ = [
     "FilesSource",
     "FinishTheBatchSession",
     "FirstConfigDedupSink",
+    "FirstWinsUpsertSession",
+    "FoldedNamesSession",
     "ForgetfulSource",
     "ForwardingSink",
     "HangingSource",
     "ImpatientSession",
+    "IncarnationBlindSource",
     "InvalidSchemaSource",
     "LaggingBookmarkSource",
     "LateCommitSession",
@@ -120,11 +138,16 @@ __all__ = [
     "LenientSession",
     "LimitCutSession",
     "LoopBlockingSession",
+    "MisroutedResourceSession",
     "ModeBlindDedupSink",
+    "NameOrderFilesSource",
     "NativeBufferingSource",
     "NoEvolutionSink",
+    "OneCallTwoCommitsSink",
+    "OneWatermarkSession",
     "OverreachingSession",
     "OversizedPagesSource",
+    "ProcessTokenSink",
     "RawCaptureSource",
     "RawCheckSource",
     "RawShardsSource",
@@ -135,6 +158,8 @@ __all__ = [
     "SlotPositionSource",
     "SpeculativeSession",
     "StaleWatermarkSession",
+    "StreamBlindSession",
+    "StreamBlindSink",
     "StrictConfig",
     "SwallowingSession",
     "TokenBlindSink",

@@ -5,11 +5,12 @@ import ctypes
 import glob
 import os
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
-from faucet_files.config import FilesSourceConfig
+from faucet_files import FilesSourceConfig
 from faucet_files.source import FilesSource
+from faucet_postgres.source import PostgresSource
 from faucet_sql.sink import SqlSink
 from pydantic import model_validator
 
@@ -137,6 +138,37 @@ class LaggingBookmarkSource(FilesSource):
             previous = page.bookmark
 
 
+class NameOrderFilesSource(FilesSource):
+    """File-order resumes: resumes after the last file it completed *by name* (files sort by date,
+    the author assumed): on resume, every matched file whose name sorts before the greatest completed
+    one counts as completed too, so a file that appears later with such a name is never read."""
+
+    def apply_start_bookmark(self, bookmark: JsonValue) -> None:
+        completed = bookmark.get("completed") if isinstance(bookmark, dict) else None
+        if isinstance(bookmark, dict) and isinstance(completed, dict) and completed:
+            done = max(completed)
+            assumed: dict[str, JsonValue] = dict(completed)
+            for pattern in self.config.paths:
+                for name in glob.glob(os.path.expanduser(pattern), recursive=True):
+                    if name < done and name not in assumed and os.path.isfile(name):
+                        stat = os.stat(name)
+                        assumed[name] = [stat.st_size, stat.st_mtime_ns]
+            bookmark = {**bookmark, "completed": assumed}
+        super().apply_start_bookmark(bookmark)
+
+
+class CursorOnlyResumeSource(PostgresSource):
+    """Cursor resumes: resumes after the last *cursor value* read (``WHERE cursor > last``), not
+    after the last ``(cursor, key)`` position: rows sharing that cursor value that a page boundary
+    left for the next page are skipped."""
+
+    def start_after(self, order: tuple[str, ...]) -> tuple[Any, ...] | None:
+        values = super().start_after(order)
+        if values is None or not self.order_of(()):  # order_of(()) is (cursor,) when one is configured
+            return values
+        return (values[0], *(2**62 for _ in values[1:]))
+
+
 class EmptyDiscoverySource(FilesSource):
     """Check 5: claims ``discover`` but finds nothing."""
 
@@ -247,6 +279,52 @@ class TwoTransactionSink(SqlSink):
         written = await self.write_batch(records)
         await super().write_batch_idempotent(records.slice(0, 0), token, bookmark)
         return written
+
+
+class OneCallTwoCommitsSink(SqlSink):
+    """Two commits inside one synchronous call: its idempotent write is one blocking call run in a
+    worker thread (a client library's "write with token" helper: its caller's event loop never waits
+    between its statements), committing the rows in one transaction and the token in a second, so
+    only a crash between two synchronous calls (not at an await of the caller) splits them."""
+
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        return await asyncio.to_thread(asyncio.run, self._rows_then_token(records, token))
+
+    async def _rows_then_token(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        stored = await self.last_committed_token()
+        if stored is not None and token.sequence <= stored.sequence:
+            return 0
+        written = await self.write_batch(records)  # the rows, committed
+        await super().write_batch_idempotent(records.slice(0, 0), token)  # the token, after them
+        return written
+
+
+class ProcessTokenSink(SqlSink):
+    """Tokens across processes: keeps the commit token in a process-wide table and writes it to the
+    destination only when the sink closes ("state is saved at shutdown"); in one process, and across
+    sinks of one process, the token looks durable."""
+
+    tokens: ClassVar[dict[str, CommitToken]] = {}
+
+    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+        stored = await self.last_committed_token()
+        if stored is not None and token.sequence <= stored.sequence:
+            return 0
+        written = await self.write_batch(records)
+        ProcessTokenSink.tokens[self.config.watermark_scope()] = token
+        self._schema = records.schema
+        return written
+
+    async def last_committed_token(self) -> CommitToken | None:
+        remembered = ProcessTokenSink.tokens.get(self.config.watermark_scope())
+        return remembered if remembered is not None else await super().last_committed_token()
+
+    async def close(self) -> None:
+        token = ProcessTokenSink.tokens.get(self.config.watermark_scope())
+        schema = getattr(self, "_schema", None)
+        if token is not None and schema is not None:
+            await super().write_batch_idempotent(pa.RecordBatch.from_pylist([], schema=schema), token)
+        await super().close()
 
 
 class AppendingUpsertSink(SqlSink):

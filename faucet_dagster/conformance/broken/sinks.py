@@ -1,25 +1,27 @@
 """Broken streaming sinks: sessions wrapping a shipped sink's, each breaking one rule."""
 
 import asyncio
+import functools
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.conformance.broken.common import _next_open, wrapping
+from faucet_dagster.conformance.seams import WrappedSinkSession, WrappedStreamingSink, wrap_sessions
 from faucet_dagster.protocol import (
     ConnectorSpec,
     Coverage,
+    DomainCoverage,
     EpochId,
     FaucetError,
     Identities,
+    OrderingDomain,
     Receipt,
     Role,
     SinkBatch,
-    SinkCapabilities,
     SinkCommitState,
-    StreamingSink,
     StreamingSinkSession,
     UncertainOutcome,
     WorkerIdentity,
@@ -27,65 +29,6 @@ from faucet_dagster.protocol import (
 )
 
 # -- streaming sinks ----------------------------------------------------------------------------------
-
-
-class WrappedSinkSession(StreamingSinkSession):
-    """A sink session forwarding everything to the real one; subclasses break one method."""
-
-    def __init__(self, inner: StreamingSinkSession, opened: int, worker: WorkerIdentity) -> None:
-        self.inner = inner
-        self.opened = opened
-        self.worker = worker
-        self.active: EpochId | None = None
-        self.background: list[asyncio.Task[Any]] = []
-
-    async def last_committed(self) -> SinkCommitState | None:
-        return await self.inner.last_committed()
-
-    async def begin_epoch(self, epoch: EpochId) -> None:
-        await self.inner.begin_epoch(epoch)
-        self.active = epoch
-
-    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
-        await self.inner.apply(epoch, batch)
-
-    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
-        receipts = await self.inner.commit_epoch(epoch, coverage)
-        self.active = None
-        return receipts
-
-    async def abort_epoch(self, epoch: EpochId) -> None:
-        await self.inner.abort_epoch(epoch)
-        self.active = None
-
-    async def close_session(self) -> None:
-        await self.inner.close_session()
-
-
-class WrappedStreamingSink(StreamingSink):
-    """A streaming sink whose sessions are wrapped in ``session_type``; ``claims`` overrides
-    capability fields."""
-
-    def __init__(
-        self,
-        inner: StreamingSink,
-        session_type: type[WrappedSinkSession],
-        claims: dict[str, Any] | None = None,
-    ) -> None:
-        self.inner = inner
-        self.session_type = session_type
-        self.claims = claims or {}
-        self.connector_name = inner.connector_name
-
-    def capabilities(self) -> SinkCapabilities:
-        from dataclasses import replace
-
-        return replace(self.inner.capabilities(), **self.claims)
-
-    async def open(
-        self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
-    ) -> StreamingSinkSession:
-        return self.session_type(await self.inner.open(stream, policy, key, worker), _next_open(), worker)
 
 
 class SwallowingSession(WrappedSinkSession):
@@ -221,10 +164,15 @@ class FinishTheBatchSession(WrappedSinkSession):
 
 
 class AttemptIdentitySession(WrappedSinkSession):
-    """Replay: gives each row an identity made from the session (the attempt), not the source."""
+    """Replay: gives each row an identity made from the session (the attempt's run id), not the
+    source."""
 
     def ordinal(self) -> int:
-        return self.opened
+        return self.attempt
+
+    @functools.cached_property
+    def attempt(self) -> int:
+        return uuid.uuid4().int % 1_000_000
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         renumbered = Identities(batch.identities.positions, [self.ordinal()] * len(batch.identities))
@@ -240,6 +188,125 @@ class TokenIdentitySession(AttemptIdentitySession):
         return self.worker.fencing_token
 
 
+# -- the dimensions the generated scenarios explore ----------------------------------------------
+
+
+class StreamBlindSink(WrappedStreamingSink):
+    """Several streams: keeps its state (owner fence, last epoch, watermarks) per destination, not
+    per stream: every stream is opened under one name, as if one stream wrote the destination."""
+
+    def destination_stream(self, stream: str) -> str:
+        return StreamBlindSession.stream
+
+    async def open(
+        self, stream: str, policy: WritePolicy, key: Sequence[str], worker: WorkerIdentity
+    ) -> StreamingSinkSession:
+        session = await super().open(stream, policy, key, worker)
+        if isinstance(session, StreamBlindSession):
+            session.caller = stream
+        return session
+
+
+class StreamBlindSession(WrappedSinkSession):
+    """The session of :class:`StreamBlindSink`: epochs renamed to the one stream, and back."""
+
+    stream = "faucet"
+    caller = "faucet"
+
+    def _renamed(self, epoch: EpochId) -> EpochId:
+        return EpochId(self.stream, epoch.sequence, epoch.fencing_token)
+
+    async def last_committed(self) -> SinkCommitState | None:
+        state = await self.inner.last_committed()
+        if state is None:
+            return None
+        return SinkCommitState(
+            EpochId(self.caller, state.epoch.sequence, state.epoch.fencing_token), state.watermarks
+        )
+
+    async def begin_epoch(self, epoch: EpochId) -> None:
+        await super().begin_epoch(self._renamed(epoch))
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        renamed = self._renamed(epoch)
+        await self.inner.apply(
+            renamed, SinkBatch(renamed, batch.resource, batch.domain, batch.records, batch.identities)
+        )
+
+    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
+        return await super().commit_epoch(self._renamed(epoch), coverage)
+
+    async def abort_epoch(self, epoch: EpochId) -> None:
+        await super().abort_epoch(self._renamed(epoch))
+
+
+class OneWatermarkSession(WrappedSinkSession):
+    """Several domains: keeps one watermark per resource, the highest position of any of its domains
+    (the partition left out of the watermark's key), so a domain behind another looks replayed."""
+
+    @staticmethod
+    def _merged(domain: OrderingDomain) -> OrderingDomain:
+        return OrderingDomain(domain.source, domain.resource, "0", domain.incarnation, domain.codec)
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        merged = SinkBatch(
+            batch.epoch, batch.resource, self._merged(batch.domain), batch.records, batch.identities
+        )
+        await self.inner.apply(epoch, merged)
+
+    async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
+        ends: dict[OrderingDomain, DomainCoverage] = {}
+        for item in coverage.domains:
+            domain = self._merged(item.domain)
+            held = ends.get(domain)
+            if held is None or int(item.end) > int(held.end):
+                ends[domain] = DomainCoverage(domain, item.start, item.end)
+        return await super().commit_epoch(epoch, Coverage(tuple(ends.values())))
+
+
+class MisroutedResourceSession(WrappedSinkSession):
+    """Several resources: writes every batch to the first resource the session saw (the resource
+    taken from the session's first batch, not from each batch)."""
+
+    first: str | None = None
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        self.first = self.first or batch.resource
+        moved = SinkBatch(batch.epoch, self.first, batch.domain, batch.records, batch.identities)
+        await self.inner.apply(epoch, moved)
+
+
+class FirstWinsUpsertSession(WrappedSinkSession):
+    """Continuous upsert: of the rows of one key in a batch, keeps the first (a ``DISTINCT ON``
+    without the batch's order), so a key inserted and updated in one epoch keeps its old value."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        if self.policy is not WritePolicy.UPSERT:
+            await self.inner.apply(epoch, batch)
+            return
+        seen: set[object] = set()
+        keep: list[int] = []
+        for index, key in enumerate(batch.records.column("id").to_pylist()):
+            if key not in seen:
+                seen.add(key)
+                keep.append(index)
+        positions = [batch.identities.positions[index] for index in keep]
+        records = batch.records.take(pa.array(keep, pa.int64()))
+        await self.inner.apply(
+            epoch, SinkBatch(batch.epoch, batch.resource, batch.domain, records, Identities(positions))
+        )
+
+
+class FoldedNamesSession(WrappedSinkSession):
+    """Hostile identifiers: folds resource and column names to lower case, as SQL does with names it
+    does not quote (``MixedCase`` lands in ``mixedcase``, where a reader of ``MixedCase`` finds nothing)."""
+
+    async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
+        records = batch.records.rename_columns([name.lower() for name in batch.records.schema.names])
+        folded = SinkBatch(batch.epoch, batch.resource.lower(), batch.domain, records, batch.identities)
+        await self.inner.apply(epoch, folded)
+
+
 _KEEP: list[asyncio.Task[Any]] = []
 """Background tasks of the broken sessions, kept referenced until their loop ends."""
 
@@ -247,6 +314,4 @@ _KEEP: list[asyncio.Task[Any]] = []
 def streaming_sink(
     name: str, session_type: type[WrappedSinkSession], claims: dict[str, Any] | None = None
 ) -> ConnectorSpec:
-    return wrapping(
-        name, Role.STREAMING_SINK, lambda inner: WrappedStreamingSink(inner, session_type, claims)
-    )
+    return wrap_sessions(name, Role.STREAMING_SINK, session_type, claims)

@@ -1,7 +1,9 @@
 """Broken stream sources: sessions wrapping a shipped source's, each breaking one rule."""
 
 import asyncio
+import functools
 import time
+import uuid
 import zlib
 from collections.abc import Sequence
 from typing import Any, cast
@@ -9,7 +11,13 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from faucet_dagster.conformance.broken.common import _next_open, spec_with, wrapping
+from faucet_dagster.conformance.seams import (
+    WrappedSession,
+    WrappedSource,
+    real_role,
+    spec_with,
+    wrap_sessions,
+)
 from faucet_dagster.protocol import (
     Authority,
     CancelToken,
@@ -19,75 +27,25 @@ from faucet_dagster.protocol import (
     Coverage,
     DomainCoverage,
     Identities,
+    IncarnationChanged,
     Membership,
     OrderingDomain,
     Position,
-    PositionCodec,
     PositionUnavailable,
     ProgressBoundary,
     ReadLimits,
     Records,
     RejectedRecord,
     Role,
-    SourceCapabilities,
     StreamRecordSink,
     StreamSession,
     StreamSource,
     TransactionBegin,
     TransactionEnd,
     WorkerIdentity,
-    get_connector,
 )
 
 # -- stream sources -----------------------------------------------------------------------------------
-
-
-class WrappedSession(StreamSession):
-    """A session forwarding everything to the real one; subclasses break one method. ``worker`` is
-    the identity the session was opened with."""
-
-    def __init__(self, inner: StreamSession, opened: int, worker: WorkerIdentity) -> None:
-        self.inner = inner
-        self.opened = opened
-        self.worker = worker
-
-    async def read(self, sink: StreamRecordSink, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-        return await self.inner.read(sink, limits, cancel)
-
-    async def acknowledge(self, coverage: Coverage, authority: Authority) -> None:
-        await self.inner.acknowledge(coverage, authority)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def exhausted(self) -> bool:
-        return self.inner.exhausted
-
-
-class WrappedSource(StreamSource):
-    """A stream source whose sessions are wrapped in ``session_type`` (counting opens from 1)."""
-
-    def __init__(self, inner: StreamSource, session_type: type[WrappedSession]) -> None:
-        self.inner = inner
-        self.session_type = session_type
-        self.connector_name = inner.connector_name
-
-    def capabilities(self) -> SourceCapabilities:
-        return self.inner.capabilities()
-
-    def codecs(self) -> Sequence[PositionCodec[Any]]:
-        return self.inner.codecs()
-
-    async def open(
-        self,
-        resources: Sequence[str],
-        resume_positions: Sequence[Position],
-        membership: Membership,
-        worker: WorkerIdentity,
-    ) -> StreamSession:
-        inner = await self.inner.open(resources, resume_positions, membership, worker)
-        return self.session_type(inner, _next_open(), worker)
 
 
 class LatestWhenUnavailableSource(WrappedSource):
@@ -104,10 +62,15 @@ class LatestWhenUnavailableSource(WrappedSource):
         try:
             return await super().open(resources, resume_positions, membership, worker)
         except PositionUnavailable:
-            return await super().open(resources, (), membership, worker)
+            latest = await self.latest_available(resume_positions)
+            return await super().open(resources, latest, membership, worker)
+
+    async def latest_available(self, unavailable: Sequence[Position]) -> Sequence[Position]:
+        """Where to read instead of ``unavailable``: from the start of what the provider keeps."""
+        return ()
 
 
-class SlotPositionSource(WrappedSource):
+class SlotPositionSource(LatestWhenUnavailableSource):
     """Unavailable position (PostgreSQL CDC): when the slot was moved past the certified position,
     resumes where the slot now is (its ``confirmed_flush_lsn``: the "latest available" of a slot)."""
 
@@ -115,6 +78,29 @@ class SlotPositionSource(WrappedSource):
         super().__init__(inner, WrappedSession)
         self.url = url
         self.slot = slot
+
+    async def latest_available(self, unavailable: Sequence[Position]) -> Sequence[Position]:
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(self.url) as conn:
+            cursor = await conn.execute(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                (self.slot,),
+            )
+            row = await cursor.fetchone()
+        assert row is not None
+        codecs = {codec.name: codec for codec in self.codecs()}
+        moved = []
+        for position in unavailable:
+            codec = codecs[position.domain.codec]
+            moved.append(Position(position.domain, codec.canonicalize(codec.validate(row[0]) - 1)))
+        return moved
+
+
+class IncarnationBlindSource(WrappedSource):
+    """Re-creation: when the stream was deleted and created again, it keeps the certified sequence
+    numbers and reads on from them in the new incarnation (it finds the new incarnation by peeking at
+    the first message), so the new stream's first messages are skipped."""
 
     async def open(
         self,
@@ -125,29 +111,48 @@ class SlotPositionSource(WrappedSource):
     ) -> StreamSession:
         try:
             return await super().open(resources, resume_positions, membership, worker)
-        except PositionUnavailable:
-            import psycopg
-            from faucet_postgres.cdc_server import CODEC
+        except IncarnationChanged:
+            pass
+        peek = _DomainPeek()
+        probe = await self.inner.open(resources, (), membership, worker)
+        try:
+            await probe.read(peek, ReadLimits(records=1, bytes=None, idle=0.5, age=None), peek.stop)
+        finally:
+            await probe.close()
+        if peek.domain is None:
+            return await super().open(resources, (), membership, worker)
+        moved = [
+            Position(peek.domain, p.value)
+            for p in resume_positions
+            if p.domain.lineage == peek.domain.lineage
+        ]
+        return await super().open(resources, moved, membership, worker)
 
-            async with await psycopg.AsyncConnection.connect(self.url) as conn:
-                cursor = await conn.execute(
-                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                    (self.slot,),
-                )
-                row = await cursor.fetchone()
-            assert row is not None
-            now = CODEC.canonicalize(CODEC.validate(row[0]) - 1)
-            moved = [Position(position.domain, now) for position in resume_positions]
-            return await super().open(resources, moved, membership, worker)
+
+class _DomainPeek(StreamRecordSink):
+    """Takes the domain of the first row written and stops the read (writes nothing anywhere)."""
+
+    def __init__(self) -> None:
+        self.domain: OrderingDomain | None = None
+        self.stop = CancelToken()
+
+    async def write(
+        self, domain: OrderingDomain, rows: Records, identities: Identities, *, resource: str | None = None
+    ) -> None:
+        self.domain = self.domain or domain
+        self.stop.cancel()
+
+    async def control(self, control: Control) -> None:
+        return None
+
+
+def _slot_position_source(config: Any) -> SlotPositionSource:
+    real = real_role("postgres", Role.STREAM_SOURCE)
+    return SlotPositionSource(cast(StreamSource, real.factory(config)), config.url, config.slot)
 
 
 def slot_position_source() -> ConnectorSpec:
-    real = get_connector("postgres").roles[Role.STREAM_SOURCE]
-    return spec_with(
-        "postgres",
-        Role.STREAM_SOURCE,
-        lambda config: SlotPositionSource(cast(StreamSource, real.factory(config)), config.url, config.slot),
-    )
+    return spec_with("postgres", Role.STREAM_SOURCE, _slot_position_source)
 
 
 class ForwardingSink(StreamRecordSink):
@@ -450,10 +455,15 @@ class RenumberingSession(WrappedSession):
 
 
 class ReidentifyingSession(RenumberingSession):
-    """Replay: numbers its events by the session (an attempt), not by the source position alone."""
+    """Replay: numbers its events by the session (the attempt's run id), not by the source position
+    alone."""
 
     def ordinals(self, identities: Identities) -> list[int]:
-        return [self.opened] * len(identities)
+        return [self.attempt] * len(identities)
+
+    @functools.cached_property
+    def attempt(self) -> int:
+        return uuid.uuid4().int % 1_000_000
 
 
 class WorkerIdentitySession(RenumberingSession):
@@ -473,4 +483,4 @@ class LeaseIdentitySession(RenumberingSession):
 
 
 def stream_source(name: str, session_type: type[WrappedSession]) -> ConnectorSpec:
-    return wrapping(name, Role.STREAM_SOURCE, lambda inner: WrappedSource(inner, session_type))
+    return wrap_sessions(name, Role.STREAM_SOURCE, session_type)

@@ -13,16 +13,10 @@ T = TypeVar("T")
 
 SLOW_RULE = "stream 2 backpressure: a slow sink loses and duplicates nothing"
 CANCEL_RULE = "stream 3 cancellation is an interruption"
-TRANSACTION_RULE = "stream 3 no coverage inside an open transaction"
-OWNERSHIP_RULE = "stream 5 authority() before every acknowledgement"
-SPECULATIVE_RULE = "stream 5 only certified work is acknowledged, and only in acknowledge()"
-UNAVAILABLE_RULE = "stream 1 an unavailable resume position is refused, never replaced by the latest"
-UNWRITTEN_RULE = "stream 3 a position whose rows were not written is never certified"
 FAILED_WRITE_RULE = "stream 6 failed sink writes are never reported as committed"
 UNCERTAIN_RULE = "stream 7 an uncertain commit is resolved or reported, never lost"
 LIFECYCLE_RULE = "stream 6 epoch lifecycle order"
 SHUTDOWN_RULE = "stream 7 honest shutdown"
-REPLAY_RULE = "stream 8 replay after the destination commit, before the certificate"
 
 ENDLESS = ReadLimits(records=None, bytes=None, idle=None, age=None)
 """A read that only cancellation (or the source's own end) stops."""

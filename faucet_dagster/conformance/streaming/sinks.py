@@ -146,7 +146,10 @@ async def uncertain_commit(subject: Subject) -> Outcome:
                 f"after a commit given up at {delay * 1000:.1f} ms and replayed, the destination holds "
                 f"{len(replayed)} rows of the epoch's {len(rows)}",
             )
-        if finished or points >= 12:
+        # A commit that finished is the last point, but never the first: a sink that answers
+        # last_committed() from what it read once (a lagging replica) is wrong only after a
+        # later commit, and a fast commit (a loaded machine's scheduling) can finish at 0 ms.
+        if (finished and points >= 2) or points >= 12:
             break
         delay = 0.0005 if delay == 0 else delay * 2
     return Outcome.passed(

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Sequence
 
 from faucet_dagster.conformance.setup import Row, SourceSetup
@@ -53,6 +54,21 @@ def kafka_source(kafka_bootstrap: str, unique_name: Callable[..., str]) -> Sourc
     async def acknowledged() -> str:
         return await asyncio.to_thread(committed)
 
+    def replace_topic() -> None:
+        from confluent_kafka import KafkaException
+
+        admin.delete_topics([topic])[topic].result(timeout=30)
+        for _ in range(300):  # deletion is asynchronous: create again once the name is free
+            try:
+                admin.create_topics([NewTopic(topic, KAFKA_PARTITIONS, 1)])[topic].result(timeout=30)
+                return
+            except KafkaException:
+                time.sleep(0.1)
+        raise TimeoutError(f"topic {topic} could not be created again")
+
+    async def recreate() -> None:
+        await asyncio.to_thread(replace_topic)
+
     config = {
         "bootstrap_servers": kafka_bootstrap,
         "topics": [topic],
@@ -70,4 +86,6 @@ def kafka_source(kafka_bootstrap: str, unique_name: Callable[..., str]) -> Sourc
         unreachable={**config, "bootstrap_servers": f"127.0.0.1:{closed_port()}", "request_timeout": 2},
         add_malformed=add_malformed,
         acknowledged=acknowledged,
+        recreate=recreate,
+        domain_of=lambda row: str(int(row["id"]) % KAFKA_PARTITIONS),
     )

@@ -14,6 +14,7 @@ from faucet_dagster.conformance.targets._common import (
     unreachable_url,
     with_mode,
 )
+from faucet_dagster.protocol import WritePolicy
 
 
 def files_source(tmp_path: Path) -> SourceSetup:
@@ -37,6 +38,15 @@ def files_source(tmp_path: Path) -> SourceSetup:
     async def add_malformed() -> None:
         await asyncio.to_thread(write, "part-99999.csv", [("not-a-number", "bad")])
 
+    before = [0]
+
+    async def add_rows_before(rows: Sequence[Row]) -> None:
+        # "part-0-..." sorts before "part-00000.csv", each one before the last.
+        before[0] += 1
+        await asyncio.to_thread(
+            write, f"part-0-{99_999 - before[0]:05d}.csv", [(row["id"], row["name"]) for row in rows]
+        )
+
     config = {
         "paths": [str(folder / "part-*.csv")],
         "column_types": {"id": "int64", "name": "string"},
@@ -48,6 +58,7 @@ def files_source(tmp_path: Path) -> SourceSetup:
         add_rows,
         unreachable={**config, "paths": [str(tmp_path / "missing" / "*.csv")]},
         add_malformed=add_malformed,
+        add_rows_before=add_rows_before,
     )
 
 
@@ -61,22 +72,48 @@ def _sqlite(path: Path, *statements: str, rows: Sequence[Sequence[object]] = ())
         return found
 
 
+def _sqlite_rows(path: Path, table: str) -> list[dict[str, Any]]:
+    """Every row and column of ``table`` (any spelling: quoted), none when it does not exist."""
+    with sqlite3.connect(path) as conn:
+        conn.row_factory = sqlite3.Row
+        if not conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+        ).fetchall():
+            return []
+        quoted = '"' + table.replace('"', '""') + '"'
+        return [dict(row) for row in conn.execute(f"SELECT * FROM {quoted}")]
+
+
 def sql_source(tmp_path: Path) -> SourceSetup:
-    """A SQLite table ``items`` read in primary-key order."""
+    """A SQLite table ``items`` read in primary-key order, or by its cursor column ``updated``."""
     path = tmp_path / "source.db"
-    _sqlite(path, "CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT)")
+    _sqlite(path, "CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT, updated INTEGER)")
+    tick = [0]
 
     async def add_rows(rows: Sequence[Row]) -> None:
-        values = [(row["id"], row["name"]) for row in rows]
-        await asyncio.to_thread(_sqlite, path, "INSERT INTO items VALUES (?, ?)", rows=values)
+        tick[0] += 1
+        values = [(row["id"], row["name"], tick[0]) for row in rows]
+        await asyncio.to_thread(_sqlite, path, "INSERT INTO items VALUES (?, ?, ?)", rows=values)
+
+    async def update_rows(rows: Sequence[Row]) -> None:
+        tick[0] += 1
+        values = [(row["name"], tick[0], row["id"]) for row in rows]
+        await asyncio.to_thread(
+            _sqlite, path, "UPDATE items SET name = ?, updated = ? WHERE id = ?", rows=values
+        )
 
     async def add_malformed() -> None:
         # SQLite keeps a BLOB in a TEXT column as it is: invalid UTF-8 has no Arrow string form.
-        await asyncio.to_thread(_sqlite, path, "INSERT INTO items VALUES (999999, X'FFFE')")
+        await asyncio.to_thread(_sqlite, path, "INSERT INTO items VALUES (999999, X'FFFE', 0)")
 
     config = {"url": f"sqlite:///{path}", "table": "items"}
     return SourceSetup(
-        config, add_rows, unreachable={**config, "url": unreachable_url()}, add_malformed=add_malformed
+        config,
+        add_rows,
+        unreachable={**config, "url": unreachable_url()},
+        add_malformed=add_malformed,
+        cursor_config={**config, "cursor": "updated"},
+        update_rows=update_rows,
     )
 
 
@@ -97,9 +134,18 @@ def sql_sink(tmp_path: Path) -> SinkSetup:
         return read_back
 
     url = f"sqlite:///{path}"
+
+    async def read_resource(table: str) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(_sqlite_rows, path, table)
+
+    def write_to(table: str, policy: WritePolicy, key: tuple[str, ...]) -> dict[str, Any]:
+        return {"url": url, "table": table, "mode": policy.value, "key": list(key)}
+
     return SinkSetup(
         {"url": url, "table": "items", "mode": "append"},
         reader("items"),
+        read_resource=read_resource,
+        write_to=write_to,
         keyed_config={"url": url, "table": "items_keyed", "mode": "upsert", "key": ["id"]},
         read_keyed=reader("items_keyed"),
         refused_rows=refused_rows(),

@@ -89,6 +89,10 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
 
         await _nats(nats_url, delete)
 
+    async def recreate() -> None:
+        await cleanup()
+        await _nats(nats_url, create)
+
     config = {
         "servers": [nats_url],
         "stream": stream,
@@ -107,6 +111,7 @@ def nats_source(nats_url: str, unique_name: Callable[..., str]) -> SourceSetup:
         cleanup=cleanup,
         redelivered=redelivered,
         make_unavailable=purge,
+        recreate=recreate,
     )
 
 

@@ -6,7 +6,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
-from faucet_dagster.conformance.setup import Row, SinkSetup, SourceSetup
+from faucet_dagster.conformance.setup import ReadBlocked, Row, SinkSetup, SourceSetup
 from faucet_dagster.conformance.targets._common import (
     NAME_LIMIT,
     refused_rows,
@@ -14,6 +14,7 @@ from faucet_dagster.conformance.targets._common import (
     unreachable_url,
     with_mode,
 )
+from faucet_dagster.protocol import WritePolicy
 
 
 async def _pg(url: str, *statements: str, rows: Sequence[Sequence[object]] = ()) -> list[tuple[Any, ...]]:
@@ -44,20 +45,51 @@ def _pg_reader(url: str, table: str) -> Callable[[], Coroutine[Any, Any, list[di
     return read_back
 
 
+async def _pg_table(url: str, table: str) -> list[dict[str, Any]]:
+    """Every row and column of ``public.<table>`` (an identifier of any spelling), none when missing."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.rows import dict_row
+
+    name = sql.Identifier("public", table)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = conn.cursor(row_factory=dict_row)
+        await cursor.execute("SET lock_timeout = '200ms'")
+        await cursor.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (name.as_string(conn),))
+        found = await cursor.fetchone()
+        if not found or not found["present"]:
+            return []
+        try:
+            await cursor.execute(sql.SQL("SELECT * FROM {}").format(name))
+        except psycopg.errors.LockNotAvailable as exc:
+            raise ReadBlocked(f"table {table!r} is locked: {exc}") from None
+        return [dict(row) for row in await cursor.fetchall()]
+
+
 def _pg_unreachable(table: str) -> dict[str, Any]:
     return {"url": unreachable_url(), "table": table, "connect_timeout": 2}
 
 
 def postgres_source(postgres_url: str) -> SourceSetup:
-    """A table ``items`` (id bigint primary key, name text, score numeric(10, 2)) in a fresh database."""
+    """A table ``items`` (id bigint primary key, name text, score numeric(10, 2), updated bigint) in a
+    fresh database, read in key order, or by the cursor ``updated``."""
     run_setup(
         lambda: _pg(
-            postgres_url, "CREATE TABLE items (id bigint PRIMARY KEY, name text, score numeric(10, 2))"
+            postgres_url,
+            "CREATE TABLE items (id bigint PRIMARY KEY, name text, score numeric(10, 2), updated bigint)",
         )
     )
+    tick = [0]
 
     async def add_rows(rows: Sequence[Row]) -> None:
-        await _pg(postgres_url, "INSERT INTO items (id, name) VALUES (%s, %s)", rows=_pg_rows(rows))
+        tick[0] += 1
+        values = [(*pair, tick[0]) for pair in _pg_rows(rows)]
+        await _pg(postgres_url, "INSERT INTO items (id, name, updated) VALUES (%s, %s, %s)", rows=values)
+
+    async def update_rows(rows: Sequence[Row]) -> None:
+        tick[0] += 1
+        values = [(row["name"], tick[0], row["id"]) for row in rows]
+        await _pg(postgres_url, "UPDATE items SET name = %s, updated = %s WHERE id = %s", rows=values)
 
     async def add_malformed() -> None:
         # numeric NaN has no decimal128 form.
@@ -69,6 +101,8 @@ def postgres_source(postgres_url: str) -> SourceSetup:
         add_rows,
         unreachable=_pg_unreachable("items"),
         add_malformed=add_malformed,
+        cursor_config={**config, "cursor": "updated"},
+        update_rows=update_rows,
     )
 
 
@@ -77,9 +111,15 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
     run_setup(
         lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))")
     )
+
+    def write_to(table: str, policy: WritePolicy, key: tuple[str, ...]) -> dict[str, Any]:
+        return {"url": postgres_url, "table": table, "mode": policy.value, "key": list(key)}
+
     return SinkSetup(
         {"url": postgres_url, "table": "items", "mode": "append"},
         _pg_reader(postgres_url, "items"),
+        read_resource=lambda table: _pg_table(postgres_url, table),
+        write_to=write_to,
         keyed_config={"url": postgres_url, "table": "items_keyed", "mode": "upsert", "key": ["id"]},
         read_keyed=_pg_reader(postgres_url, "items_keyed"),
         refused_rows=refused_rows(),
@@ -89,15 +129,17 @@ def postgres_sink(postgres_url: str) -> SinkSetup:
 
 
 def postgres_streaming_sink(postgres_url: str) -> SinkSetup:
-    """Epochs into ``items`` (name at most 40 characters), one transaction each; ``stall`` stops the
-    server processes of the database's open connections (a local server only)."""
+    """Epochs into a table per resource (``items``: name at most 40 characters), one transaction
+    each, with schema evolution and ``version`` as the version column; ``stall`` stops the server
+    processes of the database's open connections (a local server only)."""
     run_setup(
         lambda: _pg(postgres_url, f"CREATE TABLE items (id bigint NOT NULL, name varchar({NAME_LIMIT}))")
     )
     unreachable = _pg_unreachable("items")
     return SinkSetup(
-        {"url": postgres_url, "table": "items"},
+        {"url": postgres_url, "schema_evolution": True, "version_column": "version"},
         _pg_reader(postgres_url, "items"),
+        read_resource=lambda resource: _pg_table(postgres_url, resource),
         refused_rows=refused_rows(),
         unreachable=unreachable,
         stall=(lambda: _pg_stalled(postgres_url)) if _is_local(postgres_url) else None,
@@ -139,8 +181,8 @@ def _process_name(pid: int) -> str:
 
 def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> SourceSetup:
     """Changes of ``public.items`` from a fresh slot; each ``add_rows`` is one source transaction."""
+    from faucet_postgres import PostgresCdcConfig
     from faucet_postgres.cdc import setup_replication
-    from faucet_postgres.cdc_config import PostgresCdcConfig
 
     slot = unique_name("slot")
     config = {
@@ -161,6 +203,16 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
 
     async def add_rows(rows: Sequence[Row]) -> None:
         await _pg(postgres_url, "INSERT INTO items (id, name) VALUES (%s, %s)", rows=_pg_rows(rows))
+
+    async def update_rows(rows: Sequence[Row]) -> None:
+        await _pg(
+            postgres_url,
+            "UPDATE items SET name = %s WHERE id = %s",
+            rows=[(r["name"], r["id"]) for r in rows],
+        )
+
+    async def delete_rows(rows: Sequence[Row]) -> None:
+        await _pg(postgres_url, "DELETE FROM items WHERE id = %s", rows=[(r["id"],) for r in rows])
 
     async def add_malformed() -> None:
         # A BC date has no Arrow form: the source must refuse it (DataError), never drop it.
@@ -200,4 +252,6 @@ def postgres_cdc_source(postgres_url: str, unique_name: Callable[..., str]) -> S
         acknowledged=acknowledged,
         cleanup=cleanup,
         make_unavailable=advance_out_of_band,
+        update_rows=update_rows,
+        delete_rows=delete_rows,
     )
