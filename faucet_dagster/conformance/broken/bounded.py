@@ -287,15 +287,19 @@ class OneCallTwoCommitsSink(SqlSink):
     between its statements), committing the rows in one transaction and the token in a second, so
     only a crash between two synchronous calls (not at an await of the caller) splits them."""
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
-        return await asyncio.to_thread(asyncio.run, self._rows_then_token(records, token))
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
+        return await asyncio.to_thread(asyncio.run, self._rows_then_token(records, token, bookmark))
 
-    async def _rows_then_token(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def _rows_then_token(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None
+    ) -> int:
         stored = await self.last_committed_token()
         if stored is not None and token.sequence <= stored.sequence:
             return 0
         written = await self.write_batch(records)  # the rows, committed
-        await super().write_batch_idempotent(records.slice(0, 0), token)  # the token, after them
+        await super().write_batch_idempotent(records.slice(0, 0), token, bookmark)  # the token, after them
         return written
 
 
@@ -304,26 +308,35 @@ class ProcessTokenSink(SqlSink):
     destination only when the sink closes ("state is saved at shutdown"); in one process, and across
     sinks of one process, the token looks durable."""
 
-    tokens: ClassVar[dict[str, CommitToken]] = {}
+    tokens: ClassVar[dict[str, tuple[CommitToken, JsonValue | None]]] = {}
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
         stored = await self.last_committed_token()
         if stored is not None and token.sequence <= stored.sequence:
             return 0
         written = await self.write_batch(records)
-        ProcessTokenSink.tokens[self.config.watermark_scope()] = token
+        ProcessTokenSink.tokens[self.config.watermark_scope()] = (token, bookmark)
         self._schema = records.schema
         return written
 
     async def last_committed_token(self) -> CommitToken | None:
         remembered = ProcessTokenSink.tokens.get(self.config.watermark_scope())
-        return remembered if remembered is not None else await super().last_committed_token()
+        return remembered[0] if remembered is not None else await super().last_committed_token()
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
+        remembered = ProcessTokenSink.tokens.get(self.config.watermark_scope())
+        return remembered if remembered is not None else await super().last_committed_bookmark()
 
     async def close(self) -> None:
-        token = ProcessTokenSink.tokens.get(self.config.watermark_scope())
+        remembered = ProcessTokenSink.tokens.get(self.config.watermark_scope())
         schema = getattr(self, "_schema", None)
-        if token is not None and schema is not None:
-            await super().write_batch_idempotent(pa.RecordBatch.from_pylist([], schema=schema), token)
+        if remembered is not None and schema is not None:
+            token, bookmark = remembered
+            await super().write_batch_idempotent(
+                pa.RecordBatch.from_pylist([], schema=schema), token, bookmark
+            )
         await super().close()
 
 
