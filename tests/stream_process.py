@@ -57,13 +57,16 @@ def main(config_path: str) -> int:
         state_url=config["state_url"],
     )
     evaluate = sensor.faucet_stream_sensor(stream, minimum_interval_seconds=1)
+    # What the code server resolves the sensor's target (the sink asset) against.
+    definitions = dg.Definitions(assets=[stream.asset_spec()], sensors=[evaluate])
     control = Path(config["control_dir"])
     instance = dg.DagsterInstance.ephemeral()
     cursor: str | None = None
     while not (control / "quit").exists():
         if (control / "tick").exists():
             try:
-                result = evaluate.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+                context = dg.build_sensor_context(instance=instance, cursor=cursor, definitions=definitions)
+                result = evaluate.evaluate_tick(context)
                 cursor = result.cursor
                 print(json.dumps({"event": "tick", "skip": result.skip_message}), flush=True)
             except Exception as exc:  # noqa: BLE001 - a failing tick is what the test looks at

@@ -448,7 +448,8 @@ with dg.instance_for_test() as instance:
     # The first tick starts the reader and returns; a later one reports the first certificates.
     cursor, ends = None, time.monotonic() + 120
     while True:
-        result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=cursor))
+        context = dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs)
+        result = sensor.evaluate_tick(context)  # the definitions: its target, the sink asset
         cursor = result.cursor
         if result.asset_events:
             break

@@ -390,7 +390,11 @@ def test_the_shipped_workspace_file_serves_the_example_from_one_code_server(tmp_
             assert {"customers", "orders"} <= keys
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # what is tested is what it served; a loaded machine ends it late
+            server.kill()
+            server.wait(timeout=60)
 
 
 def wait_for_server(server: subprocess.Popen[str], port: int) -> None:

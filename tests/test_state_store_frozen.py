@@ -77,7 +77,8 @@ def test_a_frozen_postgresql_store_raises_unreachable_within_its_timeout_then_re
             assert took < ACCEPTED, f"opening a store waited {took:.1f}s for a frozen server"
             # The on-demand health check answers (failing) within the store's default timeout.
             began = time.monotonic()
-            checked = health_check(stream_on(postgres_url))()
+            stream = stream_on(postgres_url)
+            checked = health_check(stream.state_url, [stream.name], stream.asset_spec().key)()
             took = time.monotonic() - began
             assert not checked.passed and "state store unreachable" in str(checked.description)
             assert took < ACCEPTED, f"the health check waited {took:.1f}s for a frozen server"

@@ -24,6 +24,7 @@ import psutil
 import psycopg
 import pytest
 from faucet_postgres.stream_sink import PostgresStreamingSinkSession
+from stream_ticks import sensor_context
 
 from faucet_dagster.declarations.resources import FaucetConnection, FaucetEndpoint
 from faucet_dagster.protocol import EpochId, PartialResult, SinkBatch, WritePolicy
@@ -82,7 +83,7 @@ class Cdc:
 
     def tick(self, instance: dg.DagsterInstance) -> dg.SensorResult:
         began = time.monotonic()
-        result = self.sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=self.cursor))
+        result = self.sensor.evaluate_tick(sensor_context(self.sensor, instance, self.cursor))
         seconds = time.monotonic() - began
         assert seconds < TICK_BOUND, f"a default tick took {seconds:.1f}s"
         self.cursor = result.cursor

@@ -282,12 +282,11 @@ def coverage_table(certificates: Iterable[EpochCertificate]) -> dg.TableMetadata
 
 
 def certificates_table(report: Report) -> dg.TableMetadataValue:
-    """One row per certificate reported: sequence, coverage, rows, digest (and stream, on workers),
-    and the certificate's fingerprint as stored (``faucet verify`` finds a certificate changed in the
-    store after it was reported by comparing the two)."""
-    several = len({certificate.stream for certificate in report.certificates}) > 1
+    """One row per certificate reported: stream (a partition group's, on workers), sequence, coverage,
+    rows, digest, and the certificate's fingerprint as stored (``faucet verify`` finds a certificate
+    changed in the store after it was reported by comparing the two)."""
     columns = {
-        **({"stream": "string"} if several else {}),
+        "stream": "string",  # a partition group's name on workers (a report may hold one group only)
         "sequence": "string",
         "coverage": "string",
         "rows": "int",

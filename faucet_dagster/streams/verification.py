@@ -88,8 +88,7 @@ def materialized(instance: dg.DagsterInstance, key: dg.AssetKey) -> Reports:
                 )
                 for row in table.records if isinstance(table, dg.TableMetadataValue) else ():
                     data = row.data
-                    # A report of one stream names no stream; one of partition groups names each.
-                    if data.get("stream", name) != name or not data.get("fingerprint"):
+                    if data.get("stream") != name or not data.get("fingerprint"):
                         continue
                     sequence = int(str(data["sequence"]))
                     oldest = sequence if oldest is None else min(oldest, sequence)

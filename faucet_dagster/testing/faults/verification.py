@@ -97,6 +97,8 @@ def expected_kinds(case: VerifiedCase, fault: Fault) -> frozenset[str]:
         kinds |= {"source re-created", "not compared"}
     if fault.kind in (FaultKind.PURGE, FaultKind.RETENTION):
         kinds |= GONE
+    if fault.kind is FaultKind.DELETE:
+        kinds |= GONE  # the topic is gone: no range of it can be re-read
     if fault.kind is FaultKind.PAGE_CRASH and issubclass(case.pair.source, NatsSource):
         kinds |= GONE  # the stream is purged between the crash and the rerun
     if fault.kind is FaultKind.RESTART and fault.server == "kafka":
