@@ -369,6 +369,20 @@ class StateStore:
                 .values(reported_through=sa.case((column < through, through), else_=column))
             )
 
+    def claim_reported(self, stream: str, seen: int, through: int) -> bool:
+        """Move the report mark from ``seen`` to ``through`` only if it still is ``seen``: True when this
+        caller claimed the reports of the certificates after ``seen`` (another caller that read the same
+        mark then finds it moved, so two processes never report one certificate twice)."""
+        with self._db.transaction("claim certificate reports") as conn:
+            self._locked_stream(conn, stream)
+            column = streams_table.c.reported_through
+            moved = conn.execute(
+                streams_table.update()
+                .where(streams_table.c.stream == stream, sa.func.coalesce(column, 0) == seen)
+                .values(reported_through=through)
+            )
+            return bool(moved.rowcount == 1)
+
     def reported_through(self, stream: str) -> int:
         with self._db.transaction("read report marks") as conn:
             value = conn.execute(

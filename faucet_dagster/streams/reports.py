@@ -348,6 +348,8 @@ class Unreported:
     certificates: tuple[EpochCertificate, ...]
     previous: Mapping[str, EpochCertificate]
     marks: dict[str, int]
+    after: dict[str, int]
+    """Per name, the report mark the certificates follow (what :meth:`StateStore.claim_reported` checks)."""
 
 
 def unreported(store: StateStore, names: Sequence[str], confirmed: Mapping[str, int]) -> Unreported:
@@ -359,11 +361,12 @@ def unreported(store: StateStore, names: Sequence[str], confirmed: Mapping[str, 
     found: list[EpochCertificate] = []
     previous: dict[str, EpochCertificate] = {}
     marks: dict[str, int] = {}
+    after: dict[str, int] = {}
     share = max(1, MAX_REPORTS_PER_TICK // max(1, len(names)))
     for name in names:
         if name in confirmed:
             store.mark_reported(name, confirmed[name])
-        reported = store.reported_through(name)
+        reported = after[name] = store.reported_through(name)
         certificates = store.certificates(name, after=reported, limit=share)
         if certificates and reported > 0:
             before = store.certificates(name, after=reported - 1, limit=1)
@@ -372,7 +375,7 @@ def unreported(store: StateStore, names: Sequence[str], confirmed: Mapping[str, 
         found.extend(certificates)
         marks[name] = certificates[-1].sequence if certificates else reported
     found.sort(key=lambda certificate: (certificate.created_at, certificate.stream, certificate.sequence))
-    return Unreported(tuple(found), previous, marks)
+    return Unreported(tuple(found), previous, marks, after)
 
 
 def report_events(

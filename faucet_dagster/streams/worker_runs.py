@@ -314,6 +314,14 @@ class SensorWatch:
         raw = None if run is None else run.tags.get(RETIRE_TAG)
         return None if raw is None else raw.split(" ", 1)[-1]
 
+    def cursor(self) -> str | None:
+        """The sensor's cursor as Dagster stored it at its last tick (None without one)."""
+        if self._ids is None:
+            return None
+        state = self._instance.get_instigator_state(*self._ids)
+        data = None if state is None else state.instigator_data
+        return getattr(data, "cursor", None)
+
     def stopped(self) -> bool:
         """True when the sensor is stopped (one read of the schedule storage; blocks for it)."""
         if self._ids is None:

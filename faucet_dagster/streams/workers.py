@@ -167,7 +167,7 @@ def run_worker(
             await worker.close()
             context.log.info(f"{member} left ({why}): its groups closed at certified positions")
             if why.startswith("its sensor"):
-                await asyncio.to_thread(_report_at_leave, context, store, stream, groups, specs)
+                await asyncio.to_thread(_report_at_leave, context, watch, store, stream, groups, specs)
 
     try:
         asyncio.run(rounds())
@@ -195,21 +195,32 @@ async def _leave_reason(context: dg.AssetExecutionContext, watch: SensorWatch) -
 
 def _report_at_leave(
     context: dg.AssetExecutionContext,
+    watch: SensorWatch,
     store: StateStore,
     stream: FaucetStream,
     groups: int,
     specs: Sequence[dg.AssetSpec],
 ) -> None:
     """Report the certificates of every group no tick reported (the sensor is stopped, so none will):
-    one materialization per asset, stored by the instance before the report marks move."""
-    found = unreported(store, group_names(stream, groups), {})
+    one materialization per asset. What the sensor's last tick reported is in its cursor (the store's
+    marks learn it at the next tick, which will not come); each group's range is claimed in the store
+    before it is reported, so members that leave together report each certificate once (a member
+    killed between its claim and its report leaves that range unreported in Dagster; the certificates
+    stay in the store: ``faucet streams status``, ``faucet verify``)."""
+    confirmed = parse_cursor(watch.cursor(), stream.name).reported_through
+    found = unreported(store, group_names(stream, groups), confirmed)
+    claimed = {
+        name
+        for name, mark in found.marks.items()
+        if mark > found.after[name] and store.claim_reported(name, found.after[name], mark)
+    }
+    certificates = [certificate for certificate in found.certificates if certificate.stream in claimed]
     targets = [AssetTarget(target.key, resources) for target, resources in _targets(stream, specs)]
-    for event in report_events(found.certificates, targets, found.previous):
+    previous = {name: certificate for name, certificate in found.previous.items() if name in claimed}
+    for event in report_events(certificates, targets, previous):
         context.instance.report_runless_asset_event(event)
-    for name, mark in found.marks.items():
-        store.mark_reported(name, mark)
-    if found.certificates:
-        context.log.info(f"reported {Report(found.certificates).describe()} (its sensor is stopped)")
+    if certificates:
+        context.log.info(f"reported {Report(tuple(certificates)).describe()} (its sensor is stopped)")
 
 
 def _targets(
