@@ -43,6 +43,7 @@ from faucet_dagster.protocol.config import (
 )
 from faucet_dagster.protocol.errors import (
     AuthError,
+    CommitConflict,
     ConfigError,
     ConnectionFailed,
     DataError,
@@ -65,6 +66,7 @@ from faucet_dagster.protocol.identifiers import (
     identifier_too_long,
     postgres_identifier_problem,
 )
+from faucet_dagster.protocol.keys import first_row_without_key, last_row_per_key
 from faucet_dagster.protocol.keyset import KeysetBookmark, KeysetSource, decode_scalar, encode_scalar
 from faucet_dagster.protocol.paging import PageBuilder
 from faucet_dagster.protocol.positions import (
@@ -123,6 +125,7 @@ from faucet_dagster.protocol.streaming import (
     WorkerIdentity,
 )
 from faucet_dagster.protocol.urls import refuse_url_credentials, url_credentials
+from faucet_dagster.protocol.watermarks import CommittedEpochs, KeptRows
 
 __all__ = [
     "DEFAULT_POLICY_OPERATIONS",
@@ -137,7 +140,9 @@ __all__ = [
     "Authority",
     "CancelToken",
     "CodecRegistry",
+    "CommitConflict",
     "CommitToken",
+    "CommittedEpochs",
     "ConfigError",
     "ConnectionFailed",
     "Connector",
@@ -165,6 +170,7 @@ __all__ = [
     "IntegerPositionCodec",
     "IntegrityError",
     "JsonValue",
+    "KeptRows",
     "KeysetBookmark",
     "KeysetSource",
     "LifecycleError",
@@ -219,8 +225,10 @@ __all__ = [
     "decode_scalar",
     "default_codec_registry",
     "encode_scalar",
+    "first_row_without_key",
     "get_connector",
     "identifier_too_long",
+    "last_row_per_key",
     "load_connectors",
     "postgres_identifier_problem",
     "record_count",
