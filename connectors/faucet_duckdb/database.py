@@ -24,6 +24,7 @@ closing, so nothing a closed connector started lands later.
 """
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
@@ -231,6 +232,13 @@ def wrap(exc: BaseException, *, where: str, doing: str) -> FaucetError:
     return FaucetError(message, where=where)
 
 
+def rollback_quietly(conn: Connection) -> None:
+    """Roll back the open transaction, if any (a failed statement may have ended it already): the
+    error being raised is the one that matters."""
+    with contextlib.suppress(duckdb.Error):
+        conn.rollback()
+
+
 def is_row_error(exc: BaseException) -> bool:
     """True when DuckDB refused the values of rows (a constraint, a conversion, an out-of-range value)."""
     return isinstance(
@@ -306,6 +314,7 @@ __all__ = [
     "locked_error",
     "qualified",
     "quote",
+    "rollback_quietly",
     "wrap",
     "writer_lock",
 ]

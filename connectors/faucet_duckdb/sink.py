@@ -26,7 +26,6 @@ The file. The sink opens the file at its first call and holds it until ``close``
 :mod:`faucet_duckdb.database` for DuckDB's one-writer rule and :class:`DatabaseLocked`).
 """
 
-import contextlib
 import hashlib
 from collections.abc import Sequence
 
@@ -46,7 +45,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_duckdb import tables
 from faucet_duckdb.config import DuckDbSinkConfig
-from faucet_duckdb.database import Connect, DuckDbFile, file_uri, qualified, quote
+from faucet_duckdb.database import Connect, DuckDbFile, file_uri, qualified, quote, rollback_quietly
 
 _SYNC_ID_LENGTH = 200
 
@@ -175,7 +174,7 @@ class DuckDbSink(Sink):
                         tables.insert(conn, target)
             conn.commit()
         except BaseException:
-            _rollback(conn)
+            rollback_quietly(conn)
             raise
         self._staged = self._staged or self.mode is WritePolicy.REPLACE
         return int(batch.num_rows)
@@ -209,7 +208,7 @@ class DuckDbSink(Sink):
             conn.execute(f"ALTER TABLE {qualified(schema, self._stage)} RENAME TO {quote(self.config.table)}")
             conn.commit()
         except BaseException:
-            _rollback(conn)
+            rollback_quietly(conn)
             raise
         self._staged = False
 
@@ -232,7 +231,7 @@ class DuckDbSink(Sink):
                 tables.add_columns(conn, target, tables.duckdb_types(conn, changes))
             conn.commit()
         except BaseException:
-            _rollback(conn)
+            rollback_quietly(conn)
             raise
         self._staged = self._staged or self.mode is WritePolicy.REPLACE
 
@@ -278,13 +277,6 @@ class DuckDbSink(Sink):
 
 def _ping(conn: duckdb.DuckDBPyConnection) -> None:
     conn.execute("SELECT 1").fetchall()
-
-
-def _rollback(conn: duckdb.DuckDBPyConnection) -> None:
-    """Roll back the open transaction, if any (a failed statement may have ended it already): the
-    error being raised is the one that matters."""
-    with contextlib.suppress(duckdb.Error):
-        conn.rollback()
 
 
 __all__ = ["DuckDbSink"]

@@ -178,7 +178,9 @@ class DuckDbSource(KeysetSource):
             arrow = tables.arrow_schema(conn, tables.Target(schema, str(name), columns))
             key = tables.primary_key(conn, schema, str(name))
             found.append(
-                DiscoveredDataset(name=f"{schema}.{name}", schema=arrow, details={"primary_key": ",".join(key)})
+                DiscoveredDataset(
+                    name=f"{schema}.{name}", schema=arrow, details={"primary_key": ",".join(key)}
+                )
             )
         return found
 
