@@ -219,7 +219,7 @@ def wrap(exc: BaseException, *, where: str, doing: str) -> FaucetError:
     message = (
         f"{doing} failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
     )
-    if isinstance(exc, duckdb.TransactionException) or "Conflict on" in str(exc):
+    if isinstance(exc, duckdb.TransactionException) and "Conflict on" in str(exc):
         return CommitConflict(message, where=where)
     if is_row_error(exc):
         return DataError(message, where=where)

@@ -17,6 +17,12 @@ table is created from the first batch's columns; a column the table lacks is add
 ``schema_evolution`` is on and refused (SchemaError) when it is off; a column whose values DuckDB would
 convert (a DOUBLE into a BIGINT column rounds) is refused, naming it.
 
+Per-row results. ``write_batch_partial`` writes the batch in one transaction; when the table refuses
+a row (a constraint, a value its column cannot hold), the refused rows are found by bisection, each
+probe a transaction rolled back (DuckDB has no savepoints, and a failed statement aborts its
+transaction), and the other rows are written in one transaction. The writer lock is released between
+probes: a row another writer of the process makes refusable meanwhile fails that last write whole.
+
 Watermark. ``write_batch_idempotent(records, token)`` writes the rows and advances the commit token of
 this sink's ``sync_id`` in ``watermark_table`` in the same transaction; a token not newer than the
 stored one writes nothing and returns 0. Append and upsert only: a replace run rewrites the whole
@@ -36,16 +42,27 @@ from faucet_dagster.protocol import (
     AddColumn,
     CommitConflict,
     CommitToken,
+    DataError,
     Durability,
+    PartialResult,
     SchemaError,
     Sink,
     SinkCapabilities,
     UnsupportedOperation,
     WritePolicy,
+    bisect_rejections,
 )
 from faucet_duckdb import tables
 from faucet_duckdb.config import DuckDbSinkConfig
-from faucet_duckdb.database import Connect, DuckDbFile, file_uri, qualified, quote, rollback_quietly
+from faucet_duckdb.database import (
+    Connect,
+    DuckDbFile,
+    file_uri,
+    is_row_error,
+    qualified,
+    quote,
+    rollback_quietly,
+)
 
 _SYNC_ID_LENGTH = 200
 
@@ -80,6 +97,7 @@ class DuckDbSink(Sink):
             bounded_policies=frozenset({self.mode}),
             durability=Durability.TRANSACTIONAL,
             atomic_watermark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
+            partial_results=True,
             schema_evolution=self.config.schema_evolution,
         )
 
@@ -107,6 +125,24 @@ class DuckDbSink(Sink):
 
     async def write_batch(self, records: pa.RecordBatch) -> int:
         return await self.file.call("writing", self._write, records, None)
+
+    async def write_batch_partial(self, records: pa.RecordBatch) -> PartialResult:
+        """The batch in one transaction; when the table refuses a row, the refused rows are found by
+        bisection (each probe a transaction rolled back, DuckDB having no savepoints) and the others
+        written in one transaction."""
+        try:
+            return PartialResult(written=await self.write_batch(records))
+        except DataError:
+            pass
+
+        async def attempt(start: int, stop: int) -> str | None:
+            part = records.slice(start, stop - start)
+            return await self.file.call("checking rows", self._refusal, part)
+
+        probed = await bisect_rejections(records.num_rows, attempt)
+        refused = {row.index for row in probed.rejected}
+        kept = records.filter(pa.array([index not in refused for index in range(records.num_rows)]))
+        return PartialResult(written=await self.write_batch(kept), rejected=probed.rejected)
 
     async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
         self._require_watermark()
@@ -148,36 +184,63 @@ class DuckDbSink(Sink):
     def _write(
         self, conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch, token: CommitToken | None
     ) -> int:
-        if self._key:
-            batch = tables.keyed(batch, self._key, self.dataset_uri())
+        """Write ``batch`` in one transaction (with ``token`` advanced in it); 0 for a replayed token."""
         conn.begin()
         try:
-            if self.mode is WritePolicy.REPLACE and not self._staged:
-                self._create_stage(conn)
-            with tables.registered(conn, batch) as incoming:
-                target = tables.prepare(
-                    conn,
-                    self.config.schema_name,
-                    self._write_name(),
-                    incoming,
-                    self._key,
-                    evolve=self.config.schema_evolution,
-                    where=self.dataset_uri(),
-                )
-                if token is not None and not self._claim(conn, token):
-                    conn.rollback()
-                    return 0
-                if batch.num_rows:
-                    if self._key:
-                        tables.merge(conn, target, self._key)
-                    else:
-                        tables.insert(conn, target)
+            written = self._apply(conn, batch, token)
+            if written is None:
+                conn.rollback()
+                return 0
             conn.commit()
         except BaseException:
             rollback_quietly(conn)
             raise
         self._staged = self._staged or self.mode is WritePolicy.REPLACE
+        return written
+
+    def _apply(
+        self, conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch, token: CommitToken | None
+    ) -> int | None:
+        """Write ``batch`` in the caller's transaction; None when ``token`` is not newer than the
+        stored one (nothing was written)."""
+        if self._key:
+            batch = tables.keyed(batch, self._key, self.dataset_uri())
+        if self.mode is WritePolicy.REPLACE and not self._staged:
+            self._create_stage(conn)
+        with tables.registered(conn, batch) as incoming:
+            target = tables.prepare(
+                conn,
+                self.config.schema_name,
+                self._write_name(),
+                incoming,
+                self._key,
+                evolve=self.config.schema_evolution,
+                where=self.dataset_uri(),
+            )
+            if token is not None and not self._claim(conn, token):
+                return None
+            if batch.num_rows:
+                if self._key:
+                    tables.merge(conn, target, self._key)
+                else:
+                    tables.insert(conn, target)
         return int(batch.num_rows)
+
+    def _refusal(self, conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch) -> str | None:
+        """Why the table refuses ``batch`` (None: it takes every row), found by writing it in a
+        transaction that is always rolled back."""
+        conn.begin()
+        try:
+            self._apply(conn, batch, None)
+        except DataError as exc:
+            return exc.message
+        except duckdb.Error as exc:
+            if not is_row_error(exc):
+                raise
+            return str(exc).strip().splitlines()[0]
+        finally:
+            rollback_quietly(conn)
+        return None
 
     def _create_stage(self, conn: duckdb.DuckDBPyConnection) -> None:
         """Drop a leftover staging table and, when the target exists, create this run's with the

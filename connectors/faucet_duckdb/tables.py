@@ -23,7 +23,7 @@ from faucet_dagster.protocol import (
     first_row_without_key,
     last_row_per_key,
 )
-from faucet_duckdb.database import arrow_for_duckdb, check_types, qualified, quote
+from faucet_duckdb.database import arrow_for_duckdb, check_types, qualified, quote, rollback_quietly
 
 BATCH_VIEW = "faucet_batch"
 
@@ -91,13 +91,20 @@ def row_count(conn: duckdb.DuckDBPyConnection, schema: str, table: str) -> int |
 
 @contextmanager
 def registered(conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch) -> Iterator[list[tuple[str, str]]]:
-    """``batch`` registered as :data:`BATCH_VIEW` inside the context; yields its (column, DuckDB type)."""
+    """``batch`` registered as :data:`BATCH_VIEW` inside the context; yields its (column, DuckDB type).
+
+    A statement that fails aborts DuckDB's transaction, in which not even the view can be dropped: on
+    an error the transaction is rolled back first (the caller was going to), so the error raised is
+    the statement's own."""
     conn.register(BATCH_VIEW, arrow_for_duckdb(batch))
     try:
         described = conn.execute(f"DESCRIBE SELECT * FROM {BATCH_VIEW}").fetchall()
         yield [(str(row[0]), str(row[1])) for row in described]
-    finally:
+    except BaseException:
+        rollback_quietly(conn)
         conn.unregister(BATCH_VIEW)
+        raise
+    conn.unregister(BATCH_VIEW)
 
 
 def prepare(
