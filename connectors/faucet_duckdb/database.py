@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -232,6 +232,15 @@ def wrap(exc: BaseException, *, where: str, doing: str) -> FaucetError:
     return FaucetError(message, where=where)
 
 
+def first_row(
+    conn: Connection, query: str, parameters: Sequence[object] | None = None
+) -> tuple[Any, ...] | None:
+    """The first row of ``query`` (None: no row), its result read to the end: DuckDB refuses the next
+    statement on a connection whose last result is unfinished, which ``fetchone`` leaves."""
+    rows = conn.execute(query, parameters).fetchall()
+    return rows[0] if rows else None
+
+
 def rollback_quietly(conn: Connection) -> None:
     """Roll back the open transaction, if any (a failed statement may have ended it already): the
     error being raised is the one that matters."""
@@ -309,6 +318,7 @@ __all__ = [
     "arrow_for_duckdb",
     "check_types",
     "file_uri",
+    "first_row",
     "is_row_error",
     "literal",
     "locked_error",

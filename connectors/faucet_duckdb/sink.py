@@ -58,6 +58,7 @@ from faucet_duckdb.database import (
     Connect,
     DuckDbFile,
     file_uri,
+    first_row,
     is_row_error,
     qualified,
     quote,
@@ -312,9 +313,7 @@ class DuckDbSink(Sink):
             f"CREATE TABLE IF NOT EXISTS {name} (sync_id VARCHAR PRIMARY KEY, token VARCHAR NOT NULL, "
             "updated_at TIMESTAMPTZ NOT NULL)"
         )
-        stored = conn.execute(
-            f"SELECT token FROM {name} WHERE sync_id = ?", [self._watermark_scope]
-        ).fetchone()
+        stored = first_row(conn, f"SELECT token FROM {name} WHERE sync_id = ?", [self._watermark_scope])
         if stored is not None and str(stored[0]) >= str(token):
             return False
         try:
@@ -332,9 +331,9 @@ class DuckDbSink(Sink):
     def _read_token(self, conn: duckdb.DuckDBPyConnection) -> CommitToken | None:
         if tables.columns_of(conn, self.config.schema_name, self.config.watermark_table) is None:
             return None
-        stored = conn.execute(
-            f"SELECT token FROM {self._watermark_name()} WHERE sync_id = ?", [self._watermark_scope]
-        ).fetchone()
+        stored = first_row(
+            conn, f"SELECT token FROM {self._watermark_name()} WHERE sync_id = ?", [self._watermark_scope]
+        )
         return None if stored is None else CommitToken.parse(str(stored[0]))
 
 

@@ -40,7 +40,7 @@ from faucet_dagster.protocol import (
 )
 from faucet_duckdb import tables
 from faucet_duckdb.config import DuckDbSourceConfig
-from faucet_duckdb.database import Connect, DuckDbFile, file_uri, qualified, quote
+from faucet_duckdb.database import Connect, DuckDbFile, file_uri, first_row, qualified, quote
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,12 @@ class DuckDbSource(KeysetSource):
             f"WHERE {' AND '.join(f'{quote(name)} IS NOT NULL' for name in order)}"
         )
         descending = ", ".join(f"{quote(name)} DESC" for name in order)
-        found = conn.execute(
+        found = first_row(
+            conn,
             f"SELECT {_row(order)} FROM {qualified(schema, table)} "
             f"WHERE {' AND '.join(f'{quote(name)} IS NOT NULL' for name in order)} "
-            f"ORDER BY {descending} LIMIT 1"
-        ).fetchone()
+            f"ORDER BY {descending} LIMIT 1",
+        )
         return _ReadPlan(order, select, None if found is None else tuple(found))
 
     def _read_page(

@@ -68,6 +68,7 @@ from faucet_duckdb.database import (
     Connect,
     DuckDbFile,
     file_uri,
+    first_row,
     is_row_error,
     qualified,
     quote,
@@ -146,9 +147,9 @@ class _StateTables:
 
     def holder(self, conn: duckdb.DuckDBPyConnection) -> tuple[int, str | None] | None:
         """The fencing token holding the stream and its last commit id (None: no row)."""
-        found = conn.execute(
-            f"SELECT fencing_token, commit_id FROM {self.epochs} WHERE stream = ?", [self.stream]
-        ).fetchone()
+        found = first_row(
+            conn, f"SELECT fencing_token, commit_id FROM {self.epochs} WHERE stream = ?", [self.stream]
+        )
         return None if found is None else (int(found[0]), None if found[1] is None else str(found[1]))
 
     def read(self, conn: duckdb.DuckDBPyConnection) -> CommittedEpochs:

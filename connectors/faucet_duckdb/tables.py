@@ -23,7 +23,14 @@ from faucet_dagster.protocol import (
     first_row_without_key,
     last_row_per_key,
 )
-from faucet_duckdb.database import arrow_for_duckdb, check_types, qualified, quote, rollback_quietly
+from faucet_duckdb.database import (
+    arrow_for_duckdb,
+    check_types,
+    first_row,
+    qualified,
+    quote,
+    rollback_quietly,
+)
 
 BATCH_VIEW = "faucet_batch"
 
@@ -68,11 +75,12 @@ def columns_of(conn: duckdb.DuckDBPyConnection, schema: str, table: str) -> Colu
 
 def primary_key(conn: duckdb.DuckDBPyConnection, schema: str, table: str) -> list[str]:
     """The table's primary key columns (empty: it has none)."""
-    found = conn.execute(
+    found = first_row(
+        conn,
         "SELECT constraint_column_names FROM duckdb_constraints() WHERE database_name = current_database() "
         "AND schema_name = ? AND table_name = ? AND constraint_type = 'PRIMARY KEY'",
         [schema, table],
-    ).fetchone()
+    )
     return [] if found is None else [str(name) for name in found[0]]
 
 
@@ -85,7 +93,7 @@ def arrow_schema(conn: duckdb.DuckDBPyConnection, target: Target) -> pa.Schema:
 def row_count(conn: duckdb.DuckDBPyConnection, schema: str, table: str) -> int | None:
     if columns_of(conn, schema, table) is None:
         return None
-    found = conn.execute(f"SELECT count(*) FROM {qualified(schema, table)}").fetchone()
+    found = first_row(conn, f"SELECT count(*) FROM {qualified(schema, table)}")
     return int(found[0]) if found else 0
 
 
