@@ -121,8 +121,12 @@ class DuckDbSource(KeysetSource):
             raise ConfigError(
                 f"table {self.label!r} has no column(s) {', '.join(missing)}", where=self.dataset_uri()
             )
+        # The ordering columns follow the output columns (which may not include them), under names
+        # of their own: the page's last row gives the position.
+        aliases = [f"{quote(name)} AS {quote(f'{_ORDER}{i}')}" for i, name in enumerate(order)]
         select = (
-            f"SELECT {', '.join(quote(name) for name in output)} FROM {qualified(schema, table)} "
+            f"SELECT {', '.join([*(quote(name) for name in output), *aliases])} "
+            f"FROM {qualified(schema, table)} "
             f"WHERE {' AND '.join(f'{quote(name)} IS NOT NULL' for name in order)}"
         )
         descending = ", ".join(f"{quote(name)} DESC" for name in order)
@@ -152,10 +156,7 @@ class DuckDbSource(KeysetSource):
         query += f" ORDER BY {_row(plan.order)}"
         if batch_size:
             query += f" LIMIT {int(batch_size)}"
-        # The order columns follow the output columns (which may not include them): the page's last
-        # row gives the position.
-        aliases = ", ".join(f"{quote(name)} AS {quote(f'{_ORDER}{i}')}" for i, name in enumerate(plan.order))
-        found = conn.sql(f"SELECT *, {aliases} FROM ({query}) AS page", params=parameters).to_arrow_table()
+        found = conn.sql(query, params=parameters).to_arrow_table()
         if found.num_rows == 0:
             return pa.RecordBatch.from_pylist([], schema=found.schema), None
         names = [f"{_ORDER}{i}" for i in range(width)]
