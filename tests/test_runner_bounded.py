@@ -91,7 +91,7 @@ class Target:
 
     def columns(self, table: str) -> list[str]:
         if self.connector == "duckdb":
-            return [row[0] for row in self.query(f"SELECT column_name FROM (DESCRIBE \"{table}\")")]
+            return [row[0] for row in self.query(f'SELECT column_name FROM (DESCRIBE "{table}")')]
         engine = sa.create_engine(self.url.replace("postgresql://", "postgresql+psycopg://", 1))
         try:
             return [column["name"] for column in sa.inspect(engine).get_columns(table)]

@@ -9,7 +9,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -290,7 +289,8 @@ import pyarrow as pa
 from faucet_dagster.protocol import CommitToken, get_connector
 from faucet_duckdb.sink import DuckDbSink
 
-path, when, first, count, token = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+path, when = sys.argv[1], sys.argv[2]
+first, count, token = (int(value) for value in sys.argv[3:6])
 
 
 class Dying:
@@ -356,7 +356,8 @@ def test_keyset_pages_keep_ties_on_the_cursor_and_resume_after_the_bookmark(tmp_
     query(path, "CREATE TABLE orders (id BIGINT PRIMARY KEY, updated DATE, name VARCHAR)")
     query(
         path,
-        "INSERT INTO orders SELECT i, DATE '2024-01-01' + (i // 250)::INTEGER, 'n' || i FROM range(1, 1001) t(i)",
+        "INSERT INTO orders SELECT i, DATE '2024-01-01' + (i // 250)::INTEGER, 'n' || i "
+        "FROM range(1, 1001) t(i)",
     )
     rows, bookmark = run(read_all(source(path, cursor="updated"), 97))
     assert [row["id"] for row in rows] == list(range(1, 1001))
@@ -523,7 +524,8 @@ class Dying:
 
     def commit(self):
         # Only the epoch's commit dies: the state tables' creation and the fence claim commit too.
-        if self._conn.execute("SELECT count(*) FROM _faucet_stream_epochs WHERE epoch_sequence = 2").fetchall()[0][0]:
+        recorded = "SELECT count(*) FROM _faucet_stream_epochs WHERE epoch_sequence = 2"
+        if self._conn.execute(recorded).fetchall()[0][0]:
             if when == "before-commit":
                 os._exit(9)
             self._conn.commit()
