@@ -182,6 +182,22 @@ def test_a_replayed_token_writes_nothing_and_replace_has_no_watermark(tmp_path: 
         run(write(sink(path, mode="replace"), orders([1]), token=7))
 
 
+def test_two_writers_of_one_sync_in_one_process_write_a_page_once(tmp_path: Path) -> None:
+    """Two DuckDB transactions reading the same token conflict when both update it (one fails), or,
+    when one committed after the other's snapshot but before its update, both advance it (a lost
+    update): the writers of one file take turns, so the second sees the first's token and skips."""
+    path = tmp_path / "w.duckdb"
+    run(write(sink(path), orders([0]), token=0))
+
+    async def race(round_: int) -> list[int]:
+        rows = orders(range(round_ * 100, round_ * 100 + 100))
+        return list(await asyncio.gather(*(write(sink(path), rows, token=round_) for _ in range(2))))
+
+    for round_ in range(1, 11):
+        assert sorted(run(race(round_))) == [0, 100], f"round {round_}"
+    assert query(path, "SELECT count(*), count(DISTINCT id) FROM orders") == [(1001, 1001)]
+
+
 def test_rows_the_table_refuses_are_reported_by_index_and_the_others_land(tmp_path: Path) -> None:
     path = tmp_path / "w.duckdb"
     query(path, "CREATE TABLE orders (id BIGINT PRIMARY KEY, name VARCHAR CHECK (length(name) <= 4))")
