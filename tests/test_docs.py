@@ -62,6 +62,9 @@ WRITTEN_ELSEWHERE = {
     "docs/conformance.md",
 }
 """Pages the README links that other branches are writing: a link to one may dangle until they merge."""
+LINKED_BY_THE_README_REWRITE = {"docs/duckdb.md"}
+"""Pages written on branches that may not edit README.md (another branch rewrites it): the README's
+link to each is added when the branches merge, and this set then emptied."""
 README_MAX_LINES = 250
 COMMAND_ONE = (
     "python3 -m venv .venv && .venv/bin/pip install -q -e . && "
@@ -158,7 +161,9 @@ def test_the_readme_is_a_quickstart_that_links_every_reference_page() -> None:
     assert len(readme.splitlines()) <= README_MAX_LINES
     linked = {target for page, target in links(ROOT / "README.md")}
     unlinked = [
-        f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md") if f"docs/{page.name}" not in linked
+        f"docs/{page.name}"
+        for page in (ROOT / "docs").glob("*.md")
+        if f"docs/{page.name}" not in linked | LINKED_BY_THE_README_REWRITE
     ]
     assert not unlinked, f"README.md links no {unlinked}"
     [one] = [block for block in BLOCKS if "command-one" in block.words]
