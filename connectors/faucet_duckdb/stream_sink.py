@@ -495,7 +495,10 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
         receipts = []
         for resource, tally in sorted(tallies.items()):
             details: dict[str, str] = {
-                "database": str(self._file.path),
+                # DuckDB's catalog name of the file (its stem): database.schema.table is DuckDB's
+                # own full name of the table, as dagster/table_name states it.
+                "database": self._file.path.stem,
+                "file": str(self._file.path),
                 "table": tally.table,
                 "policy": self._policy.value,
             }
