@@ -51,6 +51,7 @@ from faucet_dagster.protocol import (
     UnsupportedOperation,
     WritePolicy,
     bisect_rejections,
+    upsert_rows,
 )
 from faucet_duckdb import tables
 from faucet_duckdb.config import DuckDbSinkConfig
@@ -205,7 +206,7 @@ class DuckDbSink(Sink):
         """Write ``batch`` in the caller's transaction; None when ``token`` is not newer than the
         stored one (nothing was written)."""
         if self._key:
-            batch = tables.keyed(batch, self._key, self.dataset_uri())
+            batch = upsert_rows(batch, self._key, self.dataset_uri())
         if self.mode is WritePolicy.REPLACE and not self._staged:
             self._create_stage(conn)
         with tables.registered(conn, batch) as incoming:

@@ -61,6 +61,7 @@ from faucet_dagster.protocol import (
     WorkerIdentity,
     WritePolicy,
     first_row_without_key,
+    upsert_rows,
 )
 from faucet_duckdb import tables
 from faucet_duckdb.config import DuckDbStreamingSinkConfig
@@ -417,7 +418,7 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
         if not records.num_rows:
             return
         if self._key:
-            records = tables.keyed(records, self._key, where)
+            records = upsert_rows(records, self._key, where)
         with tables.registered(conn, records) as incoming:
             target = tables.prepare(
                 conn,

@@ -18,10 +18,7 @@ import pyarrow as pa
 
 from faucet_dagster.protocol import (
     AddColumn,
-    DataError,
     SchemaError,
-    first_row_without_key,
-    last_row_per_key,
 )
 from faucet_duckdb.database import (
     arrow_for_duckdb,
@@ -190,25 +187,12 @@ def insert(conn: duckdb.DuckDBPyConnection, target: Target) -> None:
 
 
 def merge(conn: duckdb.DuckDBPyConnection, target: Target, key: Sequence[str]) -> None:
-    """Upsert the registered batch by ``key`` (which :func:`keyed` prepared)."""
+    """Upsert the registered batch by ``key`` (prepared by :func:`faucet_dagster.protocol.upsert_rows`)."""
     match = " AND ".join(f"t.{quote(name)} = s.{quote(name)}" for name in key)
     conn.execute(
         f"MERGE INTO {target.name} AS t USING {BATCH_VIEW} AS s ON {match} "
         "WHEN MATCHED THEN UPDATE BY NAME WHEN NOT MATCHED THEN INSERT BY NAME"
     )
-
-
-def keyed(batch: pa.RecordBatch, key: Sequence[str], where: str) -> pa.RecordBatch:
-    """``batch`` ready for :func:`merge`: its last row per key; a row without its key is refused."""
-    missing = [name for name in key if name not in batch.schema.names]
-    if missing:
-        raise SchemaError(f"the records lack key column(s) {', '.join(missing)}", where=where)
-    row = first_row_without_key(batch, key)
-    if row is not None:
-        raise DataError(
-            f"row {row} of the batch has no value in a key column ({', '.join(key)})", where=where
-        )
-    return last_row_per_key(batch, key)
 
 
 __all__ = [
@@ -221,7 +205,6 @@ __all__ = [
     "create",
     "duckdb_types",
     "insert",
-    "keyed",
     "merge",
     "prepare",
     "primary_key",

@@ -66,7 +66,7 @@ from faucet_dagster.protocol.identifiers import (
     identifier_too_long,
     postgres_identifier_problem,
 )
-from faucet_dagster.protocol.keys import first_row_without_key, last_row_per_key
+from faucet_dagster.protocol.keys import first_row_without_key, last_row_per_key, upsert_rows
 from faucet_dagster.protocol.keyset import KeysetBookmark, KeysetSource, decode_scalar, encode_scalar
 from faucet_dagster.protocol.paging import PageBuilder
 from faucet_dagster.protocol.positions import (
@@ -236,5 +236,6 @@ __all__ = [
     "schema_from_columns",
     "sink_capabilities_from",
     "source_capabilities_from",
+    "upsert_rows",
     "url_credentials",
 ]

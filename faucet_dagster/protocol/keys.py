@@ -1,13 +1,16 @@
 """Keyed batches: the last row of every key (last write wins within a batch) and rows without a key.
 
 A sink that upserts a batch by a key applies one row per key: the batch's last one, as applying the
-rows one after the other would leave. Pure Arrow, no I/O.
+rows one after the other would leave (:func:`upsert_rows` also refuses a row without its key). Pure
+Arrow, no I/O.
 """
 
 from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from faucet_dagster.protocol.errors import DataError, SchemaError
 
 _ROW = "__faucet_row"
 
@@ -36,4 +39,18 @@ def first_row_without_key(batch: pa.RecordBatch, key: Sequence[str]) -> int | No
     return int(pc.index(anywhere, True).as_py())
 
 
-__all__ = ["first_row_without_key", "last_row_per_key"]
+def upsert_rows(batch: pa.RecordBatch, key: Sequence[str], where: str) -> pa.RecordBatch:
+    """``batch`` ready to upsert by ``key``: its last row per key. A missing key column raises
+    SchemaError, a row without its key DataError (naming the row), both at ``where``."""
+    missing = [name for name in key if name not in batch.schema.names]
+    if missing:
+        raise SchemaError(f"the records lack key column(s) {', '.join(missing)}", where=where)
+    row = first_row_without_key(batch, key)
+    if row is not None:
+        raise DataError(
+            f"row {row} of the batch has no value in a key column ({', '.join(key)})", where=where
+        )
+    return last_row_per_key(batch, key)
+
+
+__all__ = ["first_row_without_key", "last_row_per_key", "upsert_rows"]
