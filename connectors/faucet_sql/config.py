@@ -69,6 +69,12 @@ class SqlConnection(ConnectorConfig):
             raise ValueError("not a SQLAlchemy URL (dialect[+driver]://user@host/database)") from None
         if parsed.password is not None:
             raise ValueError("the URL holds a password; put credentials in auth (user_password)")
+        if parsed.get_backend_name() == "duckdb":
+            # duckdb-engine's dialect answers PostgreSQL's catalog queries DuckDB does not have.
+            raise ValueError(
+                "DuckDB is not a dialect of the sql connector: use the duckdb connector "
+                "(connector: duckdb, config: {path: <file>, table: <table>}), which writes Arrow natively"
+            )
         try:
             # Loads the dialect's module, no I/O: a misspelt dialect fails here, not at a run.
             parsed.get_dialect()
