@@ -141,6 +141,24 @@ def test_a_sync_into_duckdb_reports_dagsters_table_metadata_and_moves_nothing_tw
         assert conn.execute("SELECT count(*), count(DISTINCT id) FROM orders").fetchall() == [(700, 700)]
 
 
+def test_a_sync_into_a_delta_table_reports_its_storage_kind_and_table(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_csv(data / "2024-01.csv", 1, 400)
+    lake = FaucetConnection(connector="delta", config={})
+    orders = FaucetSync("orders", source=files(data), sink=lake.using(uri=str(tmp_path / "lake" / "orders")))
+    assets = faucet_sync_assets([orders])
+    first = materialization(dg.materialize(assets, instance=instance), "orders")
+    assert value(first, "dagster/storage_kind") == "delta"
+    assert value(first, "dagster/table_name") == "lake.orders"
+    assert value(first, "dagster/row_count") == 400
+    assert value(first, "faucet/delivery") == "effectively_once"
+    again = materialization(dg.materialize(assets, instance=instance), "orders")
+    assert value(again, "faucet/rows_written") == 0 and value(again, "dagster/row_count") == 400
+
+
 def completed_files(bookmark: JsonValue | None) -> list[str]:
     """The files a files-source bookmark records as read to their end."""
     assert isinstance(bookmark, dict)
