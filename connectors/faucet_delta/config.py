@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from faucet_dagster.protocol import ConnectorConfig
+from faucet_dagster.protocol import ConnectorConfig, check_write_key
 
 DeltaWriteMode = Literal["append", "upsert", "replace"]
 
@@ -46,10 +46,9 @@ class DeltaSinkConfig(ConnectorConfig):
 
     @model_validator(mode="after")
     def _key_for_upsert(self) -> Self:
-        if self.mode == "upsert" and not self.key:
-            raise ValueError("mode upsert needs a non-empty key")
-        if any(not column for column in [*self.key, *self.partition_by]):
-            raise ValueError("key and partition columns must not be empty")
+        check_write_key(self.mode, self.key)
+        if any(not column for column in self.partition_by):
+            raise ValueError("partition columns must not be empty")
         return self
 
     def path(self) -> Path:

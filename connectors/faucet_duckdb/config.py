@@ -12,7 +12,7 @@ from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from faucet_dagster.protocol import ConnectorConfig
+from faucet_dagster.protocol import ConnectorConfig, check_write_key
 
 DuckDbWriteMode = Literal["append", "upsert", "replace"]
 
@@ -78,10 +78,7 @@ class DuckDbSinkConfig(DuckDbTable):
 
     @model_validator(mode="after")
     def _key_for_upsert(self) -> Self:
-        if self.mode == "upsert" and not self.key:
-            raise ValueError("mode upsert needs a non-empty key")
-        if any(not column for column in self.key):
-            raise ValueError("key columns must not be empty")
+        check_write_key(self.mode, self.key)
         return self
 
     def watermark_scope(self) -> str:

@@ -19,6 +19,7 @@ from faucet_dagster.protocol import (
     ConnectorConfig,
     NoAuth,
     UserPasswordAuth,
+    check_write_key,
     identifier_too_long,
     refuse_url_credentials,
 )
@@ -159,10 +160,7 @@ class SqlSinkConfig(SqlTable):
 
     @model_validator(mode="after")
     def _key_for_upsert(self) -> Self:
-        if self.mode == "upsert" and not self.key:
-            raise ValueError("mode upsert needs a non-empty key")
-        if any(not column for column in self.key):
-            raise ValueError("key columns must not be empty")
+        check_write_key(self.mode, self.key)
         return self
 
     def configured_names(self) -> list[str]:

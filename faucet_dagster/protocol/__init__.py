@@ -40,6 +40,7 @@ from faucet_dagster.protocol.config import (
     NoAuth,
     TokenAuth,
     UserPasswordAuth,
+    check_write_key,
 )
 from faucet_dagster.protocol.errors import (
     AuthError,
@@ -221,6 +222,7 @@ __all__ = [
     "arrow_type_from_name",
     "as_record_batch",
     "bisect_rejections",
+    "check_write_key",
     "compare_positions",
     "decode_scalar",
     "default_codec_registry",
