@@ -48,6 +48,7 @@ from faucet_dagster.protocol import (
     DataError,
     Durability,
     FaucetError,
+    JsonValue,
     SchemaError,
     Sink,
     SinkCapabilities,
@@ -126,7 +127,10 @@ class DeltaSink(Sink):
             return await self._run("writing the snapshot", self._stream, records)
         return await self._run("writing", self._write, records, None)
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
+        """``bookmark`` is not kept (no ``watermark_bookmark``: the runner passes none)."""
         self._require_watermark()
         return await self._run("writing", self._write, records, token)
 

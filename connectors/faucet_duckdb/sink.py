@@ -44,6 +44,7 @@ from faucet_dagster.protocol import (
     CommitToken,
     DataError,
     Durability,
+    JsonValue,
     PartialResult,
     SchemaError,
     Sink,
@@ -146,7 +147,10 @@ class DuckDbSink(Sink):
         kept = records.filter(pa.array([index not in refused for index in range(records.num_rows)]))
         return PartialResult(written=await self.write_batch(kept), rejected=probed.rejected)
 
-    async def write_batch_idempotent(self, records: pa.RecordBatch, token: CommitToken) -> int:
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
+        """``bookmark`` is not kept (no ``watermark_bookmark``: the runner passes none)."""
         self._require_watermark()
         return await self.file.call("writing", self._write, records, token)
 
