@@ -24,7 +24,7 @@ from faucet_nats.source import NatsStreamSource
 from faucet_dagster.protocol import EpochCertificate, ReadLimits
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
-from faucet_dagster.streams.health import table_metadata
+from faucet_dagster.streams.reports import table_metadata
 
 T = TypeVar("T")
 COLUMNS = {"id": "int64 not null", "name": "string"}
@@ -164,7 +164,7 @@ def test_messages_land_once_across_epochs_and_are_acknowledged_after_certificati
     assert env.acknowledged() == 1_200
     details = certificates[0].receipts[0].details
     assert (details["database"], details["table"]) == ("warehouse", "main.events")
-    assert table_metadata(certificates[0])["dagster/table_name"] == "warehouse.main.events"
+    assert table_metadata(certificates[0].receipts)["dagster/table_name"] == "warehouse.main.events"
 
 
 def test_a_worker_dying_after_the_duckdb_commit_is_replayed_without_duplicates(

@@ -30,6 +30,7 @@ Blocking. delta-rs calls block; every call runs in a worker thread (``asyncio.to
 
 import asyncio
 import contextlib
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,10 @@ T = TypeVar("T")
 _TABLE_LOCKS: dict[Path, threading.Lock] = {}
 _TABLE_LOCKS_GUARD = threading.Lock()
 _QUEUE_DEPTH = 2
+BOOKMARK_APP, BOOKMARK_TOKEN, BOOKMARK = "faucet.app", "faucet.token", "faucet.bookmark"
+"""The commit metadata keys that keep a page's bookmark with its transaction identifier."""
+HISTORY_SEARCHED = 1000
+"""Commits read back (newest first) to find the one that recorded the sync's transaction version."""
 _END = object()
 _ABORT = object()
 
@@ -99,6 +104,7 @@ class DeltaSink(Sink):
             bounded_policies=frozenset({self.mode}),
             durability=Durability.TRANSACTIONAL,
             atomic_watermark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
+            watermark_bookmark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
             schema_evolution=self.config.schema_evolution,
         )
 
@@ -130,11 +136,14 @@ class DeltaSink(Sink):
     async def write_batch_idempotent(
         self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
     ) -> int:
-        """``bookmark`` is not kept (no ``watermark_bookmark``: the runner passes none)."""
         self._require_watermark()
-        return await self._run("writing", self._write, records, token)
+        return await self._run("writing", self._write, records, (token, bookmark))
 
     async def last_committed_token(self) -> CommitToken | None:
+        committed = await self.last_committed_bookmark()
+        return None if committed is None else committed[0]
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
         self._require_watermark()
         return await self._run("reading the transaction version", self._read_token)
 
@@ -197,9 +206,12 @@ class DeltaSink(Sink):
             ) from exc
         self._table()
 
-    def _write(self, batch: pa.RecordBatch, token: CommitToken | None) -> int:
+    def _write(self, batch: pa.RecordBatch, committed: tuple[CommitToken, JsonValue | None] | None) -> int:
+        """Write ``batch`` in one Delta commit; with ``committed`` (the page's token and bookmark), the
+        token as the commit's transaction identifier and the bookmark in its commit metadata."""
         self._check()
         table = self._table()
+        token = None if committed is None else committed[0]
         if token is not None and table is not None:
             stored = table.transaction_version(self._app_id)
             if stored is not None and stored >= token.sequence:
@@ -208,8 +220,16 @@ class DeltaSink(Sink):
             batch = upsert_rows(batch, self._key, self.dataset_uri())
         data = self._conformed(batch, table)
         properties = None
-        if token is not None:
-            properties = CommitProperties(app_transactions=[Transaction(self._app_id, token.sequence)])
+        if committed is not None:
+            token, bookmark = committed
+            properties = CommitProperties(
+                app_transactions=[Transaction(self._app_id, token.sequence)],
+                custom_metadata={
+                    BOOKMARK_APP: self._app_id,
+                    BOOKMARK_TOKEN: str(token.sequence),
+                    BOOKMARK: json.dumps(bookmark),
+                },
+            )
         if table is not None and self._key:
             predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in self._key)
             merger = table.merge(
@@ -264,10 +284,17 @@ class DeltaSink(Sink):
         target = pa.schema([stored.field(f.name) if f.name in stored.names else f for f in data.schema])
         return data.cast(target)
 
-    def _read_token(self) -> CommitToken | None:
+    def _read_token(self) -> tuple[CommitToken, JsonValue | None] | None:
+        """The table's transaction version for this sync, and the bookmark its commit recorded (None
+        when that commit's information is gone: the log's retention removed it)."""
         table = self._table()
         version = None if table is None else table.transaction_version(self._app_id)
-        return None if version is None else CommitToken(int(version))
+        if table is None or version is None:
+            return None
+        for commit in table.history(HISTORY_SEARCHED):
+            if commit.get(BOOKMARK_APP) == self._app_id and commit.get(BOOKMARK_TOKEN) == str(version):
+                return CommitToken(int(version)), json.loads(str(commit[BOOKMARK]))
+        return CommitToken(int(version)), None
 
     def _current_schema(self) -> pa.Schema | None:
         if self._overwrite is not None:

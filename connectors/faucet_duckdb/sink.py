@@ -33,6 +33,7 @@ The file. The sink opens the file at its first call and holds it until ``close``
 """
 
 import hashlib
+import json
 from collections.abc import Sequence
 
 import duckdb
@@ -100,6 +101,7 @@ class DuckDbSink(Sink):
             bounded_policies=frozenset({self.mode}),
             durability=Durability.TRANSACTIONAL,
             atomic_watermark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
+            watermark_bookmark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
             partial_results=True,
             schema_evolution=self.config.schema_evolution,
         )
@@ -150,11 +152,14 @@ class DuckDbSink(Sink):
     async def write_batch_idempotent(
         self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
     ) -> int:
-        """``bookmark`` is not kept (no ``watermark_bookmark``: the runner passes none)."""
         self._require_watermark()
-        return await self.file.call("writing", self._write, records, token)
+        return await self.file.call("writing", self._write, records, (token, bookmark))
 
     async def last_committed_token(self) -> CommitToken | None:
+        committed = await self.last_committed_bookmark()
+        return None if committed is None else committed[0]
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
         self._require_watermark()
         return await self.file.call("reading the watermark", self._read_token)
 
@@ -188,9 +193,13 @@ class DuckDbSink(Sink):
         return self._stage if self.mode is WritePolicy.REPLACE else self.config.table
 
     def _write(
-        self, conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch, token: CommitToken | None
+        self,
+        conn: duckdb.DuckDBPyConnection,
+        batch: pa.RecordBatch,
+        token: tuple[CommitToken, JsonValue | None] | None,
     ) -> int:
-        """Write ``batch`` in one transaction (with ``token`` advanced in it); 0 for a replayed token."""
+        """Write ``batch`` in one transaction (with the token advanced in it, and the page's bookmark
+        kept with it); 0 for a replayed token."""
         conn.begin()
         try:
             written = self._apply(conn, batch, token)
@@ -205,7 +214,10 @@ class DuckDbSink(Sink):
         return written
 
     def _apply(
-        self, conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch, token: CommitToken | None
+        self,
+        conn: duckdb.DuckDBPyConnection,
+        batch: pa.RecordBatch,
+        token: tuple[CommitToken, JsonValue | None] | None,
     ) -> int | None:
         """Write ``batch`` in the caller's transaction; None when ``token`` is not newer than the
         stored one (nothing was written)."""
@@ -223,7 +235,7 @@ class DuckDbSink(Sink):
                 evolve=self.config.schema_evolution,
                 where=self.dataset_uri(),
             )
-            if token is not None and not self._claim(conn, token):
+            if token is not None and not self._claim(conn, *token):
                 return None
             if batch.num_rows:
                 if self._key:
@@ -309,23 +321,26 @@ class DuckDbSink(Sink):
     def _watermark_name(self) -> str:
         return qualified(self.config.schema_name, self.config.watermark_table)
 
-    def _claim(self, conn: duckdb.DuckDBPyConnection, token: CommitToken) -> bool:
-        """Advance this sync's watermark to ``token`` in the caller's transaction; False when the
-        stored token is not older (a replayed page). Two transactions advancing one row conflict at
-        commit (DuckDB's optimistic concurrency): one of them fails with CommitConflict."""
+    def _claim(self, conn: duckdb.DuckDBPyConnection, token: CommitToken, bookmark: JsonValue | None) -> bool:
+        """Advance this sync's watermark to ``token``, with the page's ``bookmark`` (JSON), in the
+        caller's transaction; False when the stored token is not older (a replayed page). Two
+        transactions advancing one row conflict at commit (DuckDB's optimistic concurrency): one of
+        them fails with CommitConflict."""
         name = self._watermark_name()
         conn.execute(
             f"CREATE TABLE IF NOT EXISTS {name} (sync_id VARCHAR PRIMARY KEY, token VARCHAR NOT NULL, "
-            "updated_at TIMESTAMPTZ NOT NULL)"
+            "updated_at TIMESTAMPTZ NOT NULL, bookmark VARCHAR)"
         )
+        conn.execute(f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS bookmark VARCHAR")
         stored = first_row(conn, f"SELECT token FROM {name} WHERE sync_id = ?", [self._watermark_scope])
         if stored is not None and str(stored[0]) >= str(token):
             return False
         try:
             conn.execute(
-                f"INSERT INTO {name} VALUES (?, ?, now()) ON CONFLICT (sync_id) DO UPDATE "
-                "SET token = excluded.token, updated_at = excluded.updated_at",
-                [self._watermark_scope, str(token)],
+                f"INSERT INTO {name} (sync_id, token, updated_at, bookmark) VALUES (?, ?, now(), ?) "
+                "ON CONFLICT (sync_id) DO UPDATE "
+                "SET token = excluded.token, updated_at = excluded.updated_at, bookmark = excluded.bookmark",
+                [self._watermark_scope, str(token), None if bookmark is None else json.dumps(bookmark)],
             )
         except duckdb.ConstraintException as exc:
             raise CommitConflict(
@@ -333,13 +348,19 @@ class DuckDbSink(Sink):
             ) from exc
         return True
 
-    def _read_token(self, conn: duckdb.DuckDBPyConnection) -> CommitToken | None:
-        if tables.columns_of(conn, self.config.schema_name, self.config.watermark_table) is None:
+    def _read_token(self, conn: duckdb.DuckDBPyConnection) -> tuple[CommitToken, JsonValue | None] | None:
+        columns = tables.columns_of(conn, self.config.schema_name, self.config.watermark_table)
+        if columns is None:
             return None
+        bookmark = "bookmark" if "bookmark" in columns else "NULL"
         stored = first_row(
-            conn, f"SELECT token FROM {self._watermark_name()} WHERE sync_id = ?", [self._watermark_scope]
+            conn,
+            f"SELECT token, {bookmark} FROM {self._watermark_name()} WHERE sync_id = ?",
+            [self._watermark_scope],
         )
-        return None if stored is None else CommitToken.parse(str(stored[0]))
+        if stored is None:
+            return None
+        return CommitToken.parse(str(stored[0])), None if stored[1] is None else json.loads(str(stored[1]))
 
 
 def _ping(conn: duckdb.DuckDBPyConnection) -> None:

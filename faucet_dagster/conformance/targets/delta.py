@@ -29,8 +29,8 @@ def _reader(path: Path) -> Callable[[], Coroutine[Any, Any, list[dict[str, Any]]
 
         if not DeltaTable.is_deltatable(str(path)):
             return []
-        rows = DeltaTable(str(path)).to_pyarrow_table(columns=["id", "name"]).to_pylist()
-        return [{"id": row["id"], "name": row["name"]} for row in rows]
+        rows: list[dict[str, Any]] = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+        return rows
 
     async def read_back() -> list[dict[str, Any]]:
         return await asyncio.to_thread(read)

@@ -33,15 +33,23 @@ def _items(path: Path) -> None:
     )
 
 
+def _read_all(path: Path, table: str) -> list[dict[str, Any]]:
+    """Every row of ``table`` with every column (none when there is no such table)."""
+    import duckdb
+
+    with duckdb.connect(str(path)) as conn:
+        exists = conn.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [table]).fetchall()
+        if not exists[0][0]:
+            return []
+        quoted = '"' + table.replace('"', '""') + '"'
+        cursor = conn.execute(f"SELECT * FROM {quoted}")
+        names = [column[0] for column in cursor.description or ()]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
 def _reader(path: Path, table: str) -> Callable[[], Coroutine[Any, Any, list[dict[str, Any]]]]:
     async def read_back() -> list[dict[str, Any]]:
-        found = await asyncio.to_thread(
-            _duckdb, path, f"SELECT count(*) FROM duckdb_tables() WHERE table_name = '{table}'"
-        )
-        if not found[0][0]:
-            return []
-        rows = await asyncio.to_thread(_duckdb, path, f'SELECT id, name FROM "{table}"')
-        return [{"id": row[0], "name": row[1]} for row in rows]
+        return await asyncio.to_thread(_read_all, path, table)
 
     return read_back
 
