@@ -111,9 +111,13 @@ class DuckDbFile:
         writer: bool,
         where: str | None = None,
         connect: Connect = duckdb.connect,
+        hold: bool = True,
     ) -> None:
         self.config = config
         self.writer = writer
+        self.hold = hold
+        """Keep the connection (the file) between calls; without, each call opens and closes it, so
+        other processes (a notebook, an IO manager) can use the file between a stream's commits."""
         self.path = Path(config.path).expanduser().absolute()
         self.where = where or str(self.path)
         self._connect = connect
@@ -133,6 +137,11 @@ class DuckDbFile:
                     return function(self._connection(), *args, **kwargs)
                 except (duckdb.Error, pa.ArrowException) as exc:
                     raise wrap(exc, where=self.where, doing=doing) from exc
+                finally:
+                    if not self.hold:
+                        conn, self._conn = self._conn, None
+                        if conn is not None:
+                            conn.close()
 
         return await asyncio.to_thread(work)
 

@@ -242,7 +242,8 @@ class DuckDbStreamingSink(StreamingSink):
             raise ConfigError(f"policy {policy.value} is not a continuous DuckDB policy", where=where)
         if policy is WritePolicy.UPSERT and not key:
             raise ConfigError("policy upsert needs a key", where=where)
-        file = DuckDbFile(self.config, writer=True, where=where, connect=self._connect)
+        # Held only during each call (a commit, a read of the fence): between epochs the file is free.
+        file = DuckDbFile(self.config, writer=True, where=where, connect=self._connect, hold=False)
         state = _StateTables(self.config, stream)
         try:
             claimed = await file.call(
