@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import duckdb
 import psycopg
 import pytest
 import sqlalchemy as sa
@@ -114,6 +115,48 @@ def test_two_runs_resume_from_the_bookmark_in_run_storage(
     third = materialization(dg.materialize(assets, instance=instance), "orders")
     assert value(third, "faucet/rows_read") == 0
     assert postgres_ids(postgres_url, "orders") == list(range(1, 1501))
+
+
+def test_a_sync_into_duckdb_reports_dagsters_table_metadata_and_moves_nothing_twice(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_csv(data / "2024-01.csv", 1, 700)
+    path = tmp_path / "warehouse.duckdb"
+    warehouse = FaucetConnection(connector="duckdb", config={"path": str(path)})
+    orders = FaucetSync("orders", source=files(data), sink=warehouse.using(table="orders"), batch_size=300)
+    assets = faucet_sync_assets([orders])
+
+    first = materialization(dg.materialize(assets, instance=instance), "orders")
+    assert value(first, "dagster/storage_kind") == "duckdb"
+    assert value(first, "dagster/table_name") == "warehouse.main.orders"
+    assert value(first, "dagster/row_count") == 700
+    assert value(first, "faucet/delivery") == "effectively_once"
+    columns = [column.name for column in value(first, "dagster/column_schema").columns]
+    assert columns == ["id", "name", "amount"]
+    again = materialization(dg.materialize(assets, instance=instance), "orders")
+    assert (value(again, "faucet/rows_read"), value(again, "faucet/rows_written")) == (0, 0)
+    with duckdb.connect(str(path)) as conn:
+        assert conn.execute("SELECT count(*), count(DISTINCT id) FROM orders").fetchall() == [(700, 700)]
+
+
+def test_a_sync_into_a_delta_table_reports_its_storage_kind_and_table(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_csv(data / "2024-01.csv", 1, 400)
+    lake = FaucetConnection(connector="delta", config={})
+    orders = FaucetSync("orders", source=files(data), sink=lake.using(uri=str(tmp_path / "lake" / "orders")))
+    assets = faucet_sync_assets([orders])
+    first = materialization(dg.materialize(assets, instance=instance), "orders")
+    assert value(first, "dagster/storage_kind") == "delta"
+    assert value(first, "dagster/table_name") == "lake.orders"
+    assert value(first, "dagster/row_count") == 400
+    assert value(first, "faucet/delivery") == "effectively_once"
+    again = materialization(dg.materialize(assets, instance=instance), "orders")
+    assert value(again, "faucet/rows_written") == 0 and value(again, "dagster/row_count") == 400
 
 
 def completed_files(bookmark: JsonValue | None) -> list[str]:

@@ -1,7 +1,7 @@
 """The bounded runner against real files, SQLite and the real PostgreSQL of the test session.
 
-Each behaviour runs against every sink the issue names: the SQL sink on SQLite (the embedded
-default), the SQL sink on PostgreSQL, and the PostgreSQL sink. Faults are injected at exact points
+Each behaviour runs against every table sink: the SQL sink on SQLite (the embedded default), the SQL
+sink on PostgreSQL, the PostgreSQL sink and the DuckDB sink. Faults are injected at exact points
 only: ``on_page`` raising right after a page was committed, and a list-backed source emitting a
 malformed JSON row at a known position.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import nats
 import psycopg
 import pytest
@@ -71,9 +72,13 @@ class Target:
     url: str
 
     def sink(self, table: str, **config: Any) -> Sink:
-        return get_connector(self.connector).sink({"url": self.url, "table": table, **config})
+        where = {"path": self.url} if self.connector == "duckdb" else {"url": self.url}
+        return get_connector(self.connector).sink({**where, "table": table, **config})
 
     def query(self, sql: str) -> list[tuple[Any, ...]]:
+        if self.connector == "duckdb":
+            with duckdb.connect(self.url) as connection:
+                return connection.execute(sql).fetchall()
         engine = sa.create_engine(self.url.replace("postgresql://", "postgresql+psycopg://", 1))
         try:
             with engine.connect() as connection:
@@ -85,6 +90,8 @@ class Target:
         return [row[0] for row in self.query(f'SELECT id FROM "{table}" ORDER BY id')]
 
     def columns(self, table: str) -> list[str]:
+        if self.connector == "duckdb":
+            return [row[0] for row in self.query(f'SELECT column_name FROM (DESCRIBE "{table}")')]
         engine = sa.create_engine(self.url.replace("postgresql://", "postgresql+psycopg://", 1))
         try:
             return [column["name"] for column in sa.inspect(engine).get_columns(table)]
@@ -92,13 +99,15 @@ class Target:
             engine.dispose()
 
 
-TARGETS = ["sql-sqlite", "sql-postgres", "postgres"]
+TARGETS = ["sql-sqlite", "sql-postgres", "postgres", "duckdb"]
 
 
 @pytest.fixture(params=TARGETS)
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     if request.param == "sql-sqlite":
         return Target(request.param, "sql", f"sqlite:///{tmp_path / 'warehouse.db'}")
+    if request.param == "duckdb":
+        return Target(request.param, "duckdb", str(tmp_path / "warehouse.duckdb"))
     url = request.getfixturevalue("postgres_url")
     return Target(request.param, "postgres" if request.param == "postgres" else "sql", url)
 
@@ -436,6 +445,8 @@ def _create_checked_table(target: Target) -> None:
         with engine.begin() as connection:
             connection.execute(sa.text(statement.replace("DOUBLE PRECISION", "REAL")))
         engine.dispose()
+    elif target.connector == "duckdb":
+        target.query(statement)
     else:
         with psycopg.connect(target.url, autocommit=True) as connection:
             connection.execute(statement)
@@ -511,6 +522,8 @@ def test_effectively_once_with_a_dead_letter_route_is_refused_before_anything_is
     tables = target.query(
         "SELECT name FROM sqlite_master WHERE type = 'table'"
         if target.url.startswith("sqlite")
+        else "SELECT table_name FROM information_schema.tables"
+        if target.connector == "duckdb"
         else "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
     )
     assert not [name for (name,) in tables if name in ("orders", "rejected")]

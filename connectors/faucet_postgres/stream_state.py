@@ -10,20 +10,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from psycopg import sql
 
 from faucet_dagster.protocol import (
+    CommittedEpochs,
     Coverage,
     EpochId,
     Identities,
-    IntegerPositionCodec,
-    IntegrityError,
     OrderingDomain,
     Position,
     SinkBatch,
     SinkCommitState,
-    default_codec_registry,
 )
 from faucet_postgres import change_apply, changes
 from faucet_postgres.common import PgColumn, table_name
@@ -140,52 +137,18 @@ class Epoch:
     failed: bool = False
 
     @property
-    def watermarks(self) -> Mapping[Lineage, Position]:
-        return self.begun.watermarks
+    def committed(self) -> CommittedEpochs:
+        """The state the epoch began with, as the protocol's watermark rules read it."""
+        return CommittedEpochs(self.begun.last, self.begun.watermarks)
 
     def above_watermark(
         self, batch: SinkBatch, where: str
     ) -> tuple[pa.RecordBatch, Identities, int, list[int] | None]:
         """The rows of ``batch`` after its domain's watermark, their identities, how many were dropped,
         and the kept rows' indices in ``batch`` (``None``: every row was kept)."""
-        records = batch.records
-        positions = list(batch.identities.positions)
-        mark = self.watermarks.get(batch.domain.lineage)
-        if mark is None or mark.domain.incarnation != batch.domain.incarnation or not positions:
-            return records, batch.identities, 0, None
-        codec = default_codec_registry().get(batch.domain.codec)
-        limit = codec.validate(mark.value)
-        if isinstance(codec, IntegerPositionCodec):
-            try:
-                values = pa.array(positions, pa.string()).cast(pa.int64())
-            except pa.ArrowInvalid as exc:
-                raise IntegrityError(
-                    f"a batch carries positions that are not {codec.name} positions", where=where
-                ) from exc
-            keep = pc.greater(values, limit)
-        else:
-            verdicts = {text: codec.compare(codec.validate(text), limit) > 0 for text in set(positions)}
-            keep = pa.array([verdicts[text] for text in positions], pa.bool_())
-        kept = int(pc.sum(keep).as_py() or 0)
-        if kept == len(positions):
-            return records, batch.identities, 0, None
-        indices = pc.indices_nonzero(keep).to_pylist()
-        ordinals = batch.identities.ordinals
-        identities = Identities(
-            [positions[index] for index in indices],
-            None if ordinals is None else [ordinals[index] for index in indices],
-        )
-        return records.filter(keep), identities, len(positions) - kept, indices
+        kept = self.committed.rows_above(batch, where)
+        return kept.records, kept.identities, kept.skipped, kept.indices
 
     def next_watermarks(self, coverage: Coverage) -> list[Position]:
         """The watermark per covered domain after this epoch: never behind the one it replaces."""
-        marks: list[Position] = []
-        for item in coverage.domains:
-            new = Position(item.domain, item.end)
-            old = self.watermarks.get(item.domain.lineage)
-            if old is not None and old.domain == item.domain:
-                codec = default_codec_registry().get(item.domain.codec)
-                if codec.compare(codec.validate(old.value), codec.validate(item.end)) >= 0:
-                    new = old
-            marks.append(new)
-        return marks
+        return self.committed.next_watermarks(coverage)

@@ -20,6 +20,7 @@ from faucet_dagster.protocol import (
     ConnectorConfig,
     NoAuth,
     UserPasswordAuth,
+    check_write_key,
     identifier_too_long,
     refuse_url_credentials,
 )
@@ -70,6 +71,12 @@ class SqlConnection(ConnectorConfig):
             raise ValueError("not a SQLAlchemy URL (dialect[+driver]://user@host/database)") from None
         if parsed.password is not None:
             raise ValueError("the URL holds a password; put credentials in auth (user_password)")
+        if parsed.get_backend_name() == "duckdb":
+            # duckdb-engine's dialect answers PostgreSQL's catalog queries DuckDB does not have.
+            raise ValueError(
+                "DuckDB is not a dialect of the sql connector: use the duckdb connector "
+                "(connector: duckdb, config: {path: <file>, table: <table>}), which writes Arrow natively"
+            )
         try:
             # Loads the dialect's module, no I/O: a misspelt dialect fails here, not at a run.
             parsed.get_dialect()
@@ -170,10 +177,7 @@ class SqlSinkConfig(SqlTable):
 
     @model_validator(mode="after")
     def _key_for_upsert(self) -> Self:
-        if self.mode == "upsert" and not self.key:
-            raise ValueError("mode upsert needs a non-empty key")
-        if any(not column for column in self.key):
-            raise ValueError("key columns must not be empty")
+        check_write_key(self.mode, self.key)
         return self
 
     def configured_names(self) -> list[str]:

@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import sqlalchemy as sa
 
 from faucet_dagster.protocol import (
@@ -56,6 +55,7 @@ from faucet_dagster.protocol import (
     UnsupportedOperation,
     WritePolicy,
     bisect_rejections,
+    last_row_per_key,
 )
 from faucet_sql.config import SqlSinkConfig
 from faucet_sql.database import (
@@ -246,7 +246,7 @@ class SqlSink(Sink):
         if self.mode is not WritePolicy.UPSERT:
             conn.execute(sa.insert(table), batch.to_pylist())
             return
-        batch = _last_row_per_key(batch, self.config.key)
+        batch = last_row_per_key(batch, self.config.key)
         rows = batch.to_pylist()
         statement = self._upsert_statement(table, batch.schema.names)
         if statement is None:
@@ -558,16 +558,3 @@ def _ddl(conn: sa.Connection, statement: str) -> None:
     mysqlclient), and those drivers undo it on execution; the text goes to the driver as it is, so a
     ``%`` is neither lost nor doubled on any driver (``sa.DDL`` would %-format it once more)."""
     conn.exec_driver_sql(statement)
-
-
-def _last_row_per_key(batch: pa.RecordBatch, key: Sequence[str]) -> pa.RecordBatch:
-    """``batch`` with only the last row of every key, in batch order (last write wins)."""
-    if batch.num_rows < 2:
-        return batch
-    table = pa.Table.from_batches([batch]).select(list(key))
-    table = table.append_column("__faucet_row", pa.array(range(batch.num_rows), pa.int64()))
-    last = table.group_by(list(key), use_threads=False).aggregate([("__faucet_row", "max")])
-    rows = last.column("__faucet_row_max").combine_chunks()
-    if len(rows) == batch.num_rows:
-        return batch
-    return batch.take(pc.take(rows, pc.sort_indices(rows)))

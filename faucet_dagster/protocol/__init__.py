@@ -41,9 +41,11 @@ from faucet_dagster.protocol.config import (
     NoAuth,
     TokenAuth,
     UserPasswordAuth,
+    check_write_key,
 )
 from faucet_dagster.protocol.errors import (
     AuthError,
+    CommitConflict,
     ConfigError,
     ConnectionFailed,
     DataError,
@@ -66,6 +68,7 @@ from faucet_dagster.protocol.identifiers import (
     identifier_too_long,
     postgres_identifier_problem,
 )
+from faucet_dagster.protocol.keys import first_row_without_key, last_row_per_key, upsert_rows
 from faucet_dagster.protocol.keyset import (
     KeysetBookmark,
     KeysetPages,
@@ -151,6 +154,7 @@ from faucet_dagster.protocol.verification import (
     ReadableSink,
     ReadableStreamingSink,
 )
+from faucet_dagster.protocol.watermarks import CommittedEpochs, KeptRows
 
 __all__ = [
     "DEFAULT_DIFF_LIMIT",
@@ -167,7 +171,9 @@ __all__ = [
     "Authority",
     "CancelToken",
     "CodecRegistry",
+    "CommitConflict",
     "CommitToken",
+    "CommittedEpochs",
     "ConfigError",
     "Conformed",
     "ConnectionFailed",
@@ -200,6 +206,7 @@ __all__ = [
     "IntegerPositionCodec",
     "IntegrityError",
     "JsonValue",
+    "KeptRows",
     "KeysetBookmark",
     "KeysetPages",
     "KeysetSource",
@@ -254,6 +261,7 @@ __all__ = [
     "as_record_batch",
     "bisect_rejections",
     "check_lattice_schema",
+    "check_write_key",
     "compare_positions",
     "conform_batch",
     "conform_rows",
@@ -261,9 +269,11 @@ __all__ = [
     "decode_scalar",
     "default_codec_registry",
     "encode_scalar",
+    "first_row_without_key",
     "get_connector",
     "identifier_too_long",
     "infer_schema",
+    "last_row_per_key",
     "lattice_type_problem",
     "load_connectors",
     "postgres_identifier_problem",
@@ -275,5 +285,6 @@ __all__ = [
     "source_capabilities_from",
     "split_missing",
     "tie_start",
+    "upsert_rows",
     "url_credentials",
 ]

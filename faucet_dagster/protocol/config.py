@@ -12,6 +12,7 @@ Credentials use the project-wide adjacently tagged shape ``{"type": <method>, "c
       config: {username: app, password: "..."}
 """
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
@@ -110,3 +111,12 @@ Auth = Annotated[
     Field(discriminator="type"),
 ]
 """The adjacently tagged auth union every connector uses for credentials."""
+
+
+def check_write_key(mode: str, key: Sequence[str]) -> None:
+    """For a sink config's validator: raise ValueError unless an ``upsert`` mode has a key, and no key
+    column name is empty."""
+    if mode == "upsert" and not key:
+        raise ValueError("mode upsert needs a non-empty key")
+    if any(not column for column in key):
+        raise ValueError("key columns must not be empty")

@@ -30,6 +30,7 @@ class ErrorKind(StrEnum):
     INTEGRITY = "integrity"
     UNCERTAIN_OUTCOME = "uncertain_outcome"
     LIFECYCLE = "lifecycle"
+    CONFLICT = "conflict"
     UNSUPPORTED = "unsupported"
     INTERNAL = "internal"
 
@@ -128,6 +129,16 @@ class UncertainOutcome(FaucetError):
     """It is unknown whether a commit or a shutdown took effect; takeover must wait for an operator."""
 
     kind = ErrorKind.UNCERTAIN_OUTCOME
+
+
+class CommitConflict(FaucetError):
+    """Another writer committed to the destination first and the two commits conflict (optimistic
+    concurrency: two transactions updated the same rows, two table-format commits claimed the same
+    transaction identifier). Nothing of this commit took effect; trying again re-reads the destination
+    and may succeed, or find that another owner took over."""
+
+    kind = ErrorKind.CONFLICT
+    retryable = True
 
 
 class LifecycleError(FaucetError):

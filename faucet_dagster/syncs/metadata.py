@@ -144,7 +144,8 @@ def table_name(uri: str) -> str:
     """The fully qualified table name (``database.schema.table`` as far as the URI names them) for
     ``dagster/table_name``, from a sink's dataset URI: ``sqlite:///w.db#orders`` -> ``w.orders``,
     ``postgresql://host/shop#public.orders`` and ``postgresql://host/shop/public.orders`` ->
-    ``shop.public.orders``."""
+    ``shop.public.orders``, ``duckdb:///data/w.duckdb#main.orders`` -> ``w.main.orders`` (DuckDB's
+    own name for it: a file's catalog is named after the file)."""
     base, _, fragment = uri.partition("#")
     segments = [segment for segment in base.split("://", 1)[-1].split("/")[1:] if segment]
     if fragment:
@@ -154,7 +155,7 @@ def table_name(uri: str) -> str:
         table = segments[-1] if segments else uri
         database = segments[-2] if len(segments) > 1 else ""
     database = database.split("?", 1)[0]
-    for suffix in (".db", ".sqlite", ".sqlite3"):
+    for suffix in (".db", ".sqlite", ".sqlite3", ".duckdb"):
         database = database.removesuffix(suffix)
     return f"{database}.{table}" if database else table
 

@@ -439,6 +439,14 @@ def test_missing_sqlite_file_table_and_dead_host_raise_faucet_errors(tmp_path: P
         asyncio.run(sink(dead, table="t").write_batch(pa.record_batch({"a": [1]})))
 
 
+def test_a_duckdb_url_is_refused_naming_the_duckdb_connector(tmp_path: Path) -> None:
+    for url in (f"duckdb:///{tmp_path / 'w.duckdb'}", "duckdb:///:memory:"):
+        with pytest.raises(ConfigError, match="use the duckdb connector"):
+            sink(url, table="orders")
+        with pytest.raises(ConfigError, match="use the duckdb connector"):
+            source(url, table="orders")
+
+
 def test_a_sqlite_sink_under_an_unusable_folder_raises_a_config_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

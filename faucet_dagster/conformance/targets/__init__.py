@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory
 from faucet_dagster.conformance.targets._common import closed_port
+from faucet_dagster.conformance.targets.delta import delta_sink
+from faucet_dagster.conformance.targets.duckdb import duckdb_sink, duckdb_source, duckdb_streaming_sink
 from faucet_dagster.conformance.targets.kafka import kafka_source
 from faucet_dagster.conformance.targets.local import files_source, sql_sink, sql_source
 from faucet_dagster.conformance.targets.nats import nats_sink, nats_source
@@ -41,6 +43,12 @@ TARGETS: Mapping[str, Mapping[Role, tuple[ConfigFactory, ConformanceOptions]]] =
         Role.STREAM_SOURCE: (nats_source, DEFAULT_OPTIONS),
         Role.STREAMING_SINK: (nats_sink, ConformanceOptions(replay_duplicates="within_window")),
     },
+    "duckdb": {
+        Role.SOURCE: (duckdb_source, DEFAULT_OPTIONS),
+        Role.SINK: (duckdb_sink, DEFAULT_OPTIONS),
+        Role.STREAMING_SINK: (duckdb_streaming_sink, DEFAULT_OPTIONS),
+    },
+    "delta": {Role.SINK: (delta_sink, DEFAULT_OPTIONS)},
     "kafka": {
         Role.SOURCE: (kafka_source, DEFAULT_OPTIONS),
         Role.STREAM_SOURCE: (kafka_source, DEFAULT_OPTIONS),
@@ -56,6 +64,10 @@ def target(connector: str, role: Role) -> tuple[ConfigFactory, ConformanceOption
 __all__ = [
     "TARGETS",
     "closed_port",
+    "delta_sink",
+    "duckdb_sink",
+    "duckdb_source",
+    "duckdb_streaming_sink",
     "files_source",
     "kafka_source",
     "nats_sink",

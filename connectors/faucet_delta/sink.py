@@ -1,0 +1,456 @@
+"""The Delta Lake sink: Arrow batches into one Delta table, one Delta commit per page.
+
+Modes (one per configured sink; ``capabilities().bounded_policies`` is exactly that mode):
+
+- ``append``: ``write_deltalake(mode="append")``; each page is one commit.
+- ``upsert``: MERGE on the key (``when_matched_update_all``, ``when_not_matched_insert_all``); within a
+  page the last row of a key wins; a row without its key is refused (DataError). The first page of a
+  missing table creates it.
+- ``replace``: the run's pages stream into one ``write_deltalake(mode="overwrite")`` running in a
+  worker thread; ``finish()`` ends the stream and waits for its commit. Readers see the previous
+  version until then; a run that fails or closes before ``finish`` aborts the stream and nothing is
+  committed (the Parquet files it wrote are unreferenced, removed by a later ``VACUUM``).
+
+Watermark. ``write_batch_idempotent(records, token)`` commits the page with the Delta transaction
+identifier ``Transaction(app_id, token)`` in the same commit (``CommitProperties.app_transactions``):
+the table's log records it atomically with the files. A page whose token is not above the table's
+transaction version for the app id writes nothing and returns 0. Two writers committing the same app
+id from one snapshot conflict in Delta's optimistic commit (the second fails with a retryable
+CommitConflict, and its retry reads the first's version and skips); writers of one table in one
+process also take turns under a process-wide lock. Append and upsert only.
+
+Schemas. A missing table is created from the first page's Arrow schema (partitioned by
+``partition_by``). A column the table lacks is merged into its schema (``schema_mode="merge"``) when
+``schema_evolution`` is on, refused (SchemaError) when off. A column whose values the table's type
+would change (a float into a BIGINT column: delta-rs casts it silently) is refused, naming it; a
+narrower integer or float is widened to the table's type.
+
+Blocking. delta-rs calls block; every call runs in a worker thread (``asyncio.to_thread``).
+"""
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError, SchemaMismatchError, TableNotFoundError
+
+from faucet_dagster.protocol import (
+    AddColumn,
+    CommitConflict,
+    CommitToken,
+    ConfigError,
+    DataError,
+    Durability,
+    FaucetError,
+    JsonValue,
+    SchemaError,
+    Sink,
+    SinkCapabilities,
+    UnsupportedOperation,
+    WritePolicy,
+    upsert_rows,
+)
+from faucet_delta.config import DeltaSinkConfig
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_TABLE_LOCKS: dict[Path, threading.Lock] = {}
+_TABLE_LOCKS_GUARD = threading.Lock()
+_QUEUE_DEPTH = 2
+BOOKMARK_APP, BOOKMARK_TOKEN, BOOKMARK = "faucet.app", "faucet.token", "faucet.bookmark"
+"""The commit metadata keys that keep a page's bookmark with its transaction identifier."""
+HISTORY_SEARCHED = 1000
+"""Commits read back (newest first) to find the one that recorded the sync's transaction version."""
+_END = object()
+_ABORT = object()
+
+
+def _table_lock(path: Path) -> threading.Lock:
+    """The process-wide lock the writers of the table at ``path`` take turns under."""
+    with _TABLE_LOCKS_GUARD:
+        return _TABLE_LOCKS.setdefault(path, threading.Lock())
+
+
+class DeltaSink(Sink):
+    """A bounded sink into one Delta table (see the module docstring)."""
+
+    connector_name = "delta"
+    config_model = DeltaSinkConfig
+
+    def __init__(self, config: DeltaSinkConfig) -> None:
+        self.config = config
+        self.mode = WritePolicy(config.mode)
+        self.path = config.path()
+        self._lock = _table_lock(self.path.resolve())
+        self._key = tuple(config.key) if self.mode is WritePolicy.UPSERT else ()
+        self._app_id = config.transaction_app_id()
+        self._overwrite: _Overwrite | None = None
+
+    # -- identity and capabilities ------------------------------------------------------------------
+
+    def dataset_uri(self) -> str:
+        return f"delta+file://{self.path.as_posix()}"
+
+    def capabilities(self) -> SinkCapabilities:
+        return SinkCapabilities(
+            bounded_policies=frozenset({self.mode}),
+            durability=Durability.TRANSACTIONAL,
+            atomic_watermark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
+            watermark_bookmark=self.mode in (WritePolicy.APPEND, WritePolicy.UPSERT),
+            schema_evolution=self.config.schema_evolution,
+        )
+
+    def dedups_by_key(self) -> bool:
+        return self.mode is WritePolicy.UPSERT
+
+    def write_mode(self) -> tuple[WritePolicy, tuple[str, ...]]:
+        return self.mode, tuple(self.config.key)
+
+    def scope_watermark(self, scope: str) -> bool:
+        self._app_id = f"{self.config.transaction_app_id()}#{scope}"
+        return True
+
+    # -- protocol methods -----------------------------------------------------------------------------
+
+    async def check(self) -> None:
+        await self._run("checking the table", self._check)
+
+    async def close(self) -> None:
+        overwrite, self._overwrite = self._overwrite, None
+        if overwrite is not None:
+            await asyncio.to_thread(overwrite.abort)
+
+    async def write_batch(self, records: pa.RecordBatch) -> int:
+        if self.mode is WritePolicy.REPLACE:
+            return await self._run("writing the snapshot", self._stream, records)
+        return await self._run("writing", self._write, records, None)
+
+    async def write_batch_idempotent(
+        self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
+    ) -> int:
+        self._require_watermark()
+        return await self._run("writing", self._write, records, (token, bookmark))
+
+    async def last_committed_token(self) -> CommitToken | None:
+        committed = await self.last_committed_bookmark()
+        return None if committed is None else committed[0]
+
+    async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
+        self._require_watermark()
+        return await self._run("reading the transaction version", self._read_token)
+
+    async def finish(self) -> None:
+        if self.mode is WritePolicy.REPLACE:
+            await self._run("replacing the table", self._commit_snapshot)
+
+    async def current_schema(self) -> pa.Schema | None:
+        return await self._run("reading the table's schema", self._current_schema)
+
+    async def row_count(self) -> int | None:
+        return await self._run("counting rows", self._row_count)
+
+    async def evolve_schema(self, changes: Sequence[AddColumn]) -> None:
+        if not self.config.schema_evolution:
+            raise SchemaError(
+                f"schema evolution is off: not adding {', '.join(change.name for change in changes)}",
+                where=self.dataset_uri(),
+            )
+        if self.mode is not WritePolicy.REPLACE:  # a replace's snapshot brings its own schema
+            await self._run("adding columns", self._evolve, changes)
+
+    # -- blocking parts, run in a worker thread -----------------------------------------------------
+
+    async def _run(self, doing: str, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``function`` in a worker thread under the table's lock; a delta-rs, Arrow or OS error
+        becomes the FaucetError :func:`_error` names."""
+
+        def work() -> T:
+            with self._lock:
+                try:
+                    return function(*args, **kwargs)
+                except FaucetError:
+                    raise
+                except (DeltaError, pa.ArrowException, OSError) as exc:
+                    raise _error(exc, where=self.dataset_uri(), doing=doing) from exc
+
+        return await asyncio.to_thread(work)
+
+    def _require_watermark(self) -> None:
+        if not self.capabilities().atomic_watermark:
+            raise UnsupportedOperation(f"{self.mode.value} has no atomic watermark", where=self.dataset_uri())
+
+    def _table(self) -> DeltaTable | None:
+        if not DeltaTable.is_deltatable(str(self.path)):
+            return None
+        try:
+            return DeltaTable(str(self.path))
+        except TableNotFoundError:
+            return None
+
+    def _check(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError("the table's path is a file, not a folder", where=self.dataset_uri())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the table's folder: {exc.strerror}", where=self.dataset_uri()
+            ) from exc
+        self._table()
+
+    def _write(self, batch: pa.RecordBatch, committed: tuple[CommitToken, JsonValue | None] | None) -> int:
+        """Write ``batch`` in one Delta commit; with ``committed`` (the page's token and bookmark), the
+        token as the commit's transaction identifier and the bookmark in its commit metadata."""
+        self._check()
+        table = self._table()
+        token = None if committed is None else committed[0]
+        if token is not None and table is not None:
+            stored = table.transaction_version(self._app_id)
+            if stored is not None and stored >= token.sequence:
+                return 0
+        if self._key:
+            batch = upsert_rows(batch, self._key, self.dataset_uri())
+        data = self._conformed(batch, table)
+        properties = None
+        if committed is not None:
+            token, bookmark = committed
+            properties = CommitProperties(
+                app_transactions=[Transaction(self._app_id, token.sequence)],
+                custom_metadata={
+                    BOOKMARK_APP: self._app_id,
+                    BOOKMARK_TOKEN: str(token.sequence),
+                    BOOKMARK: json.dumps(bookmark),
+                },
+            )
+        if table is not None and self._key:
+            predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in self._key)
+            merger = table.merge(
+                data,
+                predicate,
+                source_alias="s",
+                target_alias="t",
+                merge_schema=self.config.schema_evolution,
+                commit_properties=properties,
+            )
+            merger.when_matched_update_all().when_not_matched_insert_all().execute()
+        else:
+            write_deltalake(
+                table if table is not None else str(self.path),
+                data,
+                mode="append",
+                schema_mode="merge" if self.config.schema_evolution and table is not None else None,
+                partition_by=list(self.config.partition_by) or None if table is None else None,
+                commit_properties=properties,
+            )
+        return int(batch.num_rows)
+
+    def _conformed(self, batch: pa.RecordBatch, table: DeltaTable | None) -> pa.Table:
+        """``batch`` as the table stores it: dictionary columns decoded, narrower numbers widened to
+        the table's types; a lossy type or (evolution off) a new column refused."""
+        data = pa.Table.from_batches([batch])
+        for index, field in enumerate(data.schema):
+            if not field.name:
+                raise SchemaError("a column of the records has no name", where=self.dataset_uri())
+            if pa.types.is_dictionary(field.type):
+                data = data.set_column(index, field.name, data.column(index).cast(field.type.value_type))
+        if table is None:
+            return data
+        stored = _arrow_schema(table)
+        new = [name for name in data.schema.names if name not in stored.names]
+        if new and not self.config.schema_evolution:
+            raise SchemaError(
+                f"the records have column(s) the table lacks: {', '.join(new)} (schema evolution is off)",
+                where=self.dataset_uri(),
+            )
+        changed = [
+            f"{field.name} ({field.type} into {stored.field(field.name).type})"
+            for field in data.schema
+            if field.name in stored.names and not _fits(field.type, stored.field(field.name).type)
+        ]
+        if changed:
+            raise SchemaError(
+                "the records' column type(s) differ from the table's and would be converted: "
+                + ", ".join(changed),
+                where=self.dataset_uri(),
+            )
+        target = pa.schema([stored.field(f.name) if f.name in stored.names else f for f in data.schema])
+        return data.cast(target)
+
+    def _read_token(self) -> tuple[CommitToken, JsonValue | None] | None:
+        """The table's transaction version for this sync, and the bookmark its commit recorded (None
+        when that commit's information is gone: the log's retention removed it)."""
+        table = self._table()
+        version = None if table is None else table.transaction_version(self._app_id)
+        if table is None or version is None:
+            return None
+        for commit in table.history(HISTORY_SEARCHED):
+            if commit.get(BOOKMARK_APP) == self._app_id and commit.get(BOOKMARK_TOKEN) == str(version):
+                return CommitToken(int(version)), json.loads(str(commit[BOOKMARK]))
+        return CommitToken(int(version)), None
+
+    def _current_schema(self) -> pa.Schema | None:
+        if self._overwrite is not None:
+            return self._overwrite.schema
+        table = self._table()
+        return None if table is None else _arrow_schema(table)
+
+    def _row_count(self) -> int | None:
+        table = self._table()
+        return None if table is None else int(table.count())
+
+    def _evolve(self, changes: Sequence[AddColumn]) -> None:
+        table = self._table()
+        if table is None:
+            return  # the first write creates the table with every column of its page
+        stored = _arrow_schema(table)
+        fields = [*stored, *(pa.field(c.name, c.type) for c in changes if c.name not in stored.names)]
+        empty = pa.Table.from_batches([], schema=pa.schema(fields))
+        write_deltalake(table, empty, mode="append", schema_mode="merge")
+
+    # -- replace ------------------------------------------------------------------------------------
+
+    def _stream(self, batch: pa.RecordBatch) -> int:
+        self._check()
+        data = self._conformed(batch, None)
+        if self._overwrite is None:
+            table = self._table()
+            if table is not None and not self.config.schema_evolution:
+                self._refuse_other_schema(data.schema, _arrow_schema(table))
+            self._overwrite = _Overwrite(self.path, data.schema, self.config)
+        self._overwrite.put(data, self.dataset_uri())
+        return int(batch.num_rows)
+
+    def _refuse_other_schema(self, incoming: pa.Schema, stored: pa.Schema) -> None:
+        if incoming.names != stored.names:
+            raise SchemaError(
+                f"the snapshot's columns ({', '.join(incoming.names)}) are not the table's "
+                f"({', '.join(stored.names)}) and schema evolution is off",
+                where=self.dataset_uri(),
+            )
+
+    def _commit_snapshot(self) -> None:
+        overwrite, self._overwrite = self._overwrite, None
+        if overwrite is not None:
+            overwrite.finish()
+            return
+        table = self._table()
+        if table is not None:  # an empty snapshot empties the table
+            empty = pa.Table.from_batches([], schema=_arrow_schema(table))
+            write_deltalake(table, empty, mode="overwrite")
+
+
+class _Overwrite:
+    """One ``write_deltalake(mode="overwrite")`` in a worker thread, fed the run's pages through a
+    bounded queue (at most ``_QUEUE_DEPTH`` pages wait): one commit, at :meth:`finish`."""
+
+    def __init__(self, path: Path, schema: pa.Schema, config: DeltaSinkConfig) -> None:
+        self.schema = schema
+        self._pages: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._failure: BaseException | None = None
+        reader = pa.RecordBatchReader.from_batches(schema, self._batches())
+        options: dict[str, Any] = {
+            "mode": "overwrite",
+            "schema_mode": "overwrite" if config.schema_evolution else None,
+            "partition_by": list(config.partition_by) or None,
+        }
+        self._thread = threading.Thread(target=self._write, args=(str(path), reader, options), daemon=True)
+        self._thread.start()
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        while True:
+            page = self._pages.get()
+            if page is _END:
+                return
+            if page is _ABORT:
+                raise RuntimeError("the run ended before finish(): the snapshot is not committed")
+            assert isinstance(page, pa.Table)
+            yield from page.to_batches()
+
+    def _write(self, path: str, reader: pa.RecordBatchReader, options: dict[str, Any]) -> None:
+        try:
+            write_deltalake(path, reader, **options)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by put or finish
+            self._failure = exc
+
+    def put(self, data: pa.Table, where: str) -> None:
+        if data.schema != self.schema:
+            try:
+                data = data.select(self.schema.names).cast(self.schema)
+            except (KeyError, pa.ArrowException) as exc:
+                raise SchemaError(
+                    f"a page's columns differ from the snapshot's first page ({exc})", where=where
+                ) from exc
+        while True:
+            self._raise_failure()
+            with contextlib.suppress(queue.Full):
+                self._pages.put(data, timeout=0.1)
+                return
+
+    def finish(self) -> None:
+        self._send(_END)
+        self._raise_failure()
+
+    def abort(self) -> None:
+        self._send(_ABORT)
+
+    def _send(self, marker: object) -> None:
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._pages.put(marker, timeout=0.1)
+                break
+        self._thread.join()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+
+def _arrow_schema(table: DeltaTable) -> pa.Schema:
+    return pa.schema(table.schema().to_arrow())
+
+
+_INTEGERS = (pa.int8(), pa.int16(), pa.int32(), pa.int64())
+_STRINGS = (pa.string(), pa.large_string(), pa.string_view())
+
+
+def _fits(incoming: pa.DataType, stored: pa.DataType) -> bool:
+    """Whether values of type ``incoming`` land in a column of type ``stored`` unchanged."""
+    if incoming == stored or pa.types.is_null(incoming):
+        return True
+    if incoming in _INTEGERS and stored in _INTEGERS:
+        return _INTEGERS.index(incoming) <= _INTEGERS.index(stored)
+    if incoming in _STRINGS and stored in _STRINGS:
+        return True
+    if pa.types.is_timestamp(incoming) and pa.types.is_timestamp(stored):
+        return (incoming.tz is None) == (stored.tz is None)
+    return bool(incoming == pa.float32() and stored == pa.float64())
+
+
+def _quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
+    """The FaucetError for a delta-rs, Arrow or OS error raised while ``doing`` something."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = f"{doing} failed: {text}"
+    if isinstance(exc, CommitFailedError):
+        return CommitConflict(message, where=where)
+    if isinstance(exc, SchemaMismatchError):
+        return SchemaError(message, where=where)
+    if "Invalid data found" in str(exc) or isinstance(exc, pa.ArrowInvalid):
+        return DataError(message, where=where)
+    if isinstance(exc, OSError):
+        return ConfigError(message, where=where)
+    return FaucetError(message, where=where)
+
+
+__all__ = ["DeltaSink"]

@@ -1,0 +1,209 @@
+"""NATS JetStream into a DuckDB file through the continuous runner, on the real NATS server.
+
+Every message lands once across epochs; a worker that dies after the DuckDB commit but before its
+certificate is replayed without a duplicate; an epoch whose commit dies inside its transaction (the
+DuckDB connection raising right before COMMIT, after rows and watermarks were written in it) leaves
+nothing behind and the next worker lands it once.
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import duckdb
+import nats
+import pytest
+from faucet_duckdb.config import DuckDbStreamingSinkConfig
+from faucet_duckdb.stream_sink import DuckDbStreamingSink
+from faucet_nats.config import NatsSourceConfig
+from faucet_nats.source import NatsStreamSource
+
+from faucet_dagster.protocol import EpochCertificate, ReadLimits
+from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
+from faucet_dagster.state import StateStore
+from faucet_dagster.streams.reports import table_metadata
+
+T = TypeVar("T")
+COLUMNS = {"id": "int64 not null", "name": "string"}
+
+
+def run(factory: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await factory()
+
+    return asyncio.run(main())
+
+
+class DiesBeforeCommit:
+    """The real DuckDB connection, whose first COMMIT of a transaction that wrote watermarks (an
+    epoch's, its rows written before them) raises instead of committing: the worker dying inside
+    the epoch's transaction."""
+
+    armed = False
+
+    def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
+        self._conn = conn
+        self._marks_written = False
+
+    def executemany(self, query: str, parameters: Any) -> Any:
+        self._marks_written = "_faucet_stream_watermarks" in query
+        return self._conn.executemany(query, parameters)
+
+    def commit(self) -> None:
+        if DiesBeforeCommit.armed and self._marks_written:
+            DiesBeforeCommit.armed = False
+            raise ConnectionError("the worker died inside the epoch's transaction")
+        self._conn.commit()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class Env:
+    """One test's NATS stream, DuckDB file and state store."""
+
+    def __init__(self, nats_url: str, name: str, tmp_path: Path) -> None:
+        self.nats_url = nats_url
+        self.stream = name
+        self.path = tmp_path / "warehouse.duckdb"
+        self.store = StateStore(f"sqlite:///{tmp_path / 'faucet_state.db'}")
+        self.published = 0
+
+    def runner(self, worker: str, limits: ReadLimits, *, dying: bool = False) -> StreamRunner:
+        config = DuckDbStreamingSinkConfig(path=str(self.path), table="events")
+        connect: Any = (lambda path: DiesBeforeCommit(duckdb.connect(path))) if dying else duckdb.connect
+        source = {"servers": [self.nats_url], "stream": self.stream, "columns": COLUMNS}
+        spec = StreamSpec(
+            name=self.stream,
+            source=NatsStreamSource(NatsSourceConfig.parse(source)),
+            sink=DuckDbStreamingSink(config, connect=connect),
+            resources=(self.stream,),
+            limits=limits,
+            lease_seconds=30,
+        )
+        return StreamRunner(spec, self.store, worker_id=worker)
+
+    def publish(self, count: int) -> None:
+        first = self.published
+
+        async def send() -> None:
+            client = await nats.connect(self.nats_url)
+            try:
+                js = client.jetstream()
+                for n in range(first, first + count):
+                    await client.publish(
+                        f"{self.stream}.rows", json.dumps({"id": n, "name": f"r{n}"}).encode()
+                    )
+                await client.flush()
+                deadline = time.monotonic() + 60
+                while (await js.stream_info(self.stream)).state.last_seq < first + count:
+                    assert time.monotonic() < deadline, "JetStream did not store the messages"
+                    await asyncio.sleep(0.02)
+            finally:
+                await client.close()
+
+        asyncio.run(send())
+        self.published += count
+
+    def ids(self) -> list[int]:
+        if not self.path.exists():
+            return []
+        with duckdb.connect(str(self.path)) as conn:
+            if not conn.execute(
+                "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'events'"
+            ).fetchall()[0][0]:
+                return []
+            return [row[0] for row in conn.execute("SELECT id FROM events ORDER BY id").fetchall()]
+
+    def acknowledged(self) -> int:
+        async def info() -> int:
+            client = await nats.connect(self.nats_url)
+            try:
+                [consumer] = await client.jetstream().consumers_info(self.stream)
+                return int(consumer.ack_floor.stream_seq)
+            finally:
+                await client.close()
+
+        return asyncio.run(info())
+
+
+@pytest.fixture
+def env(nats_url: str, unique_name: Callable[..., str], tmp_path: Path) -> Iterator[Env]:
+    created = Env(nats_url, unique_name("d"), tmp_path)
+
+    async def create() -> None:
+        client = await nats.connect(nats_url)
+        try:
+            await client.jetstream().add_stream(name=created.stream, subjects=[f"{created.stream}.>"])
+        finally:
+            await client.close()
+
+    asyncio.run(create())
+    yield created
+    created.store.close()
+
+
+def epochs(runner: StreamRunner, count: int) -> list[EpochCertificate]:
+    async def scenario() -> list[EpochCertificate]:
+        try:
+            return await runner.run_epochs(count)
+        finally:
+            await runner.close()
+
+    return run(scenario)
+
+
+def test_messages_land_once_across_epochs_and_are_acknowledged_after_certification(env: Env) -> None:
+    env.publish(1_200)
+    certificates = epochs(env.runner("w1", ReadLimits(records=500, idle=0.3)), 10)
+    assert sum(r.rows_written for c in certificates for r in c.receipts) == 1_200
+    assert env.ids() == list(range(1_200))
+    assert env.acknowledged() == 1_200
+    details = certificates[0].receipts[0].details
+    assert (details["database"], details["table"]) == ("warehouse", "main.events")
+    assert table_metadata(certificates[0].receipts)["dagster/table_name"] == "warehouse.main.events"
+
+
+def test_a_worker_dying_after_the_duckdb_commit_is_replayed_without_duplicates(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env.publish(1_500)
+    persist = env.store.append_certificate
+
+    def crash(certificate: EpochCertificate, lease: Any) -> bool:
+        raise ConnectionError("the worker died before persisting the certificate")
+
+    monkeypatch.setattr(env.store, "append_certificate", crash)
+    with pytest.raises(ConnectionError):
+        epochs(env.runner("crashed", ReadLimits(records=1_000, idle=0.3)), 1)
+    assert env.ids() == list(range(1_000)), "the DuckDB commit did not land"
+    assert env.store.certificates(env.stream) == [] and env.acknowledged() == 0
+    monkeypatch.setattr(env.store, "append_certificate", persist)
+    env.store.release(env.stream)
+
+    certificates = epochs(env.runner("next", ReadLimits(records=300, idle=0.3)), 30)
+    assert sum(r.rows_skipped for r in certificates[0].receipts) >= 300
+    assert sum(r.rows_skipped for c in certificates for r in c.receipts) == 1_000
+    assert env.ids() == list(range(1_500))
+    assert env.acknowledged() == 1_500
+
+
+def test_a_worker_dying_inside_the_epochs_transaction_leaves_nothing_and_loses_nothing(env: Env) -> None:
+    env.publish(300)
+    epochs(env.runner("w1", ReadLimits(records=300, idle=0.3)), 1)
+    assert env.ids() == list(range(300))
+    env.publish(500)
+    DiesBeforeCommit.armed = True
+    with pytest.raises(ConnectionError):
+        epochs(env.runner("dying", ReadLimits(records=300, idle=0.3), dying=True), 1)
+    assert not DiesBeforeCommit.armed, "the fault was not reached"
+    assert env.ids() == list(range(300)), "rows of the epoch that died were committed"
+    assert env.acknowledged() == 300
+    env.store.release(env.stream)
+    certificates = epochs(env.runner("next", ReadLimits(records=300, idle=0.3)), 10)
+    assert sum(r.rows_skipped for c in certificates for r in c.receipts) == 0
+    assert env.ids() == list(range(800))
+    assert env.acknowledged() == 800
