@@ -86,6 +86,8 @@ class DuckDbSink(Sink):
         self._staged = False
         """REPLACE: this run's staging table exists (a crashed run's leftover was dropped)."""
         self._watermark_scope = config.watermark_scope()
+        self._watermark_ready = False
+        """The watermark table exists with its bookmark column (its DDL runs once per sink)."""
 
     @property
     def label(self) -> str:
@@ -211,6 +213,8 @@ class DuckDbSink(Sink):
             rollback_quietly(conn)
             raise
         self._staged = self._staged or self.mode is WritePolicy.REPLACE
+        # Committed with the token: the watermark table's DDL of this transaction holds from now on.
+        self._watermark_ready = self._watermark_ready or token is not None
         return written
 
     def _apply(
@@ -327,11 +331,13 @@ class DuckDbSink(Sink):
         transactions advancing one row conflict at commit (DuckDB's optimistic concurrency): one of
         them fails with CommitConflict."""
         name = self._watermark_name()
-        conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {name} (sync_id VARCHAR PRIMARY KEY, token VARCHAR NOT NULL, "
-            "updated_at TIMESTAMPTZ NOT NULL, bookmark VARCHAR)"
-        )
-        conn.execute(f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS bookmark VARCHAR")
+        if not self._watermark_ready:
+            # A table an older version made has no bookmark column: added once.
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {name} (sync_id VARCHAR PRIMARY KEY, token VARCHAR NOT NULL, "
+                "updated_at TIMESTAMPTZ NOT NULL, bookmark VARCHAR)"
+            )
+            conn.execute(f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS bookmark VARCHAR")
         stored = first_row(conn, f"SELECT token FROM {name} WHERE sync_id = ?", [self._watermark_scope])
         if stored is not None and str(stored[0]) >= str(token):
             return False
