@@ -173,9 +173,11 @@ def test_upsert_merges_by_key_and_a_row_without_its_key_is_refused(tmp_path: Pat
     path = tmp_path / "customers"
     keyed = pa.concat_batches([orders([1, 2]), orders([2], version=2)])
     run(write(sink(path, mode="upsert", key=["id"]), keyed, token=1))
-    run(write(sink(path, mode="upsert", key=["id"]), orders([1, 3], version=3, tier="gold"), token=2))
+    merging = sink(path, mode="upsert", key=["id"])
+    run(write(merging, orders([1, 3], version=3, tier="gold"), token=2))
     assert rows(path, "id", "name", "tier") == [(1, "n1v3", "gold"), (2, "n2v2", None), (3, "n3v3", "gold")]
     version = DeltaTable(str(path)).version()
+    assert merging.commit_details() == {"delta/table_version": version}  # the MERGE's commit
     nameless = pa.RecordBatch.from_pylist([{"id": 4, "name": "a"}, {"id": None, "name": "b"}])
     with pytest.raises(DataError, match="row 1"):
         run(write(sink(path, mode="upsert", key=["id"]), nameless, token=3))
@@ -195,6 +197,9 @@ def test_replace_commits_one_version_at_finish_and_an_unfinished_run_commits_not
             assert DeltaTable(str(path)).version() == before  # readers still see the old snapshot
             if finish:
                 await target.finish()
+                assert target.commit_details() == {"delta/table_version": before + 1}
+            else:
+                assert target.commit_details() == {}  # nothing committed
         finally:
             await target.close()
 
