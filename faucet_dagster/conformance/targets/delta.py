@@ -1,4 +1,4 @@
-"""Delta Lake: the bounded sink, on fresh local tables per check.
+"""Delta Lake: the bounded sink and the streaming sink, on fresh local tables per check.
 
 Rows are read back through delta-rs (``DeltaTable.to_pyarrow_table``) as any reader of the table
 would. The refused rows are refused by a CHECK constraint on ``name``'s length, added to the table
@@ -52,4 +52,18 @@ def delta_sink(tmp_path: Path) -> SinkSetup:
         refused_rows=refused_rows(),
         unreachable={"uri": str(blocker / "items"), "mode": "append"},
         configure=with_mode({"uri": str(items)}),
+    )
+
+
+def delta_streaming_sink(tmp_path: Path) -> SinkSetup:
+    """Epochs into ``items`` (name at most 40 characters), one Delta commit each."""
+    items = tmp_path / "lake" / "items"
+    _create_items(items)
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    return SinkSetup(
+        {"uri": str(items)},
+        _reader(items),
+        refused_rows=refused_rows(),
+        unreachable={"uri": str(blocker / "items")},
     )
