@@ -489,8 +489,12 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
     def _receipts(self, done: _Committed) -> tuple[Receipt, ...]:
         receipts = []
         for resource, tally in sorted(done.tallies.items()):
+            path = self._table.table.path
             details: dict[str, str] = {
-                "table": self._table.table.path.name,
+                # The folder holding the table and the table's folder: dagster/table_name, as the
+                # bounded sink states it (lake.orders).
+                "database": path.parent.name,
+                "table": path.name,
                 "uri": self._table.table.dataset_uri(),
                 "policy": self._table.policy.value,
             }
