@@ -54,7 +54,7 @@ result. ``close_session`` returning means nothing of the session can land later.
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -65,10 +65,10 @@ from faucet_dagster.protocol import (
     CommittedEpochs,
     ConfigError,
     Coverage,
-    DataError,
     Durability,
     EpochId,
-    EpochMismatch,
+    HeldEpoch,
+    HeldEpochs,
     IntegerPositionCodec,
     IntegrityError,
     LifecycleError,
@@ -76,7 +76,7 @@ from faucet_dagster.protocol import (
     OwnershipLost,
     Position,
     Receipt,
-    SchemaError,
+    ResourceTally,
     SinkBatch,
     SinkCapabilities,
     SinkCommitState,
@@ -85,7 +85,6 @@ from faucet_dagster.protocol import (
     WorkerIdentity,
     WritePolicy,
     default_codec_registry,
-    first_row_without_key,
     upsert_rows,
 )
 from faucet_delta.sink import DeltaSink, _arrow_schema, _quote
@@ -105,31 +104,12 @@ HISTORY_LIMITS = (16, 1000, None)
 """How many of the newest commits to search for the stream's last epoch, in turn (None: all)."""
 
 
-@dataclass
-class _Tally:
-    """What a committed epoch did to one resource."""
-
-    written: int = 0
-    skipped: int = 0
-    first: str | None = None
-    last: str | None = None
-
-
-@dataclass
-class _Epoch:
-    """The active epoch: its batches, in the order they were applied."""
-
-    epoch: EpochId
-    batches: list[SinkBatch] = field(default_factory=list)
-    failed: bool = False
-
-
 @dataclass(frozen=True)
 class _Committed:
     """What a commit did: the table's version after it (None: nothing committed) and the tallies."""
 
     version: int | None
-    tallies: dict[str, _Tally]
+    tallies: dict[str, ResourceTally]
 
 
 class _StreamTable:
@@ -211,7 +191,7 @@ class _StreamTable:
 
     # -- the epoch's commit -----------------------------------------------------------------------
 
-    def commit(self, state: _Epoch, coverage: Coverage) -> _Committed:
+    def commit(self, state: HeldEpoch, coverage: Coverage) -> _Committed:
         """The epoch in one commit, retried from a fresh snapshot when another commit conflicts."""
         for attempt in range(COMMIT_ATTEMPTS):
             try:
@@ -221,7 +201,7 @@ class _StreamTable:
                     raise
         raise AssertionError("unreachable")
 
-    def _commit_once(self, state: _Epoch, coverage: Coverage) -> _Committed:
+    def _commit_once(self, state: HeldEpoch, coverage: Coverage) -> _Committed:
         epoch = state.epoch
         self.table._check()
         table = self.table._table()
@@ -232,19 +212,13 @@ class _StreamTable:
                 f"epoch {epoch} was not committed",
                 where=self.where,
             )
-        tallies: dict[str, _Tally] = {}
+        tallies: dict[str, ResourceTally] = {}
         parts: list[pa.Table] = []
         for batch in state.batches:
             kept = committed.rows_above(batch, self.where)
-            tally = tallies.setdefault(batch.resource, _Tally())
-            tally.skipped += kept.skipped
-            if not kept.records.num_rows:
-                continue
-            parts.append(self.table._conformed(kept.records, table))
-            positions = kept.identities.positions
-            tally.written += kept.records.num_rows
-            tally.first = tally.first or positions[0]
-            tally.last = positions[-1]
+            tallies.setdefault(batch.resource, ResourceTally()).add(kept)
+            if kept.records.num_rows:
+                parts.append(self.table._conformed(kept.records, table))
         marks = committed.next_watermarks(coverage)
         transactions = [
             Transaction(self.epoch_app, epoch.sequence),
@@ -377,9 +351,8 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
 
     def __init__(self, table: _StreamTable, worker: WorkerIdentity) -> None:
         self._table = table
-        self._worker = worker
         self._where = table.where
-        self._active: _Epoch | None = None
+        self._epochs = HeldEpochs(table.stream, worker.fencing_token, table.key, table.where)
         self._pending: asyncio.Future[_Committed] | None = None
         """A commit given up on (cancelled) before it ended: its outcome is its result."""
         self._closed = False
@@ -391,44 +364,17 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
 
     async def begin_epoch(self, epoch: EpochId) -> None:
         await self._check_usable()
-        if self._active is not None:
-            raise LifecycleError(f"epoch {self._active.epoch} is still active", where=self._where)
-        if epoch.stream != self._table.stream or epoch.fencing_token != self._worker.fencing_token:
-            raise EpochMismatch(
-                f"epoch {epoch} is not for stream {self._table.stream} under fencing token "
-                f"{self._worker.fencing_token}",
-                where=self._where,
-            )
-        self._active = _Epoch(epoch)
+        self._epochs.begin(epoch)
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         """Keep ``batch`` for the commit; UPSERT: a row without its key fails the epoch at once."""
-        state = await self._active_epoch(epoch, "apply")
-        if batch.epoch != epoch:
-            raise EpochMismatch(f"a batch of epoch {batch.epoch} applied to {epoch}", where=self._where)
-        if state.failed:
-            raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
-        key = self._table.key
-        if key:
-            missing = [name for name in key if name not in batch.records.schema.names]
-            if missing:
-                state.failed = True
-                raise SchemaError(f"the records lack key column(s) {', '.join(missing)}", where=self._where)
-            row = first_row_without_key(batch.records, key)
-            if row is not None:
-                state.failed = True
-                raise DataError(
-                    f"the row has no value in a key column ({', '.join(key)})",
-                    where=f"{self._where} @ {batch.identities.at(batch.domain, row)}",
-                )
-        if batch.records.num_rows:
-            state.batches.append(batch)
+        await self._check_usable()
+        self._epochs.hold(epoch, batch, self._where)
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
         """The fence check, the rows above the watermarks and the stream's state in one Delta commit."""
-        state = await self._active_epoch(epoch, "commit")
-        if state.failed:
-            raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
+        await self._check_usable()
+        state = self._epochs.committable(epoch)
         pending = asyncio.ensure_future(
             self._table.table._run(f"committing epoch {epoch}", self._table.commit, state, coverage)
         )
@@ -442,21 +388,22 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
             state.failed = True
             raise
         self._pending = None
-        self._active = None
+        self._epochs.active = None
         return self._receipts(done)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Drop the epoch's batches: nothing of it reached the table (a failed commit wrote no log
         entry; Parquet files it may have written are unreferenced, removed by a later VACUUM)."""
-        await self._active_epoch(epoch, "abort")
-        self._active = None
+        await self._check_usable()
+        self._epochs.current(epoch, "abort")
+        self._epochs.active = None
 
     async def close_session(self) -> None:
         """Wait for a commit still running (given up on by its caller): then nothing can land later."""
         if self._closed:
             return
         self._closed = True
-        self._active = None
+        self._epochs.active = None
         pending, self._pending = self._pending, None
         if pending is not None:
             await asyncio.wait([pending])
@@ -473,18 +420,9 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
         await asyncio.wait([pending])
         self._pending = None
         if pending.exception() is None:
-            self._active = None  # it committed: the epoch is over
-        elif self._active is not None:
-            self._active.failed = True  # it failed: only abort remains
-
-    async def _active_epoch(self, epoch: EpochId, doing: str) -> _Epoch:
-        await self._check_usable()
-        state = self._active
-        if state is None:
-            raise LifecycleError(f"{doing} of epoch {epoch} without an active epoch", where=self._where)
-        if state.epoch != epoch:
-            raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self._where)
-        return state
+            self._epochs.active = None  # it committed: the epoch is over
+        elif self._epochs.active is not None:
+            self._epochs.active.failed = True  # it failed: only abort remains
 
     def _receipts(self, done: _Committed) -> tuple[Receipt, ...]:
         receipts = []
@@ -500,9 +438,7 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
             }
             if done.version is not None:
                 details["version"] = str(done.version)
-            if tally.first is not None and tally.last is not None:
-                details |= {"first_position": tally.first, "last_position": tally.last}
-            receipts.append(Receipt(resource, tally.written, tally.skipped, details))
+            receipts.append(Receipt(resource, tally.written, tally.skipped, details | tally.positions()))
         return tuple(receipts)
 
 
