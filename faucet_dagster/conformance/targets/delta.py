@@ -10,8 +10,18 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from faucet_dagster.conformance.options import ConformanceOptions
 from faucet_dagster.conformance.setup import SinkSetup
 from faucet_dagster.conformance.targets._common import NAME_LIMIT, refused_rows, with_mode
+
+DELTA_STREAMING_OPTIONS = ConformanceOptions(
+    effects=frozenset(
+        f"deltalake._internal:{call}"
+        for call in ("write_to_deltalake", "RawDeltaTable.write", "RawDeltaTable.merge_execute")
+    )
+)
+"""The streaming sink's battery options: delta-rs's calls that commit to the table's log are the
+effects the generated scenarios crash a worker right before."""
 
 
 def _create_items(path: Path) -> None:
