@@ -204,7 +204,7 @@ def test_messages_land_once_across_epochs_and_are_acknowledged_after_certificati
     if env.destination == "delta":  # one Delta commit per epoch, its version in the receipt
         versions = [int(c.receipts[0].details["version"]) for c in certificates if c.receipts]
         assert versions == list(range(versions[0], versions[0] + len(versions)))
-        assert DeltaTable(str(env.path)).transaction_version(f"faucet:events:{env.stream}") == len(
+        assert DeltaTable(str(env.path)).transaction_version(f"faucet:events:epoch:{env.stream}") == len(
             certificates
         )
 

@@ -15,9 +15,9 @@ class DeltaStreamingSinkConfig(ConnectorConfig):
     The write policy (append or upsert) and the key come from the stream, not from here.
     ``schema_evolution`` merges a column the table lacks into its schema; off, it raises SchemaError.
     ``partition_by`` partitions a table this sink creates. ``app_id`` prefixes the transaction
-    identifiers the stream's commits carry (default: ``faucet:<table folder>``): ``<app_id>:<stream>``
-    (the epoch), ``<app_id>:<stream>:owner`` (the owner's fencing token) and one per integer-ordered
-    domain, ``<app_id>:<stream>@<source>/<resource>/<partition>`` (its watermark).
+    identifiers the stream's commits carry (default: ``faucet:<table folder>``): ``<app_id>:epoch:<stream>``
+    (the epoch), ``<app_id>:owner:<stream>`` (the owner's fencing token) and one per integer-ordered
+    domain, ``<app_id>:watermark:<stream>@<source>/<resource>/<partition>`` (its watermark).
     """
 
     uri: str = Field(min_length=1, description="The table's folder: a local path or a file:// URI.")

@@ -20,14 +20,14 @@ table. Epoch lifecycle:
 
 The stream's state is in the table's log, written by the epoch's own commit:
 
-* transaction identifiers (``CommitProperties.app_transactions``): ``<app>:<stream>`` at the epoch's
-  sequence, ``<app>:<stream>:owner`` at the epoch's fencing token, and, for every domain whose
-  positions are integers (Kafka offsets, JetStream sequences), ``<app>:<stream>@<source>/<resource>/
-  <partition>`` at its watermark, readable by any Delta client (``transaction_version``);
+* transaction identifiers (``CommitProperties.app_transactions``): ``<app>:epoch:<stream>`` at the
+  epoch's sequence, ``<app>:owner:<stream>`` at the epoch's fencing token, and, for every domain whose
+  positions are integers (Kafka offsets, JetStream sequences), ``<app>:watermark:<stream>@<source>/
+  <resource>/<partition>`` at its watermark, readable by any Delta client (``transaction_version``);
 * the commit's metadata (``faucet.stream``, ``faucet.epoch``, ``faucet.epoch_token`` and
   ``faucet.watermarks``, every domain's watermark with its incarnation and codec), from which
   ``last_committed`` and the next commit read the exact positions: the newest commit of the stream
-  whose epoch is the snapshot's ``<app>:<stream>`` version (searched in the log's history; a commit
+  whose epoch is the snapshot's ``<app>:epoch:<stream>`` version (searched in the log's history; a commit
   the log's retention removed raises IntegrityError).
 
 Why a replay is skipped atomically and fencing is real: a commit carries the stream's identifiers,
@@ -36,7 +36,7 @@ an identifier it carries (delta-rs: ConcurrentTransaction). So the rows are judg
 checked, against the snapshot the commit is based on, and any other commit of the stream since (an
 uncertain earlier commit, a newer owner's claim) makes this one conflict: it is retried from a fresh
 snapshot, where the watermark or the higher token is seen. ``open`` claims the stream: an empty
-commit setting ``<app>:<stream>:owner`` to the worker's token (refused with OwnershipLost when a
+commit setting ``<app>:owner:<stream>`` to the worker's token (refused with OwnershipLost when a
 higher one holds it). Before the table exists there is nothing to hold a claim: the first commit
 (which creates the table) carries the owner's token, and a stale worker can commit one epoch that
 creates the table after a newer one opened; its rows are then below the watermarks the newer worker's
@@ -130,13 +130,17 @@ class _StreamTable:
         self.stream = stream
         self.policy = policy
         self.key = key
-        self.epoch_app = f"{config.table().transaction_app_id()}:{stream}"
-        self.owner_app = f"{self.epoch_app}:owner"
+        # A kind after the table's app id, then the stream: no stream's name can spell another
+        # stream's identifier of another kind.
+        app = config.table().transaction_app_id()
+        self.epoch_app = f"{app}:epoch:{stream}"
+        self.owner_app = f"{app}:owner:{stream}"
+        self._watermark_app = f"{app}:watermark:{stream}"
         self.where = f"{self.table.dataset_uri()} stream {stream}"
         self._before_commit = before_commit
 
     def domain_app(self, domain: OrderingDomain) -> str:
-        return f"{self.epoch_app}@{'/'.join(domain.lineage)}"
+        return f"{self._watermark_app}@{'/'.join(domain.lineage)}"
 
     # -- the state in the log ---------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ def claim_directly(path: Path, token: int) -> None:
     """Another process's newer worker claiming the stream: an empty commit of the owner identifier."""
     table = DeltaTable(str(path))
     empty = pa.Table.from_batches([], schema=pa.schema(table.schema().to_arrow()))
-    owner = CommitProperties(app_transactions=[Transaction(f"faucet:{path.name}:{STREAM}:owner", token)])
+    owner = CommitProperties(app_transactions=[Transaction(f"faucet:{path.name}:owner:{STREAM}", token)])
     write_deltalake(table, empty, mode="append", commit_properties=owner)
 
 
@@ -113,9 +113,9 @@ def test_an_epoch_is_one_commit_carrying_its_epoch_owner_and_domain_watermark_id
     assert table.version() == 1, "a missing table is created by the first epoch; one commit per epoch"
     assert [int(r.details["version"]) for r in (*first, *second)] == [0, 1]
     assert (first[0].rows_written, second[0].rows_written) == (3, 2)
-    assert table.transaction_version(f"faucet:orders:{STREAM}") == 2
-    assert table.transaction_version(f"faucet:orders:{STREAM}:owner") == 3
-    assert table.transaction_version(f"faucet:orders:{STREAM}@nats/orders/0") == 5
+    assert table.transaction_version(f"faucet:orders:epoch:{STREAM}") == 2
+    assert table.transaction_version(f"faucet:orders:owner:{STREAM}") == 3
+    assert table.transaction_version(f"faucet:orders:watermark:{STREAM}@nats/orders/0") == 5
     assert state.epoch == EpochId(STREAM, 2, 3) and [p.value for p in state.watermarks] == ["5"]
     assert rows(path, "id") == [(i,) for i in range(1, 6)]
 
@@ -145,7 +145,7 @@ def test_a_stale_owner_whose_snapshot_predates_a_newer_claim_conflicts_and_is_fe
     run(stale())
     assert claims == [9], "the newer claim was not injected"
     assert rows(path, "id") == [(1,)], "the stale worker's epoch landed"
-    assert DeltaTable(str(path)).transaction_version(f"faucet:orders:{STREAM}:owner") == 9
+    assert DeltaTable(str(path)).transaction_version(f"faucet:orders:owner:{STREAM}") == 9
     with pytest.raises(OwnershipLost):
         run(streaming(path).open(STREAM, WritePolicy.APPEND, (), WorkerIdentity("older", 4)))
 
@@ -274,3 +274,22 @@ def test_an_epoch_without_rows_moves_the_watermark_and_commits_nothing_before_th
     assert DeltaTable(str(path)).version() == 1, "epoch 2 created the table, epoch 3 committed no files"
     assert after.epoch.sequence == 3 and [p.value for p in after.watermarks] == ["7"]
     assert rows(path, "id") == [(2,)]
+
+
+def test_a_streams_name_cannot_spell_another_streams_identifier(tmp_path: Path) -> None:
+    path = tmp_path / "orders"
+
+    async def scenario() -> tuple[Receipt, ...]:
+        run_on = await streaming(path).open("s", WritePolicy.APPEND, (), WorkerIdentity("w", 1))
+        other = await streaming(path).open("s:owner", WritePolicy.APPEND, (), WorkerIdentity("v", 1))
+        first, later = EpochId("s", 1, 1), EpochId("s:owner", 5, 1)
+        await epoch_of(run_on, first, batch(first, [1]), ids=[1])
+        await epoch_of(other, later, batch(later, [2]), ids=[2])  # its epoch 5 is not s's owner at 5
+        second = EpochId("s", 2, 1)
+        receipts = await epoch_of(run_on, second, batch(second, [3]), ids=[3])
+        await run_on.close_session()
+        await other.close_session()
+        return receipts
+
+    assert run(scenario())[0].rows_written == 1
+    assert rows(path, "id") == [(1,), (2,), (3,)]
