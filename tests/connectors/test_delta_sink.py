@@ -67,7 +67,7 @@ def rows(path: Path, *columns: str) -> list[tuple[Any, ...]]:
 
 def test_registered_as_a_sink_whose_modes_declare_what_they_do(tmp_path: Path) -> None:
     spec = get_connector("delta")
-    assert set(spec.roles) == {Role.SINK}
+    assert set(spec.roles) == {Role.SINK, Role.STREAMING_SINK}
     path = tmp_path / "lake" / "orders"
     append = sink(path).capabilities()
     assert append.bounded_policies == {WritePolicy.APPEND} and append.atomic_watermark

@@ -1,4 +1,4 @@
-"""Delta Lake: the bounded sink, on fresh local tables per check.
+"""Delta Lake: the bounded sink and the streaming sink, on fresh local tables per check.
 
 Rows are read back through delta-rs (``DeltaTable.to_pyarrow_table``) as any reader of the table
 would. The refused rows are refused by a CHECK constraint on ``name``'s length, added to the table
@@ -10,8 +10,18 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from faucet_dagster.conformance.options import ConformanceOptions
 from faucet_dagster.conformance.setup import SinkSetup
 from faucet_dagster.conformance.targets._common import NAME_LIMIT, refused_rows, with_mode
+
+DELTA_STREAMING_OPTIONS = ConformanceOptions(
+    effects=frozenset(
+        f"deltalake._internal:{call}"
+        for call in ("write_to_deltalake", "RawDeltaTable.write", "RawDeltaTable.merge_execute")
+    )
+)
+"""The streaming sink's battery options: delta-rs's calls that commit to the table's log are the
+effects the generated scenarios crash a worker right before."""
 
 
 def _create_items(path: Path) -> None:
@@ -52,4 +62,18 @@ def delta_sink(tmp_path: Path) -> SinkSetup:
         refused_rows=refused_rows(),
         unreachable={"uri": str(blocker / "items"), "mode": "append"},
         configure=with_mode({"uri": str(items)}),
+    )
+
+
+def delta_streaming_sink(tmp_path: Path) -> SinkSetup:
+    """Epochs into ``items`` (name at most 40 characters), one Delta commit each."""
+    items = tmp_path / "lake" / "items"
+    _create_items(items)
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    return SinkSetup(
+        {"uri": str(items)},
+        _reader(items),
+        refused_rows=refused_rows(),
+        unreachable={"uri": str(blocker / "items")},
     )
