@@ -47,6 +47,11 @@ ROWS: dict[str, tuple[str, ...]] = {
         "files_to_delta_bounded_upsert",
         "files_to_delta_bounded_replace",
     ),
+    "NATS, Kafka -> Delta Lake|append; upsert from NATS": (
+        "nats_to_delta_append",
+        "nats_to_delta_upsert",
+        "kafka_to_delta_append",
+    ),
     "any, with a dead-letter route|append": ("files_to_sqlite_bounded_append+dead_letter",),
 }
 SINKS = {
