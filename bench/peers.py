@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,31 @@ def sling_duckdb_env(home: Path) -> dict[str, str]:
         folder = home / ".duckdb" / "extensions" / extension.parent.name / "linux_amd64"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / extension.name).symlink_to(extension)
-    return {**os.environ, "HOME": str(home), "DUCKDB_PATH": str(cli), "SLING_DISABLE_TELEMETRY": "true"}
+    return {**os.environ, "HOME": str(home), "DUCKDB_PATH": str(cli)}
+
+
+def run_sling_csv(csv_path: str, connection: str, target: str, env: Mapping[str, str]) -> float:
+    """Sling's full refresh of the CSV file at ``csv_path`` into table ``target`` of the connection
+    named ``connection`` (defined in ``env``); the seconds of the subprocess, start to exit.
+
+    Raises ``RuntimeError`` with the end of its stderr when it fails."""
+    binary = sling_binary()
+    assert binary is not None
+    command = [str(binary), "run", "--src-stream", f"file://{csv_path}", "--tgt-conn", connection]
+    command += ["--tgt-object", target, "--mode", "full-refresh"]
+    start = time.perf_counter()
+    done = subprocess.run(
+        command,
+        env={**env, "SLING_DISABLE_TELEMETRY": "true"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"sling failed: {done.stderr[-2000:]}")
+    return seconds
 
 
 def run_peer(what: str, command: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import pyarrow.csv as pa_csv
 from psycopg import sql
 
 from bench.context import BenchContext
-from bench.peers import ROOT, peer_python, run_peer, sling_binary
+from bench.peers import ROOT, peer_python, run_peer, run_sling_csv, sling_binary
 from bench.registry import Measurement, scenario
 from bench.scenarios.connectors import _check, _pg_sink, _target, csv_file, sqlite_file
 from faucet_dagster.protocol import Sink, Source, get_connector
@@ -92,31 +92,9 @@ def _libpq_url(url: str, **extra: str) -> str:
 
 def sling_csv_to_pg(ctx: BenchContext) -> Measurement:
     """Sling (Go) loading the same CSV file into PostgreSQL (full refresh), as a subprocess."""
-    binary = sling_binary()
-    assert binary is not None
-    path, table = csv_file(ctx), ctx.unique("sling")
-    env = {
-        **os.environ,
-        "PG": _libpq_url(ctx.postgres_url, sslmode="disable"),
-        "SLING_DISABLE_TELEMETRY": "true",
-    }
-    command = [
-        str(binary),
-        "run",
-        "--src-stream",
-        f"file://{path}",
-        "--tgt-conn",
-        "PG",
-        "--tgt-object",
-        f"public.{table}",
-        "--mode",
-        "full-refresh",
-    ]
-    start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"sling failed: {done.stderr[-2000:]}")
+    table = ctx.unique("sling")
+    env = {**os.environ, "PG": _libpq_url(ctx.postgres_url, sslmode="disable")}
+    seconds = run_sling_csv(csv_file(ctx), "PG", f"public.{table}", env)
     _check(ctx, table)
     return Measurement(ctx.rows, seconds)
 

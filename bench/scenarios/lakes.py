@@ -20,7 +20,6 @@ identifier); its baseline ``raw.delta_write_pages`` reads the CSV file with pyar
 
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from bench.context import BenchContext
-from bench.peers import peer_python, run_peer, sling_binary, sling_duckdb_cli, sling_duckdb_env
+from bench.peers import peer_python, run_peer, run_sling_csv, sling_duckdb_cli, sling_duckdb_env
 from bench.registry import Measurement, scenario
 from bench.scenarios.bounded import DLT_CHILD, csv_source, run_sync_timed
 from bench.scenarios.connectors import csv_file
@@ -85,17 +84,9 @@ def csv_to_duckdb(ctx: BenchContext) -> Measurement:
 
 def sling_csv_to_duckdb(ctx: BenchContext) -> Measurement:
     """Sling (Go, driving the DuckDB command line) loading the same CSV file into a new DuckDB file."""
-    binary, path = sling_binary(), _new_file(ctx, "duckdb-sling")
-    assert binary is not None
-    env = sling_duckdb_env(Path(path).parent / "home")
-    env["DUCKDB"] = f"duckdb://{path}"
-    command = [str(binary), "run", "--src-stream", f"file://{csv_file(ctx)}", "--tgt-conn", "DUCKDB"]
-    command += ["--tgt-object", "main.dataset", "--mode", "full-refresh"]
-    start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"sling failed: {done.stderr[-2000:]}")
+    path = _new_file(ctx, "duckdb-sling")
+    env = {**sling_duckdb_env(Path(path).parent / "home"), "DUCKDB": f"duckdb://{path}"}
+    seconds = run_sling_csv(csv_file(ctx), "DUCKDB", "main.dataset", env)
     _check(ctx, path)
     return Measurement(ctx.rows, seconds)
 

@@ -13,7 +13,7 @@ Writers of one file in one process take turns. DuckDB's transactions are snapsho
 of a row another transaction committed after the snapshot was taken overwrites it without a conflict
 (a lost update): a watermark or an owner fence read and advanced in one transaction would not be
 atomic against another writer of the same process. So every call of every writing connector of one
-file runs under that file's process-wide lock (:func:`writer_turns`): a read, check and write of the
+file runs under that file's process-wide lock (:func:`writer_lock`): a read, check and write of the
 watermark is never interleaved with another one. Other processes are kept out by DuckDB's file lock.
 
 Blocking. DuckDB's calls block (and release the GIL while a query runs). Every call of one connector
@@ -86,23 +86,14 @@ def literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-class Turns:
-    """A lock the calls on one file take turns under, and whose call had the last turn."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.last: object | None = None
-        """The identity of the :class:`DuckDbFile` whose call ran last (under ``lock``)."""
+_WRITER_LOCKS: dict[Path, threading.Lock] = {}
+_WRITER_LOCKS_GUARD = threading.Lock()
 
 
-_WRITER_TURNS: dict[Path, Turns] = {}
-_WRITER_TURNS_GUARD = threading.Lock()
-
-
-def writer_turns(path: Path) -> Turns:
-    """The process-wide turns the writing connectors of the file at ``path`` take."""
-    with _WRITER_TURNS_GUARD:
-        return _WRITER_TURNS.setdefault(path, Turns())
+def writer_lock(path: Path) -> threading.Lock:
+    """The process-wide lock the writing connectors of the file at ``path`` take turns under."""
+    with _WRITER_LOCKS_GUARD:
+        return _WRITER_LOCKS.setdefault(path, threading.Lock())
 
 
 class DuckDbFile:
@@ -131,14 +122,11 @@ class DuckDbFile:
         self.where = where or str(self.path)
         self._connect = connect
         self._conn: Connection | None = None
-        self._turns = writer_turns(self.path.resolve()) if writer else Turns()
-        self._identity = object()
-        self.undisturbed = False
-        """Inside a call: the previous call on this file in the process was this object's, on the
-        connection this call uses (held since), so nothing else changed the file's catalog meanwhile:
-        other processes are kept out by DuckDB's file lock while the connection is open, and this
-        process's other writers of the file take turns under the same lock. What an earlier call read
-        of the catalog still holds (a connector's own DDL aside)."""
+        self._lock = writer_lock(self.path.resolve()) if writer else threading.Lock()
+        self.opened = 0
+        """How many connections this object opened. While one stays open (``hold``), no other process
+        writes the file (DuckDB's file lock) and this process's other writers only add tables and
+        columns: what a call read of a table's columns holds until ``opened`` changes."""
 
     async def call(
         self, doing: str, function: Callable[Concatenate[Connection, P], T], *args: P.args, **kwargs: P.kwargs
@@ -148,9 +136,7 @@ class DuckDbFile:
         :func:`wrap` names, saying it happened while ``doing`` it."""
 
         def work() -> T:
-            with self._turns.lock:
-                self.undisturbed = self._turns.last is self._identity and self._conn is not None
-                self._turns.last = self._identity
+            with self._lock:
                 try:
                     return function(self._connection(), *args, **kwargs)
                 except (duckdb.Error, pa.ArrowException) as exc:
@@ -167,7 +153,7 @@ class DuckDbFile:
         """Close the connection (after any call still running), releasing the file. Idempotent."""
 
         def work() -> None:
-            with self._turns.lock:
+            with self._lock:
                 conn, self._conn = self._conn, None
                 if conn is not None:
                     conn.close()
@@ -177,6 +163,7 @@ class DuckDbFile:
     def _connection(self) -> Connection:
         if self._conn is None:
             self._conn = self._open()
+            self.opened += 1
         return self._conn
 
     def _open(self) -> Connection:
@@ -353,5 +340,5 @@ __all__ = [
     "quote",
     "rollback_quietly",
     "wrap",
-    "writer_turns",
+    "writer_lock",
 ]

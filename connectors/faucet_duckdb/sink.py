@@ -88,11 +88,11 @@ class DuckDbSink(Sink):
         self._watermark_scope = config.watermark_scope()
         self._watermark_ready = False
         """The watermark table exists with its bookmark column (its DDL runs once per sink)."""
-        self._checked: tuple[pa.Schema, tables.Target] | None = None
-        """The Arrow schema of the last committed batch and the table it was checked against: a next
-        batch of that schema goes to that table without reading the catalog again, while nothing else
-        had a turn on the file (:attr:`DuckDbFile.undisturbed`) and this sink made no DDL of its own
-        outside a write (evolve, replace)."""
+        self._checked: tuple[pa.Schema, tables.Target, int] | None = None
+        """The Arrow schema of the last committed batch, the table it was checked against and the
+        connection (:attr:`DuckDbFile.opened`) that read it: a next batch of that schema goes to that
+        table without reading the catalog again while that connection holds the file and this sink
+        made no DDL of its own outside a write (evolve, replace)."""
 
     @property
     def label(self) -> str:
@@ -218,7 +218,7 @@ class DuckDbSink(Sink):
             self._checked = None
             rollback_quietly(conn)
             raise
-        self._checked = (batch.schema, target)
+        self._checked = (batch.schema, target, self.file.opened)
         self._staged = self._staged or self.mode is WritePolicy.REPLACE
         # Committed with the token: the watermark table's DDL of this transaction holds from now on.
         self._watermark_ready = self._watermark_ready or token is not None
@@ -238,8 +238,8 @@ class DuckDbSink(Sink):
         if self.mode is WritePolicy.REPLACE and not self._staged:
             self._create_stage(conn)
         with tables.registered(conn, batch):
-            checked = self._checked if self.file.undisturbed else None
-            if checked is not None and checked[0].equals(schema):
+            checked = self._checked
+            if checked is not None and checked[0].equals(schema) and checked[2] == self.file.opened:
                 target = checked[1]
             else:
                 target = tables.prepare(

@@ -7,7 +7,7 @@ Epoch lifecycle:
   identity) and keeps it, as Arrow, until the commit: an epoch's rows are held in memory, as large as
   the stream's read limits let an epoch grow;
 * ``commit_epoch`` runs one DuckDB transaction under the file's writer lock
-  (:func:`faucet_duckdb.database.writer_turns`): it reads the stream's fence and watermarks, fails with
+  (:func:`faucet_duckdb.database.writer_lock`): it reads the stream's fence and watermarks, fails with
   :class:`OwnershipLost` if a higher fencing token claimed the stream, drops every row at or below its
   domain's watermark (a replay: :class:`CommittedEpochs`), writes the rest (APPEND: ``INSERT ... BY
   NAME`` from Arrow; UPSERT: ``MERGE INTO`` by key, the last row per key winning), creating or
