@@ -126,7 +126,8 @@ class DuckDbFile:
         self.opened = 0
         """How many connections this object opened. While one stays open (``hold``), no other process
         writes the file (DuckDB's file lock) and this process's other writers only add tables and
-        columns: what a call read of a table's columns holds until ``opened`` changes."""
+        columns (a REPLACE swaps in a table of the same columns): what a call read of a table's
+        columns holds until ``opened`` changes."""
 
     async def call(
         self, doing: str, function: Callable[Concatenate[Connection, P], T], *args: P.args, **kwargs: P.kwargs
