@@ -13,6 +13,7 @@ hand-written DuckDB loop to compare with). Each checks the row count afterwards.
 
 import asyncio
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Literal
@@ -74,6 +75,7 @@ def _run(
     """The stream from the source topic through ``landing(folder, table)``'s sink; checks the count."""
     topic, table = data.kafka_source_topic(ctx), ctx.unique("kstream")
     folder = tempfile.mkdtemp(prefix="faucet-bench-")
+    ctx.on_close(lambda: shutil.rmtree(folder))
     store = StateStore(f"sqlite:///{folder}/state.db")
     source = KafkaStreamSource(
         KafkaSourceConfig(
