@@ -373,12 +373,12 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
         key = self._epochs.key
         if key:
             records = upsert_rows(records, key, where)
-        with tables.registered(conn, records) as incoming:
+        with tables.registered(conn, records):
             target = tables.prepare(
                 conn,
                 self._config.schema_name,
                 table,
-                incoming,
+                tables.described(conn),
                 key,
                 evolve=self._config.schema_evolution,
                 where=where,
