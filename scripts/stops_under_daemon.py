@@ -388,12 +388,13 @@ def exit_case(case: Case) -> Result:
         planned = sum(counts[n] - 1 for n in uncertified if len(identities[n]) == 1)
     blocked_ticks = case.ticks(exited, released)
     halted_ticks = [t for t in blocked_ticks if said(t).startswith("halted since ")]
-    after = case.ticks(released)
+    # The first tick that did not say halted: one begun before the release returned may say it still.
+    after = [t for t in case.ticks(released) if not said(t).startswith("halted since ")]
     ticks = (
         f"uncertain at exit: {'yes' if status.uncertain else 'NO'} (exit {attempt}); {len(halted_ticks)} of "
         f"{len(blocked_ticks)} ticks before the release said halted "
         f"({said(halted[-1])[:60] + '...' if halted else '-'}); {len(blocked)} certified before the release; "
-        f"released {released - thawed:.0f}s after the thaw; first tick after: "
+        f"released {released - thawed:.0f}s after the thaw; first tick after not halted: "
         f"{said(after[0])[:60] if after else 'none'}"
     )
     return case.result(thawed - frozen, sent, messages, planned, ticks)
