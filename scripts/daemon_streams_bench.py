@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import dagster as dg
 import psycopg
 import test_daemon_streams as daemon_test
+from dagster._core.scheduler.instigation import InstigatorTick
 
 from faucet_dagster.testing import NatsServer, PostgresServer, make_unique_name
 
@@ -162,28 +163,41 @@ def print_ticks(home: Path, since: float | None = None, until: float | None = No
     """The sensor ticks the daemon recorded: how long each took (start to end, as Dagster shows it),
     and a sample of their reasons; with ``since``, every tick from then to ``until`` (seconds since
     ``since``, duration, status, reason or error)."""
+    for name, ticks in recorded_ticks(home).items():
+        if since is not None:
+            for tick in ticks:
+                if since <= tick.timestamp <= (until or tick.timestamp):
+                    took = (tick.end_timestamp or tick.timestamp) - tick.timestamp
+                    at = tick.timestamp - since
+                    print(f"  +{at:6.1f}s {took:5.1f}s {tick.status.value}: {said(tick)[:150]}")
+            continue
+        durations = sorted(t.end_timestamp - t.timestamp for t in ticks if t.end_timestamp)
+        if not durations:
+            continue
+        certified = [t for t in ticks if (t.skip_reason or "").startswith("certified ")]
+        print(
+            f"{name}: {len(ticks)} ticks, {len(certified)} certified; tick seconds "
+            f"p50 {durations[len(durations) // 2]:.1f}, max {durations[-1]:.1f}"
+        )
+        for tick in ticks[-3:]:
+            print(f"  {tick.status.value}: {said(tick)}")
+
+
+def recorded_ticks(home: Path) -> dict[str, list[InstigatorTick]]:
+    """Every tick the daemon recorded in the instance at ``home``, per sensor (by name), oldest first."""
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        for state in instance.all_instigator_state():
-            ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=100_000)
-            if since is not None:
-                for tick in sorted(ticks, key=lambda t: t.timestamp):
-                    if since <= tick.timestamp <= (until or tick.timestamp):
-                        took = (tick.end_timestamp or tick.timestamp) - tick.timestamp
-                        said = tick.skip_reason or (tick.error.message.splitlines()[0] if tick.error else "")
-                        at = tick.timestamp - since
-                        print(f"  +{at:6.1f}s {took:5.1f}s {tick.status.value}: {said[:150]}")
-                continue
-            durations = sorted(t.end_timestamp - t.timestamp for t in ticks if t.end_timestamp)
-            if not durations:
-                continue
-            certified = [t for t in ticks if (t.skip_reason or "").startswith("certified ")]
-            print(
-                f"{state.instigator_name}: {len(ticks)} ticks, {len(certified)} certified; tick seconds "
-                f"p50 {durations[len(durations) // 2]:.1f}, max {durations[-1]:.1f}"
+        return {
+            state.instigator_name: sorted(
+                instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=100_000),
+                key=lambda tick: tick.timestamp,
             )
-            for tick in ticks[:3]:
-                said = tick.skip_reason or (tick.error.message.splitlines()[0] if tick.error else "")
-                print(f"  {tick.status.value}: {said}")
+            for state in instance.all_instigator_state()
+        }
+
+
+def said(tick: InstigatorTick) -> str:
+    """What a tick said: its skip reason, or the first line of its error."""
+    return tick.skip_reason or (tick.error.message.splitlines()[0] if tick.error else "")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from faucet_dagster.protocol import (
     Coverage,
     DomainCoverage,
     Identities,
+    OwnershipLost,
     ReadLimits,
     StreamRecordSink,
     TransactionBegin,
@@ -357,3 +358,38 @@ def test_closing_a_runner_that_waits_for_a_dead_holders_lease_stops_waiting(
     status = store.status("s")[0]
     assert status.owner == "dead" and status.fencing_token == dead.fencing_token, status
     assert not store.certificates("s")
+
+
+def test_a_reader_whose_lease_an_operator_released_takes_a_new_one_at_its_next_start(
+    store: StateStore, loop: BackgroundLoop
+) -> None:
+    """An operator's release (``faucet streams release``) of a live holder's lease fails the epoch
+    that holds it when its certificate is appended, and the tick after reports it. The reader the next
+    tick starts takes a new lease at once: it does not go on with the lost one (which would fail it
+    again a sensor interval later, and, into NATS, replay its epoch past the duplicate window)."""
+    log = MemoryLog()
+    log.append(10)
+    sink = MemorySink()
+    stream = runner(store, MemorySource(log), sink, records=10, age=LONG_AGE)
+    loop.run(stream.tick(10))
+    wait_for("the first epoch", lambda: counts(store) == [{"items": 10}])
+    lost = store.release("s").fencing_token  # the lease was renewed moments ago: no renewal notices
+    log.append(10)
+    wait_for("the second epoch committed at the sink", lambda: "commit 2" in sink.destination.calls)
+    failed: list[BaseException] = []
+
+    def ticks_until_failed() -> bool:
+        try:
+            loop.run(stream.tick(10))
+        except OwnershipLost as exc:
+            failed.append(exc)
+        return bool(failed)
+
+    wait_for("a tick reporting the lost lease", ticks_until_failed)
+    assert counts(store) == [{"items": 10}]
+    loop.run(stream.tick(10))  # a new reader, no tick after it
+    wait_for("the second epoch certified under a new lease", lambda: len(counts(store)) == 2)
+    certificate = store.certificates("s")[-1]
+    assert certificate.fencing_token > lost and sum(certificate.row_counts.values()) == 10
+    assert ids(sink.destination) == list(range(1, 21))
+    loop.run(stream.close())

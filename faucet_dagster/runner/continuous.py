@@ -602,6 +602,7 @@ class StreamRunner:
             await _cancelled(lagging)
         await flight.quiesce(failed=True)
         await self._sessions.abort(epoch, pipeline, rewind=True, cause=cause)
+        self._forget_lost_lease(cause)
         flight.settle()
 
     async def _drop(self, flight: Flight, cause: BaseException, *, sessions: bool = True) -> None:
@@ -610,7 +611,14 @@ class StreamRunner:
         await flight.quiesce(failed=True)
         if sessions:
             await self._sessions.drop(cause)
+        self._forget_lost_lease(cause)
         flight.settle()
+
+    def _forget_lost_lease(self, cause: BaseException) -> None:
+        """A lease found lost (an operator's release, a newer holder) is forgotten, so the next epoch,
+        or the next reader, takes a new one instead of failing on the lost one again."""
+        if isinstance(cause, OwnershipLost):
+            self._lease.forget()
 
 
 async def _cancelled(task: "asyncio.Future[Any]") -> None:

@@ -79,8 +79,9 @@ the daemon replaces its own every 60 s). Taking the lease, opening the sessions 
 seconds, which the daemon's serial sensor loop would spend waiting; the tick's seal request stands, so
 the first epoch is sealed after one read and certified in the background, and the next tick reports it."""
 READER_STOP_SECONDS = 60.0
-"""A stream's reader stops (rolling its open epoch back, releasing its lease) when no tick came for this
-long, or four sensor intervals if longer: the sensor was stopped, or the daemon ticks another process."""
+"""A stream's reader stops (its open epoch sealed and certified, or rolled back only where the sink can take
+its writes back; its lease released) when no tick came for this long, or four sensor intervals if longer:
+the sensor was stopped, or the daemon ticks another process."""
 STARTED_READING = (
     "started reading in this process: the first epoch is sealed after one read and certified in the "
     "background; the next tick reports it"
