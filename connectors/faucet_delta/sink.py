@@ -25,6 +25,11 @@ Schemas. A missing table is created from the first page's Arrow schema (partitio
 would change (a float into a BIGINT column: delta-rs casts it silently) is refused, naming it; a
 narrower integer or float is widened to the table's type.
 
+Stores. A local table is a folder (created with its parents); an ``s3://`` table goes through
+delta-rs's object store with the config's ``storage_options``, conditional puts on: the log entry of a
+commit is created only if absent, so two writers of one version on S3 conflict as they do locally. The
+secrets in those options reach delta-rs only: a delta-rs error is scrubbed of them before it is raised.
+
 Blocking. delta-rs calls block; every call runs in a worker thread (``asyncio.to_thread``).
 """
 
@@ -49,6 +54,7 @@ from faucet_dagster.protocol import (
     DataError,
     Durability,
     FaucetError,
+    REDACTED,
     JsonValue,
     SchemaError,
     Sink,
@@ -62,7 +68,7 @@ from faucet_delta.config import DeltaSinkConfig
 P = ParamSpec("P")
 T = TypeVar("T")
 
-_TABLE_LOCKS: dict[Path, threading.Lock] = {}
+_TABLE_LOCKS: dict[str, threading.Lock] = {}
 _TABLE_LOCKS_GUARD = threading.Lock()
 _QUEUE_DEPTH = 2
 BOOKMARK_APP, BOOKMARK_TOKEN, BOOKMARK = "faucet.app", "faucet.token", "faucet.bookmark"
@@ -73,10 +79,11 @@ _END = object()
 _ABORT = object()
 
 
-def _table_lock(path: Path) -> threading.Lock:
-    """The process-wide lock the writers of the table at ``path`` take turns under."""
+def _table_lock(table: str) -> threading.Lock:
+    """The process-wide lock the writers of the table at ``table`` (a resolved path or URI) take
+    turns under."""
     with _TABLE_LOCKS_GUARD:
-        return _TABLE_LOCKS.setdefault(path, threading.Lock())
+        return _TABLE_LOCKS.setdefault(table, threading.Lock())
 
 
 class DeltaSink(Sink):
@@ -88,8 +95,10 @@ class DeltaSink(Sink):
     def __init__(self, config: DeltaSinkConfig) -> None:
         self.config = config
         self.mode = WritePolicy(config.mode)
-        self.path = config.path()
-        self._lock = _table_lock(self.path.resolve())
+        self.uri = config.table_uri()
+        self._options = config.storage_options()
+        self._local = None if config.on_s3() else config.path()
+        self._lock = _table_lock(self.uri if self._local is None else str(self._local.resolve()))
         self._key = tuple(config.key) if self.mode is WritePolicy.UPSERT else ()
         self._app_id = config.transaction_app_id()
         self._overwrite: _Overwrite | None = None
@@ -97,7 +106,9 @@ class DeltaSink(Sink):
     # -- identity and capabilities ------------------------------------------------------------------
 
     def dataset_uri(self) -> str:
-        return f"delta+file://{self.path.as_posix()}"
+        if self._local is None:
+            return f"delta+{self.uri}"
+        return f"delta+file://{self._local.as_posix()}"
 
     def capabilities(self) -> SinkCapabilities:
         return SinkCapabilities(
@@ -179,7 +190,10 @@ class DeltaSink(Sink):
                 except FaucetError:
                     raise
                 except (DeltaError, pa.ArrowException, OSError) as exc:
-                    raise _error(exc, where=self.dataset_uri(), doing=doing) from exc
+                    secrets = self.config.secrets()
+                    error = _error(exc, where=self.dataset_uri(), doing=doing, secrets=secrets)
+                    leaks = any(secret in str(exc) for secret in secrets)
+                    raise error from (None if leaks else exc)  # a traceback prints its cause
 
         return await asyncio.to_thread(work)
 
@@ -188,23 +202,27 @@ class DeltaSink(Sink):
             raise UnsupportedOperation(f"{self.mode.value} has no atomic watermark", where=self.dataset_uri())
 
     def _table(self) -> DeltaTable | None:
-        if not DeltaTable.is_deltatable(str(self.path)):
+        if not DeltaTable.is_deltatable(self.uri, storage_options=self._options):
             return None
         try:
-            return DeltaTable(str(self.path))
+            return DeltaTable(self.uri, storage_options=self._options)
         except TableNotFoundError:
             return None
 
     def _check(self) -> None:
-        if self.path.exists() and not self.path.is_dir():
+        if self._local is not None:
+            self._make_folder(self._local)
+        self._table()
+
+    def _make_folder(self, path: Path) -> None:
+        if path.exists() and not path.is_dir():
             raise ConfigError("the table's path is a file, not a folder", where=self.dataset_uri())
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(
                 f"cannot create the table's folder: {exc.strerror}", where=self.dataset_uri()
             ) from exc
-        self._table()
 
     def _write(self, batch: pa.RecordBatch, committed: tuple[CommitToken, JsonValue | None] | None) -> int:
         """Write ``batch`` in one Delta commit; with ``committed`` (the page's token and bookmark), the
@@ -243,8 +261,9 @@ class DeltaSink(Sink):
             merger.when_matched_update_all().when_not_matched_insert_all().execute()
         else:
             write_deltalake(
-                table if table is not None else str(self.path),
+                table if table is not None else self.uri,
                 data,
+                storage_options=None if table is not None else self._options,
                 mode="append",
                 schema_mode="merge" if self.config.schema_evolution and table is not None else None,
                 partition_by=list(self.config.partition_by) or None if table is None else None,
@@ -324,7 +343,7 @@ class DeltaSink(Sink):
             table = self._table()
             if table is not None and not self.config.schema_evolution:
                 self._refuse_other_schema(data.schema, _arrow_schema(table))
-            self._overwrite = _Overwrite(self.path, data.schema, self.config)
+            self._overwrite = _Overwrite(self.uri, data.schema, self.config)
         self._overwrite.put(data, self.dataset_uri())
         return int(batch.num_rows)
 
@@ -351,7 +370,7 @@ class _Overwrite:
     """One ``write_deltalake(mode="overwrite")`` in a worker thread, fed the run's pages through a
     bounded queue (at most ``_QUEUE_DEPTH`` pages wait): one commit, at :meth:`finish`."""
 
-    def __init__(self, path: Path, schema: pa.Schema, config: DeltaSinkConfig) -> None:
+    def __init__(self, uri: str, schema: pa.Schema, config: DeltaSinkConfig) -> None:
         self.schema = schema
         self._pages: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._failure: BaseException | None = None
@@ -360,8 +379,9 @@ class _Overwrite:
             "mode": "overwrite",
             "schema_mode": "overwrite" if config.schema_evolution else None,
             "partition_by": list(config.partition_by) or None,
+            "storage_options": config.storage_options(),
         }
-        self._thread = threading.Thread(target=self._write, args=(str(path), reader, options), daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(uri, reader, options), daemon=True)
         self._thread.start()
 
     def _batches(self) -> Iterator[pa.RecordBatch]:
@@ -438,9 +458,12 @@ def _quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def _error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
-    """The FaucetError for a delta-rs, Arrow or OS error raised while ``doing`` something."""
+def _error(exc: BaseException, *, where: str, doing: str, secrets: Sequence[str] = ()) -> FaucetError:
+    """The FaucetError for a delta-rs, Arrow or OS error raised while ``doing`` something; a secret
+    the message would echo is replaced by ``**********``."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
     message = f"{doing} failed: {text}"
     if isinstance(exc, CommitFailedError):
         return CommitConflict(message, where=where)

@@ -1,20 +1,26 @@
-"""The Delta Lake sink on real local Delta tables (delta-rs).
+"""The Delta Lake sink on real Delta tables (delta-rs): local folders, and S3 (moto's server on loopback).
 
-Faults are injected at exact points: a child process that dies (``os._exit``) right before, or right
-after, a page's Delta commit; a snapshot of the table read before another writer committed the same
-transaction identifier (what a second process does between this writer's read and its commit).
+Tests marked with the ``lake`` fixture run on both stores. Faults are injected at exact points: a child
+process that dies (``os._exit``) right before, or right after, a page's Delta commit; a snapshot of the
+table read before another writer committed the same transaction identifier (what a second process does
+between this writer's read and its commit). On S3 that second commit is refused by the store itself: the
+log entry is written with ``If-None-Match: *``, and the endpoint answers 412 because the first writer
+created it.
 """
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from faucet_delta.config import S3Storage
 from faucet_delta.sink import DeltaSink
 
 from faucet_dagster.protocol import (
@@ -31,6 +37,54 @@ from faucet_dagster.protocol import (
 )
 from faucet_dagster.runner.bounded import run_bounded_sync
 from faucet_dagster.runner.bounded_values import BoundedSyncResult, PageReport, SyncSettings
+from faucet_dagster.testing import S3Server
+
+
+@dataclass(frozen=True)
+class Lake:
+    """Where a test's tables live: a local folder, or a bucket on the session's S3 endpoint."""
+
+    root: str
+    s3: dict[str, Any] | None = None
+
+    def uri(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def config(self, name: str, **config: Any) -> dict[str, Any]:
+        return {"uri": self.uri(name), **({} if self.s3 is None else {"s3": self.s3}), **config}
+
+    def options(self) -> dict[str, str] | None:
+        return None if self.s3 is None else S3Storage.model_validate(self.s3).storage_options()
+
+    def table(self, name: str) -> DeltaTable:
+        return DeltaTable(self.uri(name), storage_options=self.options())
+
+    def rows(self, name: str, *columns: str) -> list[tuple[Any, ...]]:
+        table = self.table(name).to_pyarrow_table(columns=list(columns) or None)
+        return sorted(tuple(row.values()) for row in table.to_pylist())
+
+    def sink(self, name: str, **config: Any) -> Sink:
+        return get_connector("delta").sink(self.config(name, **config))
+
+
+def s3_lake(server: S3Server, bucket: str) -> Lake:
+    return Lake(
+        f"s3://{bucket}/lake",
+        {
+            "endpoint_url": server.endpoint_url,
+            "region": server.region,
+            "access_key_id": server.access_key_id,
+            "secret_access_key": server.secret_access_key,
+            "allow_http": server.endpoint_url.startswith("http://"),
+        },
+    )
+
+
+@pytest.fixture(params=["local", "s3"])
+def lake(request: pytest.FixtureRequest, tmp_path: Path) -> Lake:
+    if request.param == "local":
+        return Lake(str(tmp_path / "lake"))
+    return s3_lake(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
 
 
 def run(coro: Any) -> Any:
@@ -73,21 +127,20 @@ def test_registered_as_a_sink_whose_modes_declare_what_they_do(tmp_path: Path) -
     assert append.bounded_policies == {WritePolicy.APPEND} and append.atomic_watermark
     assert sink(path, mode="upsert", key=["id"]).capabilities().atomic_watermark
     assert not sink(path, mode="replace").capabilities().atomic_watermark
-    with pytest.raises(ConfigError, match="s3:// tables are not supported yet"):
-        sink(Path("s3://bucket/orders"))
+    with pytest.raises(ConfigError, match="gs:// tables are not supported"):
+        sink(Path("gs://bucket/orders"))
     with pytest.raises(ConfigError, match="key"):
         sink(path, mode="upsert")
     assert not path.exists()
 
 
-def test_the_commit_token_is_the_tables_transaction_identifier(tmp_path: Path) -> None:
-    path = tmp_path / "orders"
-    assert run(write(sink(path), orders([1, 2]), token=5)) == 2
-    assert DeltaTable(str(path)).transaction_version("faucet:orders") == 5
-    assert run(write(sink(path), orders([1, 2]), token=5)) == 0  # the same page again
-    assert run(write(sink(path), orders([3]), token=4)) == 0  # an older one
-    assert run(write(sink(path), orders([3]), token=6)) == 1
-    assert rows(path, "id") == [(1,), (2,), (3,)]
+def test_the_commit_token_is_the_tables_transaction_identifier(lake: Lake) -> None:
+    assert run(write(lake.sink("orders"), orders([1, 2]), token=5)) == 2
+    assert lake.table("orders").transaction_version("faucet:orders") == 5
+    assert run(write(lake.sink("orders"), orders([1, 2]), token=5)) == 0  # the same page again
+    assert run(write(lake.sink("orders"), orders([3]), token=4)) == 0  # an older one
+    assert run(write(lake.sink("orders"), orders([3]), token=6)) == 1
+    assert lake.rows("orders", "id") == [(1,), (2,), (3,)]
 
     async def token_of(target: Sink) -> CommitToken | None:
         try:
@@ -95,28 +148,36 @@ def test_the_commit_token_is_the_tables_transaction_identifier(tmp_path: Path) -
         finally:
             await target.close()
 
-    assert run(token_of(sink(path))) == CommitToken(6)
-    assert run(token_of(sink(path, app_id="another"))) is None
+    assert run(token_of(lake.sink("orders"))) == CommitToken(6)
+    assert run(token_of(lake.sink("orders", app_id="another"))) is None
     with pytest.raises(UnsupportedOperation):
-        run(write(sink(path, mode="replace"), orders([1]), token=7))
+        run(write(lake.sink("orders", mode="replace"), orders([1]), token=7))
 
 
 def test_a_writer_whose_snapshot_is_stale_conflicts_and_its_retry_skips_the_page(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    lake: Lake, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another process commits the same page (same app id and version) after this writer read the
-    table and before it commits: Delta's optimistic commit refuses this one; the retry skips it."""
-    path = tmp_path / "orders"
-    run(write(sink(path), orders([1]), token=1))
-    stale = DeltaTable(str(path))
-    write_deltalake(str(path), orders([2, 3]), mode="append", commit_properties=_transaction(2))
+    table and before it commits: Delta's optimistic commit refuses this one; the retry skips it.
+    On S3 the refusal is the store's: without conditional puts the second writer would overwrite the
+    first's log entry, and its rows would be lost."""
+    run(write(lake.sink("orders"), orders([1]), token=1))
+    stale = lake.table("orders")
+    write_deltalake(
+        lake.uri("orders"),
+        orders([2, 3]),
+        mode="append",
+        commit_properties=_transaction(2),
+        storage_options=lake.options(),
+    )
     monkeypatch.setattr(DeltaSink, "_table", lambda self: stale)
     with pytest.raises(CommitConflict) as raised:
-        run(write(sink(path), orders([2, 3]), token=2))
+        run(write(lake.sink("orders"), orders([2, 3]), token=2))
     assert raised.value.retryable
     monkeypatch.undo()
-    assert run(write(sink(path), orders([2, 3]), token=2)) == 0
-    assert rows(path, "id") == [(1,), (2,), (3,)]
+    assert run(write(lake.sink("orders"), orders([2, 3]), token=2)) == 0
+    assert lake.rows("orders", "id") == [(1,), (2,), (3,)]
+    assert lake.table("orders").version() == 1  # the first writer's two commits, nothing of the second
 
 
 def _transaction(version: int) -> Any:
@@ -126,12 +187,12 @@ def _transaction(version: int) -> Any:
 
 
 DYING_WRITER = """
-import asyncio, os, sys
+import asyncio, json, os, sys
 import pyarrow as pa
 import faucet_delta.sink as module
 from faucet_dagster.protocol import CommitToken, get_connector
 
-path, when, first, count, token = sys.argv[1], sys.argv[2], *(int(v) for v in sys.argv[3:6])
+config, when, first, count, token = json.loads(sys.argv[1]), sys.argv[2], *(int(v) for v in sys.argv[3:6])
 real = module.write_deltalake
 
 
@@ -143,81 +204,83 @@ def dying(*args, **kwargs):
 
 
 module.write_deltalake = dying
-target = get_connector("delta").sink({"uri": path})
+target = get_connector("delta").sink(config)
 page = pa.RecordBatch.from_pylist([{"id": i, "name": f"n{i}v1"} for i in range(first, first + count)])
 asyncio.run(target.write_batch_idempotent(page, CommitToken(token)))
 """
 
 
 @pytest.mark.parametrize("when", ["before-commit", "after-commit"])
-def test_a_process_dying_around_a_delta_commit_loses_and_duplicates_nothing(
-    tmp_path: Path, when: str
-) -> None:
-    path = tmp_path / "orders"
-    run(write(sink(path), orders(range(1, 101)), token=100))
+def test_a_process_dying_around_a_delta_commit_loses_and_duplicates_nothing(lake: Lake, when: str) -> None:
+    run(write(lake.sink("orders"), orders(range(1, 101)), token=100))
     done = subprocess.run(
-        [sys.executable, "-c", DYING_WRITER, str(path), when, "101", "100", "200"],
+        [sys.executable, "-c", DYING_WRITER, json.dumps(lake.config("orders")), when, "101", "100", "200"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 9, done.stderr
     committed = when == "after-commit"
-    assert len(rows(path, "id")) == (200 if committed else 100)
-    assert DeltaTable(str(path)).transaction_version("faucet:orders") == (200 if committed else 100)
-    assert run(write(sink(path), orders(range(101, 201)), token=200)) == (0 if committed else 100)
-    assert rows(path, "id") == [(i,) for i in range(1, 201)]
+    assert len(lake.rows("orders", "id")) == (200 if committed else 100)
+    assert lake.table("orders").transaction_version("faucet:orders") == (200 if committed else 100)
+    assert run(write(lake.sink("orders"), orders(range(101, 201)), token=200)) == (0 if committed else 100)
+    assert lake.rows("orders", "id") == [(i,) for i in range(1, 201)]
 
 
-def test_upsert_merges_by_key_and_a_row_without_its_key_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "customers"
+def test_upsert_merges_by_key_and_a_row_without_its_key_is_refused(lake: Lake) -> None:
     keyed = pa.concat_batches([orders([1, 2]), orders([2], version=2)])
-    run(write(sink(path, mode="upsert", key=["id"]), keyed, token=1))
-    run(write(sink(path, mode="upsert", key=["id"]), orders([1, 3], version=3, tier="gold"), token=2))
-    assert rows(path, "id", "name", "tier") == [(1, "n1v3", "gold"), (2, "n2v2", None), (3, "n3v3", "gold")]
-    version = DeltaTable(str(path)).version()
+    run(write(lake.sink("customers", mode="upsert", key=["id"]), keyed, token=1))
+    run(
+        write(
+            lake.sink("customers", mode="upsert", key=["id"]), orders([1, 3], version=3, tier="gold"), token=2
+        )
+    )
+    assert lake.rows("customers", "id", "name", "tier") == [
+        (1, "n1v3", "gold"),
+        (2, "n2v2", None),
+        (3, "n3v3", "gold"),
+    ]
+    version = lake.table("customers").version()
     nameless = pa.RecordBatch.from_pylist([{"id": 4, "name": "a"}, {"id": None, "name": "b"}])
     with pytest.raises(DataError, match="row 1"):
-        run(write(sink(path, mode="upsert", key=["id"]), nameless, token=3))
-    assert DeltaTable(str(path)).version() == version
+        run(write(lake.sink("customers", mode="upsert", key=["id"]), nameless, token=3))
+    assert lake.table("customers").version() == version
 
 
-def test_replace_commits_one_version_at_finish_and_an_unfinished_run_commits_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "snapshot"
-    run(write(sink(path), orders([1, 2, 3])))
-    before = DeltaTable(str(path)).version()
+def test_replace_commits_one_version_at_finish_and_an_unfinished_run_commits_nothing(lake: Lake) -> None:
+    run(write(lake.sink("snapshot"), orders([1, 2, 3])))
+    before = lake.table("snapshot").version()
 
     async def replace(finish: bool) -> None:
-        target = sink(path, mode="replace")
+        target = lake.sink("snapshot", mode="replace")
         try:
             for first in range(10, 40, 10):
                 await target.write_batch(orders(range(first, first + 10)))
-            assert DeltaTable(str(path)).version() == before  # readers still see the old snapshot
+            assert lake.table("snapshot").version() == before  # readers still see the old snapshot
             if finish:
                 await target.finish()
         finally:
             await target.close()
 
     run(replace(finish=False))
-    assert DeltaTable(str(path)).version() == before and rows(path, "id") == [(1,), (2,), (3,)]
+    assert lake.table("snapshot").version() == before and lake.rows("snapshot", "id") == [(1,), (2,), (3,)]
     run(replace(finish=True))
-    assert DeltaTable(str(path)).version() == before + 1
-    assert rows(path, "id") == [(i,) for i in range(10, 40)]
+    assert lake.table("snapshot").version() == before + 1
+    assert lake.rows("snapshot", "id") == [(i,) for i in range(10, 40)]
 
 
-def test_evolution_merges_a_new_column_or_refuses_it_and_a_lossy_type_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "orders"
-    run(write(sink(path), orders([1])))
+def test_evolution_merges_a_new_column_or_refuses_it_and_a_lossy_type_is_named(lake: Lake) -> None:
+    run(write(lake.sink("orders"), orders([1])))
     with pytest.raises(SchemaError, match="coupon"):
-        run(write(sink(path, schema_evolution=False), orders([2], coupon="c2")))
-    run(write(sink(path), orders([2], coupon="c2")))
-    assert rows(path, "id", "coupon") == [(1, None), (2, "c2")]
+        run(write(lake.sink("orders", schema_evolution=False), orders([2], coupon="c2")))
+    run(write(lake.sink("orders"), orders([2], coupon="c2")))
+    assert lake.rows("orders", "id", "coupon") == [(1, None), (2, "c2")]
     with pytest.raises(SchemaError, match=r"id \(double into int64\)"):
-        run(write(sink(path), pa.RecordBatch.from_pylist([{"id": 2.5, "name": "x"}])))
+        run(write(lake.sink("orders"), pa.RecordBatch.from_pylist([{"id": 2.5, "name": "x"}])))
     narrow = pa.RecordBatch.from_arrays([pa.array([7], pa.int32()), pa.array(["n"])], names=["id", "name"])
-    run(write(sink(path), narrow))  # widened to the table's int64
-    assert DeltaTable(str(path)).schema().to_arrow().field("id").type == pa.int64()
-    assert len(rows(path, "id")) == 3
+    run(write(lake.sink("orders"), narrow))  # widened to the table's int64
+    assert lake.table("orders").schema().to_arrow().field("id").type == pa.int64()
+    assert len(lake.rows("orders", "id")) == 3
 
 
 def test_a_value_a_table_constraint_refuses_is_a_data_error_and_nothing_lands(tmp_path: Path) -> None:
@@ -245,12 +308,11 @@ class Crash(Exception):
     """The process dying right after a page's Delta commit, before the caller stored the result."""
 
 
-def test_a_sync_crashing_after_a_delta_commit_reruns_without_duplicates(tmp_path: Path) -> None:
+def test_a_sync_crashing_after_a_delta_commit_reruns_without_duplicates(tmp_path: Path, lake: Lake) -> None:
     data = tmp_path / "data"
     data.mkdir()
     lines = ["id,name"] + [f"{i},name {i}" for i in range(1, 1001)]
     (data / "a.csv").write_text("\n".join(lines) + "\n")
-    path = tmp_path / "lake" / "orders"
 
     def crash_after_page(report: PageReport) -> None:
         if report.number == 2:
@@ -258,7 +320,7 @@ def test_a_sync_crashing_after_a_delta_commit_reruns_without_duplicates(tmp_path
 
     def sync(**kwargs: Any) -> BoundedSyncResult:
         source = get_connector("files").source({"paths": [str(data / "*.csv")]})
-        target = sink(path)
+        target = lake.sink("orders")
 
         async def go() -> BoundedSyncResult:
             try:
@@ -271,9 +333,9 @@ def test_a_sync_crashing_after_a_delta_commit_reruns_without_duplicates(tmp_path
 
     with pytest.raises(Crash):
         sync(on_page=crash_after_page)
-    assert len(rows(path, "id")) == 600
+    assert len(lake.rows("orders", "id")) == 600
     rerun = sync()
     # The rerun resumes from the bookmark the commit recorded with its transaction identifier.
     assert (rerun.rows_read, rerun.rows_skipped, rerun.rows_written) == (400, 0, 400)
     assert rerun.plan.delivery.value == "effectively_once"
-    assert rows(path, "id") == [(i,) for i in range(1, 1001)]
+    assert lake.rows("orders", "id") == [(i,) for i in range(1, 1001)]
