@@ -47,6 +47,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, SchemaMismatchError, TableNotFoundError
 
 from faucet_dagster.protocol import (
+    REDACTED,
     AddColumn,
     CommitConflict,
     CommitToken,
@@ -54,7 +55,6 @@ from faucet_dagster.protocol import (
     DataError,
     Durability,
     FaucetError,
-    REDACTED,
     JsonValue,
     SchemaError,
     Sink,

@@ -9,8 +9,8 @@ session (also when the session dies: see :mod:`faucet_dagster.testing.servers`):
 ``s3_server``       -> :class:`~faucet_dagster.testing.S3Server`
 
 Each uses the external server named by ``FAUCET_TEST_POSTGRES_URL`` / ``FAUCET_TEST_NATS_URL`` /
-``FAUCET_TEST_KAFKA_BOOTSTRAP`` / ``FAUCET_TEST_S3_ENDPOINT`` when set. A server that cannot start fails the test with an error; it is
-never skipped.
+``FAUCET_TEST_KAFKA_BOOTSTRAP`` / ``FAUCET_TEST_S3_ENDPOINT`` when set. A server that cannot start fails
+the test with an error; it is never skipped.
 
 Per-test fixtures, each first making sure its server runs (a previous test may have stopped or killed it):
 

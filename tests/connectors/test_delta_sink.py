@@ -9,13 +9,15 @@ created it.
 """
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pytest
@@ -178,6 +180,125 @@ def test_a_writer_whose_snapshot_is_stale_conflicts_and_its_retry_skips_the_page
     assert run(write(lake.sink("orders"), orders([2, 3]), token=2)) == 0
     assert lake.rows("orders", "id") == [(1,), (2,), (3,)]
     assert lake.table("orders").version() == 1  # the first writer's two commits, nothing of the second
+
+
+RACING_PROXY = """
+import http.client, json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import pyarrow as pa
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+upstream_port, table, drop_if_none_match = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "drop"
+raced = []
+
+
+def other_writer():
+    page = pa.table({"id": [2, 3], "name": ["other", "other"]})
+    done = CommitProperties(app_transactions=[Transaction("faucet:orders", 2)])
+    options = table["options"]
+    write_deltalake(table["uri"], page, mode="append", commit_properties=done, storage_options=options)
+
+
+class Forward(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def forward(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        if self.command == "PUT" and "/_delta_log/" in self.path and not raced:
+            raced.append(self.path)
+            other_writer()
+            print("raced", self.path, flush=True)
+        dropped = {"if-none-match"} if drop_if_none_match else set()
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+        upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+        upstream.request(self.command, self.path, body=body, headers=headers)
+        answer = upstream.getresponse()
+        data = answer.read()
+        self.send_response(answer.status)
+        for name, value in answer.getheaders():
+            if name.lower() not in ("transfer-encoding", "content-length", "connection"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+print("port", server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@dataclass
+class Race:
+    lake: Lake
+    """The lake through the proxy."""
+    raced: list[str]
+    """The log entries the other writer committed first (filled when the proxy stops)."""
+
+
+@contextlib.contextmanager
+def commit_race(server: S3Server, lake: Lake, drop_if_none_match: bool = False) -> Iterator[Race]:
+    """``lake`` reached through a loopback proxy (another process: delta-rs may hold the GIL while it
+    waits for an answer). The first time the writer behind it PUTs a Delta log entry, another writer
+    commits that very version (the same app id and token) straight to the endpoint, then the PUT goes
+    on, headers untouched. That is the race between a writer listing the log and creating the next
+    entry, which a sequential test never reaches: delta-rs lists the log before its PUT, and sees a
+    commit that is already there. ``drop_if_none_match`` plays a store without conditional puts."""
+    table = {"uri": lake.uri("orders"), "options": lake.options()}
+    port = str(urlsplit(server.endpoint_url).port)
+    drop = "drop" if drop_if_none_match else "keep"
+    proxy = subprocess.Popen(
+        [sys.executable, "-c", RACING_PROXY, port, json.dumps(table), drop], stdout=subprocess.PIPE, text=True
+    )
+    assert proxy.stdout is not None
+    race = Race(lake, [])
+    try:
+        proxy_port = proxy.stdout.readline().split()[-1]
+        race.lake = replace(lake, s3={**(lake.s3 or {}), "endpoint_url": f"http://127.0.0.1:{proxy_port}"})
+        yield race
+    finally:
+        proxy.kill()
+        race.raced += [
+            line.split()[-1] for line in proxy.stdout.read().splitlines() if line.startswith("raced")
+        ]
+        proxy.wait(timeout=60)
+
+
+def test_two_writers_racing_for_one_log_entry_on_s3_are_kept_apart_by_the_stores_conditional_put(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """Both writers list the log at version 0 and PUT version 1: the endpoint creates it for the first
+    and answers 412 to the second (``If-None-Match: *``), whose commit becomes a retryable
+    CommitConflict; its retry skips the page."""
+    lake = s3_lake(s3_server, s3_bucket)
+    run(write(lake.sink("orders"), orders([1]), token=1))
+    with commit_race(s3_server, lake) as race, pytest.raises(CommitConflict) as raised:
+        run(write(race.lake.sink("orders"), orders([2, 3]), token=2))
+    assert raised.value.retryable
+    assert [path.rsplit("/", 1)[-1] for path in race.raced] == ["00000000000000000001.json"]
+    assert lake.table("orders").version() == 1
+    assert run(write(lake.sink("orders"), orders([2, 3]), token=2)) == 0
+    assert lake.rows("orders", "id", "name") == [(1, "n1v1"), (2, "other"), (3, "other")]
+
+
+def test_the_race_without_conditional_puts_loses_a_commit(s3_server: S3Server, s3_bucket: str) -> None:
+    """The same race through a store that ignores ``If-None-Match`` (the proxy drops the header): the
+    second PUT replaces the first writer's log entry, its rows are gone and the sink reports success.
+    Why the sink needs a store with conditional puts (docs/delta.md), and proof the race is real."""
+    lake = s3_lake(s3_server, s3_bucket)
+    run(write(lake.sink("orders"), orders([1]), token=1))
+    with commit_race(s3_server, lake, drop_if_none_match=True) as race:
+        assert run(write(race.lake.sink("orders"), orders([2, 3]), token=2)) == 2
+    assert len(race.raced) == 1
+    assert lake.rows("orders", "id", "name") == [(1, "n1v1"), (2, "n2v1"), (3, "n3v1")]  # "other" lost
 
 
 def _transaction(version: int) -> Any:

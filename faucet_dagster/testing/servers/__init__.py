@@ -22,9 +22,9 @@ All three share one small lifecycle API:
     Stop the server and delete its files. Idempotent. Also what ``with server:`` does on exit.
 
 ``from_env()`` returns a handle to an external server instead when ``FAUCET_TEST_POSTGRES_URL``,
-``FAUCET_TEST_NATS_URL``, ``FAUCET_TEST_KAFKA_BOOTSTRAP`` or ``FAUCET_TEST_S3_ENDPOINT`` is set. ``start()`` then only checks that it
-answers, ``close()`` does nothing, and ``stop()``, ``kill()`` and ``restart()`` raise
-:class:`ExternalServerError`: we do not own that process.
+``FAUCET_TEST_NATS_URL``, ``FAUCET_TEST_KAFKA_BOOTSTRAP`` or ``FAUCET_TEST_S3_ENDPOINT`` is set.
+``start()`` then only checks that it answers, ``close()`` does nothing, and ``stop()``, ``kill()`` and
+``restart()`` raise :class:`ExternalServerError`: we do not own that process.
 
 No orphans: managed servers are stopped at interpreter exit (``atexit``), and a tiny watchdog child
 process SIGKILLs their process groups if this interpreter dies without running ``atexit`` (SIGKILL,

@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from faucet_dagster.testing.servers._base import (
     HOST,
@@ -54,7 +55,7 @@ class S3Server(ManagedServer):
         self._client().create_bucket(Bucket=name)
         return name
 
-    def _client(self) -> object:
+    def _client(self) -> Any:
         import boto3
 
         return boto3.client(
