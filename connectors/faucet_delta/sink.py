@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import queue
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -49,9 +50,11 @@ from deltalake.exceptions import CommitFailedError, DeltaError, SchemaMismatchEr
 from faucet_dagster.protocol import (
     REDACTED,
     AddColumn,
+    AuthError,
     CommitConflict,
     CommitToken,
     ConfigError,
+    ConnectionFailed,
     DataError,
     Durability,
     FaucetError,
@@ -462,9 +465,14 @@ def _error(exc: BaseException, *, where: str, doing: str, secrets: Sequence[str]
     """The FaucetError for a delta-rs, Arrow or OS error raised while ``doing`` something; a secret
     the message would echo is replaced by ``**********``."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    store = _store_failure(str(exc))
+    if store is not None:
+        text = store[1]
     for secret in secrets:
         text = text.replace(secret, REDACTED)
     message = f"{doing} failed: {text}"
+    if store is not None:
+        return store[0](message, where=where)
     if isinstance(exc, CommitFailedError):
         return CommitConflict(message, where=where)
     if isinstance(exc, SchemaMismatchError):
@@ -474,6 +482,38 @@ def _error(exc: BaseException, *, where: str, doing: str, secrets: Sequence[str]
     if isinstance(exc, OSError):
         return ConfigError(message, where=where)
     return FaucetError(message, where=where)
+
+
+_S3_AUTH_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+)
+_UNREACHABLE = ("error sending request", "connection refused", "operation timed out", "dns error")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _store_failure(text: str) -> tuple[type[FaucetError], str] | None:
+    """An object store's failure in a delta-rs message (``Generic S3 error`` and its chain of causes,
+    ending in the store's XML error document): its error class and a one-line summary, or None when
+    the message is not one. Unreachable endpoints are ConnectionFailed (retryable); credentials the
+    store refuses, AuthError; a missing bucket, ConfigError."""
+    if not text.startswith("Generic S3 error"):
+        return None
+    lines = [_ANSI.sub("", line).strip(" ↳") for line in text.splitlines()]
+    code = re.search(r"<Code>([^<]*)</Code>", text)
+    detail = re.search(r"<Message>([^<]*)</Message>", text)
+    requests = [line for line in lines if line.startswith("Error performing")]  # the last names the URL
+    request = requests[-1] if requests else lines[0]
+    summary = request.split(" in ", 1)[0]  # "Error performing GET <url>", without timings and retries
+    if code is not None:
+        summary += f": {code.group(1)}" + (f" ({detail.group(1)})" if detail is not None else "")
+        if code.group(1) in _S3_AUTH_CODES:
+            return AuthError, f"the store refused the credentials: {summary}"
+        if code.group(1) == "NoSuchBucket":
+            return ConfigError, summary
+        return FaucetError, summary
+    if any(marker in text.lower() for marker in _UNREACHABLE):
+        return ConnectionFailed, f"the S3 endpoint does not answer: {summary}"
+    return FaucetError, " ".join(line for line in lines if line)
 
 
 __all__ = ["DeltaSink"]

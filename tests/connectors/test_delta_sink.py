@@ -30,6 +30,7 @@ from faucet_dagster.protocol import (
     CommitToken,
     ConfigError,
     DataError,
+    FaucetError,
     Role,
     SchemaError,
     Sink,
@@ -134,6 +135,47 @@ def test_registered_as_a_sink_whose_modes_declare_what_they_do(tmp_path: Path) -
     with pytest.raises(ConfigError, match="key"):
         sink(path, mode="upsert")
     assert not path.exists()
+
+
+def test_an_s3_config_is_checked_when_built_and_never_shows_its_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = "s3-config-secret-0042"
+    good = {"endpoint_url": "http://127.0.0.1:9000", "allow_http": True}
+    target = get_connector("delta").sink(
+        {"uri": "s3://lake/orders/", "s3": {**good, "access_key_id": "k", "secret_access_key": secret}}
+    )
+    assert target.dataset_uri() == "delta+s3://lake/orders"
+    assert isinstance(target, DeltaSink)
+    assert target.config.transaction_app_id() == "faucet:orders"
+    assert target.config.redacted()["s3"]["secret_access_key"] == "**********"
+    assert secret not in repr(target.config) and secret not in str(target.config.redacted())
+    refused = {
+        "allow_http": {**good, "allow_http": False},
+        "only for a loopback endpoint_url": {**good, "endpoint_url": "http://lake.example.com:9000"},
+        "carries credentials": {**good, "endpoint_url": f"http://k:{secret}@127.0.0.1:9000"},
+        "go together": {"access_key_id": "k"},
+        "needs access_key_id": {"session_token": secret},
+    }
+    for message, s3 in refused.items():
+        with pytest.raises(ConfigError, match=message) as raised:
+            get_connector("delta").sink({"uri": "s3://lake/orders", "s3": s3})
+        assert secret not in f"{raised.value} {raised.value.where}"
+
+    # A delta-rs error that echoes the secret (a fault injected at the first store call): scrubbed,
+    # and not chained, since a traceback prints its cause.
+    def echoing(*args: Any, **kwargs: Any) -> bool:
+        raise OSError(f"Generic S3 error\n  ↳ could not sign with {secret}")
+
+    monkeypatch.setattr(DeltaTable, "is_deltatable", staticmethod(echoing))
+    with pytest.raises(FaucetError, match=r"could not sign with \*{10}") as failed:
+        run(target.check())
+    assert secret not in str(failed.value) and failed.value.__cause__ is None
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="not an s3:// table"):
+        get_connector("delta").sink({"uri": "lake/orders", "s3": {"region": "eu-west-1"}})
+    with pytest.raises(ConfigError, match="bucket and a folder"):
+        get_connector("delta").sink({"uri": "s3://lake"})
 
 
 def test_the_commit_token_is_the_tables_transaction_identifier(lake: Lake) -> None:
