@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory
 from faucet_dagster.conformance.targets._common import closed_port
-from faucet_dagster.conformance.targets.delta import delta_sink
+from faucet_dagster.conformance.targets.delta import delta_s3_sink, delta_sink
 from faucet_dagster.conformance.targets.duckdb import duckdb_sink, duckdb_source, duckdb_streaming_sink
 from faucet_dagster.conformance.targets.kafka import kafka_source
 from faucet_dagster.conformance.targets.local import files_source, sql_sink, sql_source
@@ -64,6 +64,7 @@ def target(connector: str, role: Role) -> tuple[ConfigFactory, ConformanceOption
 __all__ = [
     "TARGETS",
     "closed_port",
+    "delta_s3_sink",
     "delta_sink",
     "duckdb_sink",
     "duckdb_source",
