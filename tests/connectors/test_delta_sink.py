@@ -26,9 +26,11 @@ from faucet_delta.config import S3Storage
 from faucet_delta.sink import DeltaSink
 
 from faucet_dagster.protocol import (
+    AuthError,
     CommitConflict,
     CommitToken,
     ConfigError,
+    ConnectionFailed,
     DataError,
     FaucetError,
     Role,
@@ -176,6 +178,34 @@ def test_an_s3_config_is_checked_when_built_and_never_shows_its_secret(
         get_connector("delta").sink({"uri": "lake/orders", "s3": {"region": "eu-west-1"}})
     with pytest.raises(ConfigError, match="bucket and a folder"):
         get_connector("delta").sink({"uri": "s3://lake"})
+
+
+def test_s3_failures_are_named_by_kind_an_unreachable_endpoint_retryable(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    lake = s3_lake(s3_server, s3_bucket)
+
+    async def check(target: Sink) -> None:
+        try:
+            await target.check()
+        finally:
+            await target.close()
+
+    missing = replace(lake, root="s3://no-such-bucket-here/lake")
+    with pytest.raises(ConfigError, match="NoSuchBucket") as raised:
+        run(check(missing.sink("orders")))
+    assert raised.value.where == "delta+s3://no-such-bucket-here/lake/orders"
+    closed = replace(lake, s3={**(lake.s3 or {}), "endpoint_url": "http://127.0.0.1:1"})
+    with pytest.raises(ConnectionFailed, match="the S3 endpoint does not answer") as unreachable:
+        run(check(closed.sink("orders")))
+    assert unreachable.value.retryable
+    with S3Server(enforce_auth=True, base_dir=tmp_path) as strict:
+        strict.start()
+        refusing = replace(lake, s3={**(lake.s3 or {}), "endpoint_url": strict.endpoint_url})
+        with pytest.raises(AuthError, match=r"refused the credentials: .*InvalidAccessKeyId") as refused:
+            run(check(refusing.sink("orders")))
+    assert not refused.value.retryable
+    assert s3_server.secret_access_key not in f"{refused.value} {unreachable.value} {raised.value}"
 
 
 def test_the_commit_token_is_the_tables_transaction_identifier(lake: Lake) -> None:

@@ -28,10 +28,19 @@ _MOTO_KEY_ID, _MOTO_SECRET = "faucettestkey", "faucet-test-secret-access-key"
 
 class S3Server(ManagedServer):
     """An S3-compatible endpoint: moto's server on loopback (in memory: a restart empties it), or the
-    external endpoint named by ``FAUCET_TEST_S3_ENDPOINT``."""
+    external endpoint named by ``FAUCET_TEST_S3_ENDPOINT``.
+
+    moto takes any credentials; ``enforce_auth=True`` makes it check them as S3 does (moto's
+    ``INITIAL_NO_AUTH_ACTION_COUNT=0``): no access key is known, so every request is refused with
+    ``InvalidAccessKeyId``."""
 
     kind = "S3"
     env_var = S3_ENDPOINT_ENV
+    enforce_auth = False
+
+    def __init__(self, *, enforce_auth: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.enforce_auth = enforce_auth
 
     @property
     def endpoint_url(self) -> str:
@@ -68,6 +77,12 @@ class S3Server(ManagedServer):
 
     def _describe(self) -> str:
         return self.endpoint_url
+
+    def _child_env(self, workdir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.enforce_auth:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
+        return env
 
     def _command(self, workdir: Path) -> list[str]:
         return [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._port)]
