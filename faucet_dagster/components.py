@@ -7,8 +7,8 @@
       connections:                      # shared connector configs, by name
         lake: {connector: files}
         warehouse:
-          connector: sql
-          config: {url: "sqlite:///{{ context.project_root }}/.faucet_data/warehouse.db"}
+          connector: duckdb
+          config: {path: "{{ context.project_root }}/.faucet_data/warehouse.duckdb"}
       syncs:                            # bounded syncs: one asset each
         - name: orders
           source: {connection: lake, config: {paths: [data/orders/*.csv], shard_by_file: true}}
@@ -99,9 +99,10 @@ class FaucetComponentScaffolder(dg.Scaffolder[Any]):
             {
                 "connections": {
                     "files": {"connector": "files"},
+                    # The example project's warehouse, declared alike so both load in one project.
                     "warehouse": {
-                        "connector": "sql",
-                        "config": {"url": "sqlite:///{{ context.project_root }}/.faucet_data/warehouse.db"},
+                        "connector": "duckdb",
+                        "config": {"path": "{{ context.project_root }}/.faucet_data/warehouse.duckdb"},
                     },
                 },
                 "syncs": [

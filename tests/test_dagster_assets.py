@@ -14,8 +14,11 @@ from typing import Any
 import dagster as dg
 import duckdb
 import psycopg
+import pyarrow as pa
 import pytest
 import sqlalchemy as sa
+from deltalake import DeltaTable, write_deltalake
+from faucet_delta.sink import DeltaSink
 
 import faucet_dagster
 import faucet_dagster.syncs.assets
@@ -141,22 +144,39 @@ def test_a_sync_into_duckdb_reports_dagsters_table_metadata_and_moves_nothing_tw
         assert conn.execute("SELECT count(*), count(DISTINCT id) FROM orders").fetchall() == [(700, 700)]
 
 
-def test_a_sync_into_a_delta_table_reports_its_storage_kind_and_table(
-    tmp_path: Path, instance: dg.DagsterInstance
+def test_a_sync_into_a_delta_table_reports_its_table_and_the_version_it_committed(
+    tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = tmp_path / "data"
     data.mkdir()
     write_csv(data / "2024-01.csv", 1, 400)
+    table = tmp_path / "lake" / "orders"
     lake = FaucetConnection(connector="delta", config={})
-    orders = FaucetSync("orders", source=files(data), sink=lake.using(uri=str(tmp_path / "lake" / "orders")))
+    orders = FaucetSync("orders", source=files(data), sink=lake.using(uri=str(table)), batch_size=150)
     assets = faucet_sync_assets([orders])
+    # Another writer commits right after the sync's last commit: the version reported is the sync's.
+    finish = DeltaSink.finish
+
+    async def finish_then_another_writer_commits(sink: DeltaSink) -> None:
+        await finish(sink)
+        write_deltalake(str(table), pa.table({"id": [0], "name": ["other"], "amount": [0.0]}), mode="append")
+
+    monkeypatch.setattr(DeltaSink, "finish", finish_then_another_writer_commits)
     first = materialization(dg.materialize(assets, instance=instance), "orders")
+    history = {entry["version"]: entry["operation"] for entry in DeltaTable(str(table)).history()}
+    # CREATE TABLE, three pages of 150, 150 and 100 rows, the other writer's commit.
+    assert sorted(history) == [0, 1, 2, 3, 4] and history[0] == "CREATE TABLE"
+    assert value(first, "delta/table_version") == 3
     assert value(first, "dagster/storage_kind") == "delta"
     assert value(first, "dagster/table_name") == "lake.orders"
-    assert value(first, "dagster/row_count") == 400
+    assert value(first, "dagster/row_count") == 401
+    columns = [column.name for column in value(first, "dagster/column_schema").columns]
+    assert columns == ["id", "name", "amount"]
     assert value(first, "faucet/delivery") == "effectively_once"
+    monkeypatch.setattr(DeltaSink, "finish", finish)
     again = materialization(dg.materialize(assets, instance=instance), "orders")
-    assert value(again, "faucet/rows_written") == 0 and value(again, "dagster/row_count") == 400
+    assert value(again, "faucet/rows_written") == 0 and value(again, "dagster/row_count") == 401
+    assert "delta/table_version" not in again.metadata  # nothing committed: no version to report
 
 
 def completed_files(bookmark: JsonValue | None) -> list[str]:

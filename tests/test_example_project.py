@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
+import duckdb
 import psycopg
 import pytest
+from dagster._core.instance.config import PoolGranularity
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "example_project"
 
@@ -43,8 +46,17 @@ def test_command_one_moves_the_samples_once_then_nothing(project: Path) -> None:
     assert moved(first.stdout) == 290_000
     assert re.search(r"^customers\s+-\s+50000\s+50000\s+0\s+effectively_once$", first.stdout, re.MULTILINE)
     assert len(re.findall(r"^orders\s+2024-\d\d\.csv\s+20000\s+20000\s", first.stdout, re.MULTILINE)) == 12
-    assert (project / ".faucet_data" / "warehouse.db").is_file()
-    assert (project / ".dagster_home" / "dagster.yaml").is_file()
+    with duckdb.connect(str(project / ".faucet_data" / "warehouse.duckdb"), read_only=True) as warehouse:
+        counts = [
+            warehouse.execute(f"SELECT count(*), count(DISTINCT {key}) FROM {table}").fetchone()
+            for table, key in (("customers", "customer_id"), ("orders", "order_id"))
+        ]
+    assert counts == [(50_000, 50_000), (240_000, 240_000)]
+    instance = dg.DagsterInstance.from_config(str(project / ".dagster_home"))
+    # One run of the warehouse's pool at a time under the run queue (DuckDB: one writer per file).
+    pools = instance.get_concurrency_config().pool_config
+    assert (pools.pool_granularity, pools.default_pool_limit) == (PoolGranularity.RUN, 1)
+    instance.dispose()
 
     second = run(project, sys.executable, "-m", "example_project")
     assert second.returncode == 0, second.stdout + second.stderr
@@ -59,7 +71,7 @@ def test_the_component_loads_from_defs_yaml_through_dg(project: Path) -> None:
     assets = {asset["asset_key"]: asset for asset in defs["assets"]}
     yaml_lines = (project / "example_project" / "defs" / "shop" / "defs.yaml").read_text().splitlines()
     for name in ("customers", "orders"):
-        assert set(assets[name]["kinds"]) == {"faucet", "files", "sql"}
+        assert set(assets[name]["kinds"]) == {"faucet", "files", "duckdb"}
         assert assets[name]["group_name"] == "shop"
         assert not assets[name].get("deps")  # no invented upstream asset
         # The code reference is the line that declares the sync.
@@ -73,14 +85,14 @@ def test_the_component_loads_from_defs_yaml_through_dg(project: Path) -> None:
 def test_the_same_assets_pointed_at_postgresql(project: Path, postgres_url: str) -> None:
     # What docs/syncs.md says: replace the warehouse connection in defs.yaml.
     defs_yaml = project / "example_project" / "defs" / "shop" / "defs.yaml"
-    sqlite = (
-        "connector: sql\n      config:\n"
-        '        url: "sqlite:///{{ context.project_root }}/.faucet_data/warehouse.db"'
+    duckdb_warehouse = (
+        "connector: duckdb\n      config:\n"
+        '        path: "{{ context.project_root }}/.faucet_data/warehouse.duckdb"'
     )
     text = defs_yaml.read_text()
-    assert sqlite in text
+    assert duckdb_warehouse in text
     defs_yaml.write_text(
-        text.replace(sqlite, f"connector: postgres\n      config:\n        url: {postgres_url}")
+        text.replace(duckdb_warehouse, f"connector: postgres\n      config:\n        url: {postgres_url}")
     )
     first = run(project, sys.executable, "-m", "example_project")
     assert first.returncode == 0, first.stdout + first.stderr

@@ -8,10 +8,9 @@ in memory) for the CSV file, ``raw.sqlite_to_pg_copy`` (sqlite3 read, COPY) for 
 
 ``peer.*`` scenarios run a peer on the same input and server and are compared with the runner
 scenario that does the same job, so their ratio is peer rows/s over faucet rows/s. They are
-registered only when the peer is installed in its own virtual environment: Sling
-(``pip install sling-linux-amd64``) in ``$SLING_VENV`` (default ``.venv-sling``), dlt
-(``pip install "dlt[postgres]" sqlalchemy``) in ``$DLT_VENV`` (default ``.venv-dlt``), run by
-:mod:`bench.dlt_child` on the SQLite table ``bounded.sql_to_pg_append`` syncs.
+registered only when the peer is installed (:mod:`bench.peers`): Sling in ``$SLING_VENV`` (default
+``.venv-sling``), dlt with the project's ``bench`` extra, run by :mod:`bench.dlt_child` on the SQLite
+table ``bounded.sql_to_pg_append`` syncs.
 
 ``bounded.rss_csv_to_pg`` measures memory: the same sync of a 1M-row and a 10M-row CSV file, each in a
 fresh subprocess (:mod:`bench.rss_child`) reporting its peak RSS. It prints both and their ratio; the
@@ -25,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import psycopg
 import pyarrow as pa
@@ -34,7 +32,7 @@ import pyarrow.csv as pa_csv
 from psycopg import sql
 
 from bench.context import BenchContext
-from bench.peers import ROOT, peer_venv, run_peer
+from bench.peers import ROOT, peer_python, run_peer, run_sling_csv, sling_binary
 from bench.registry import Measurement, scenario
 from bench.scenarios.connectors import _check, _pg_sink, _target, csv_file, sqlite_file
 from faucet_dagster.protocol import Sink, Source, get_connector
@@ -87,14 +85,6 @@ def sql_to_pg_append(ctx: BenchContext) -> Measurement:
 # -- peers -------------------------------------------------------------------------------------------
 
 
-def _sling_binary() -> Path | None:
-    venv = peer_venv("SLING_VENV", ".venv-sling")
-    if venv is None:
-        return None
-    found = sorted(venv.glob("lib/python3*/site-packages/sling_linux_amd64/bin/sling-linux-amd64"))
-    return found[0] if found else None
-
-
 def _libpq_url(url: str, **extra: str) -> str:
     query = "&".join(f"{key}={value}" for key, value in extra.items())
     return f"{url}{'&' if '?' in url else '?'}{query}" if query else url
@@ -102,31 +92,9 @@ def _libpq_url(url: str, **extra: str) -> str:
 
 def sling_csv_to_pg(ctx: BenchContext) -> Measurement:
     """Sling (Go) loading the same CSV file into PostgreSQL (full refresh), as a subprocess."""
-    binary = _sling_binary()
-    assert binary is not None
-    path, table = csv_file(ctx), ctx.unique("sling")
-    env = {
-        **os.environ,
-        "PG": _libpq_url(ctx.postgres_url, sslmode="disable"),
-        "SLING_DISABLE_TELEMETRY": "true",
-    }
-    command = [
-        str(binary),
-        "run",
-        "--src-stream",
-        f"file://{path}",
-        "--tgt-conn",
-        "PG",
-        "--tgt-object",
-        f"public.{table}",
-        "--mode",
-        "full-refresh",
-    ]
-    start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"sling failed: {done.stderr[-2000:]}")
+    table = ctx.unique("sling")
+    env = {**os.environ, "PG": _libpq_url(ctx.postgres_url, sslmode="disable")}
+    seconds = run_sling_csv(csv_file(ctx), "PG", f"public.{table}", env)
     _check(ctx, table)
     return Measurement(ctx.rows, seconds)
 
@@ -135,14 +103,14 @@ DLT_CHILD = ROOT / "bench" / "dlt_child.py"
 
 
 def _dlt(ctx: BenchContext, backend: str) -> Measurement:
-    venv = peer_venv("DLT_VENV", ".venv-dlt")
-    assert venv is not None
+    python = peer_python("DLT_VENV", ".venv-dlt", "dlt")
+    assert python is not None
     env = {
         **os.environ,
         # dlt's credentials insist on a password field; the test server ignores it.
         "PG_DSN": ctx.postgres_url.replace("postgresql://postgres@", "postgresql://postgres:x@"),
     }
-    command = [str(venv / "bin" / "python"), str(DLT_CHILD), sqlite_file(ctx), ctx.unique("dlt"), backend]
+    command = [str(python), str(DLT_CHILD), "sql_to_pg", sqlite_file(ctx), ctx.unique("dlt"), backend]
     report = run_peer("dlt", command, env)
     if int(report["rows"]) != ctx.rows:
         raise RuntimeError(f"dlt loaded {report['rows']} rows, not {ctx.rows}")
@@ -160,9 +128,9 @@ def dlt_append_pyarrow(ctx: BenchContext) -> Measurement:
     return _dlt(ctx, "pyarrow")
 
 
-if _sling_binary() is not None:
+if sling_binary() is not None:
     scenario("peer.sling_csv_to_pg", baseline="bounded.csv_to_pg_append")(sling_csv_to_pg)
-if peer_venv("DLT_VENV", ".venv-dlt") is not None:
+if peer_python("DLT_VENV", ".venv-dlt", "dlt") is not None:
     scenario("peer.dlt_append", baseline="bounded.sql_to_pg_append")(dlt_append)
     scenario("peer.dlt_append_pyarrow", baseline="bounded.sql_to_pg_append")(dlt_append_pyarrow)
 

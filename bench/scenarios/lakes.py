@@ -8,6 +8,11 @@ same job with no faucet in between: the same CSV file read whole by pyarrow (mul
 from Arrow in one statement (``INSERT INTO ... SELECT * FROM <arrow>``, its own transaction). Both
 create their table in a new file of their own and are checked by counting it.
 
+Its peers, when installed (:mod:`bench.peers`), load the same CSV file into a new DuckDB file and
+are compared with it: ``peer.sling_csv_to_duckdb`` (Sling's DuckDB target, full refresh, its default
+copy method; a subprocess, timed around it) and ``peer.dlt_csv_to_duckdb`` (dlt's DuckDB
+destination fed Arrow pages, :mod:`bench.dlt_child`, timed around ``pipeline.run``).
+
 ``bounded.csv_to_delta`` does the same into a new Delta table (a commit per page, with its transaction
 identifier); its baseline ``raw.delta_write_pages`` reads the CSV file with pyarrow and appends it with
 ``write_deltalake`` in pages of the runner's default size, one commit each, as the sync commits.
@@ -17,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -24,8 +30,9 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from bench.context import BenchContext
+from bench.peers import peer_python, run_peer, run_sling_csv, sling_duckdb_cli, sling_duckdb_env
 from bench.registry import Measurement, scenario
-from bench.scenarios.bounded import csv_source, run_sync_timed
+from bench.scenarios.bounded import DLT_CHILD, csv_source, run_sync_timed
 from bench.scenarios.connectors import csv_file
 from faucet_dagster.protocol import get_connector
 from faucet_dagster.runner.bounded_values import SyncSettings
@@ -41,7 +48,7 @@ def _new_file(ctx: BenchContext, prefix: str) -> str:
 
 def _check(ctx: BenchContext, path: str) -> None:
     with duckdb.connect(path) as conn:
-        found = conn.execute("SELECT count(*), max(id), count(DISTINCT id) FROM dataset").fetchall()[0]
+        found = conn.execute("SELECT count(*), max(id), count(DISTINCT id) FROM main.dataset").fetchall()[0]
     want = (ctx.rows, ctx.rows - 1, ctx.rows)
     if found != want:
         raise RuntimeError(f"{path}: (rows, max id, distinct ids) is {found}, expected {want}")
@@ -49,11 +56,11 @@ def _check(ctx: BenchContext, path: str) -> None:
 
 @scenario("raw.duckdb_arrow_insert")
 def duckdb_arrow_insert(ctx: BenchContext) -> Measurement:
-    """pyarrow's CSV reader on the whole file, the table inserted from Arrow into DuckDB in one statement."""
+    """A new DuckDB file, pyarrow's CSV reader on the whole file, inserted from Arrow in one statement."""
     source, path = csv_file(ctx), _new_file(ctx, "duckdb-raw")
+    start = time.perf_counter()
     with duckdb.connect(path) as conn:
         conn.execute("CREATE TABLE dataset (id BIGINT, k VARCHAR, payload VARCHAR)")
-        start = time.perf_counter()
         rows = pa_csv.read_csv(source, convert_options=pa_csv.ConvertOptions(column_types=SCHEMA))
         conn.register("rows", rows)
         conn.execute("INSERT INTO dataset SELECT * FROM rows")
@@ -73,6 +80,30 @@ def csv_to_duckdb(ctx: BenchContext) -> Measurement:
     if result.plan.delivery.value != "effectively_once":
         raise RuntimeError(f"expected the atomic watermark, the plan says {result.plan.delivery}")
     return Measurement(result.rows_written, seconds)
+
+
+def sling_csv_to_duckdb(ctx: BenchContext) -> Measurement:
+    """Sling (Go, driving the DuckDB command line) loading the same CSV file into a new DuckDB file."""
+    path = _new_file(ctx, "duckdb-sling")
+    env = {**sling_duckdb_env(Path(path).parent / "home"), "DUCKDB": f"duckdb://{path}"}
+    seconds = run_sling_csv(csv_file(ctx), "DUCKDB", "main.dataset", env)
+    _check(ctx, path)
+    return Measurement(ctx.rows, seconds)
+
+
+def dlt_csv_to_duckdb(ctx: BenchContext) -> Measurement:
+    """dlt's DuckDB destination appending the same CSV file's rows, fed as Arrow pages of 50,000."""
+    python, path = peer_python("DLT_VENV", ".venv-dlt", "dlt"), _new_file(ctx, "duckdb-dlt")
+    assert python is not None
+    report = run_peer("dlt", [str(python), str(DLT_CHILD), "csv_to_duckdb", csv_file(ctx), path])
+    _check(ctx, path)
+    return Measurement(int(report["rows"]), float(report["seconds"]))
+
+
+if sling_duckdb_cli() is not None:
+    scenario("peer.sling_csv_to_duckdb", baseline="bounded.csv_to_duckdb")(sling_csv_to_duckdb)
+if peer_python("DLT_VENV", ".venv-dlt", "dlt") is not None:
+    scenario("peer.dlt_csv_to_duckdb", baseline="bounded.csv_to_duckdb")(dlt_csv_to_duckdb)
 
 
 # -- Delta Lake ----------------------------------------------------------------------------------------

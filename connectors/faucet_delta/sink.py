@@ -9,7 +9,8 @@ Modes (one per configured sink; ``capabilities().bounded_policies`` is exactly t
 - ``replace``: the run's pages stream into one ``write_deltalake(mode="overwrite")`` running in a
   worker thread; ``finish()`` ends the stream and waits for its commit. Readers see the previous
   version until then; a run that fails or closes before ``finish`` aborts the stream and nothing is
-  committed (the Parquet files it wrote are unreferenced, removed by a later ``VACUUM``).
+  committed (the Parquet files it wrote are unreferenced, removed by a later ``VACUUM``), except, for a
+  table that did not exist, the empty table its first page created.
 
 Watermark. ``write_batch_idempotent(records, token)`` commits the page with the Delta transaction
 identifier ``Transaction(app_id, token)`` in the same commit (``CommitProperties.app_transactions``):
@@ -19,11 +20,16 @@ id from one snapshot conflict in Delta's optimistic commit (the second fails wit
 CommitConflict, and its retry reads the first's version and skips); writers of one table in one
 process also take turns under a process-wide lock. Append and upsert only.
 
-Schemas. A missing table is created from the first page's Arrow schema (partitioned by
-``partition_by``). A column the table lacks is merged into its schema (``schema_mode="merge"``) when
-``schema_evolution`` is on, refused (SchemaError) when off. A column whose values the table's type
-would change (a float into a BIGINT column: delta-rs casts it silently) is refused, naming it; a
-narrower integer or float is widened to the table's type.
+Schemas. A missing table is created, empty, from the first page's Arrow schema (partitioned by
+``partition_by``), in a commit of its own before the page's. A column the table lacks is merged into
+its schema (``schema_mode="merge"``) when ``schema_evolution`` is on, refused (SchemaError) when off.
+A column whose values the table's type would change (a float into a BIGINT column: delta-rs casts it
+silently) is refused, naming it; a narrower integer or float is widened to the table's type.
+
+Table version. Every commit this sink makes is made through a ``DeltaTable`` whose state delta-rs
+advances to the version that commit created (a missing table is created first, so even the first
+page commits through one); :meth:`DeltaSink.commit_details` reports the last of them as
+``delta/table_version``, never a version read back later (another writer may have committed since).
 
 Stores. A local table is a folder (created with its parents); an ``s3://`` table goes through
 delta-rs's object store with the config's ``storage_options``, conditional puts on: the log entry of a
@@ -39,7 +45,7 @@ import json
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -78,6 +84,8 @@ BOOKMARK_APP, BOOKMARK_TOKEN, BOOKMARK = "faucet.app", "faucet.token", "faucet.b
 """The commit metadata keys that keep a page's bookmark with its transaction identifier."""
 HISTORY_SEARCHED = 1000
 """Commits read back (newest first) to find the one that recorded the sync's transaction version."""
+TABLE_VERSION = "delta/table_version"
+"""The :meth:`DeltaSink.commit_details` key: the table version the sink's last commit of the run created."""
 _END = object()
 _ABORT = object()
 
@@ -105,6 +113,7 @@ class DeltaSink(Sink):
         self._key = tuple(config.key) if self.mode is WritePolicy.UPSERT else ()
         self._app_id = config.transaction_app_id()
         self._overwrite: _Overwrite | None = None
+        self._committed_version: int | None = None
 
     # -- identity and capabilities ------------------------------------------------------------------
 
@@ -165,6 +174,10 @@ class DeltaSink(Sink):
         if self.mode is WritePolicy.REPLACE:
             await self._run("replacing the table", self._commit_snapshot)
 
+    def commit_details(self) -> Mapping[str, int | str]:
+        version = self._committed_version
+        return {} if version is None else {TABLE_VERSION: version}
+
     async def current_schema(self) -> pa.Schema | None:
         return await self._run("reading the table's schema", self._current_schema)
 
@@ -212,6 +225,21 @@ class DeltaSink(Sink):
         except TableNotFoundError:
             return None
 
+    def _created(self, schema: pa.Schema) -> DeltaTable:
+        """The table, created with ``schema`` (partitioned by ``partition_by``) when missing: every
+        write then goes through a ``DeltaTable``, which knows the version its commit created."""
+        return DeltaTable.create(
+            self.uri,
+            schema=schema,
+            mode="ignore",
+            partition_by=list(self.config.partition_by) or None,
+            storage_options=self._options,
+        )
+
+    def _committed(self, table: DeltaTable) -> None:
+        """Keep the version ``table``'s last commit (this sink's, just made) created."""
+        self._committed_version = int(table.version())
+
     def _check(self) -> None:
         if self._local is not None:
             self._make_folder(self._local)
@@ -251,7 +279,10 @@ class DeltaSink(Sink):
                     BOOKMARK: json.dumps(bookmark),
                 },
             )
-        if table is not None and self._key:
+        created = table is None
+        if table is None:
+            table = self._created(data.schema)
+        if not created and self._key:
             predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in self._key)
             merger = table.merge(
                 data,
@@ -264,14 +295,13 @@ class DeltaSink(Sink):
             merger.when_matched_update_all().when_not_matched_insert_all().execute()
         else:
             write_deltalake(
-                table if table is not None else self.uri,
+                table,
                 data,
-                storage_options=None if table is not None else self._options,
                 mode="append",
-                schema_mode="merge" if self.config.schema_evolution and table is not None else None,
-                partition_by=list(self.config.partition_by) or None if table is None else None,
+                schema_mode="merge" if self.config.schema_evolution and not created else None,
                 commit_properties=properties,
             )
+        self._committed(table)
         return int(batch.num_rows)
 
     def _conformed(self, batch: pa.RecordBatch, table: DeltaTable | None) -> pa.Table:
@@ -336,6 +366,7 @@ class DeltaSink(Sink):
         fields = [*stored, *(pa.field(c.name, c.type) for c in changes if c.name not in stored.names)]
         empty = pa.Table.from_batches([], schema=pa.schema(fields))
         write_deltalake(table, empty, mode="append", schema_mode="merge")
+        self._committed(table)
 
     # -- replace ------------------------------------------------------------------------------------
 
@@ -346,7 +377,9 @@ class DeltaSink(Sink):
             table = self._table()
             if table is not None and not self.config.schema_evolution:
                 self._refuse_other_schema(data.schema, _arrow_schema(table))
-            self._overwrite = _Overwrite(self.uri, data.schema, self.config)
+            if table is None:
+                table = self._created(data.schema)
+            self._overwrite = _Overwrite(table, data.schema, self.config)
         self._overwrite.put(data, self.dataset_uri())
         return int(batch.num_rows)
 
@@ -362,18 +395,23 @@ class DeltaSink(Sink):
         overwrite, self._overwrite = self._overwrite, None
         if overwrite is not None:
             overwrite.finish()
+            self._committed(overwrite.table)
             return
         table = self._table()
         if table is not None:  # an empty snapshot empties the table
             empty = pa.Table.from_batches([], schema=_arrow_schema(table))
             write_deltalake(table, empty, mode="overwrite")
+            self._committed(table)
 
 
 class _Overwrite:
     """One ``write_deltalake(mode="overwrite")`` in a worker thread, fed the run's pages through a
     bounded queue (at most ``_QUEUE_DEPTH`` pages wait): one commit, at :meth:`finish`."""
 
-    def __init__(self, uri: str, schema: pa.Schema, config: DeltaSinkConfig) -> None:
+    def __init__(self, table: DeltaTable, schema: pa.Schema, config: DeltaSinkConfig) -> None:
+        self.table = table
+        """Written through (its storage options included), so its version is the overwrite's once
+        :meth:`finish` returned."""
         self.schema = schema
         self._pages: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._failure: BaseException | None = None
@@ -382,9 +420,8 @@ class _Overwrite:
             "mode": "overwrite",
             "schema_mode": "overwrite" if config.schema_evolution else None,
             "partition_by": list(config.partition_by) or None,
-            "storage_options": config.storage_options(),
         }
-        self._thread = threading.Thread(target=self._write, args=(uri, reader, options), daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(reader, options), daemon=True)
         self._thread.start()
 
     def _batches(self) -> Iterator[pa.RecordBatch]:
@@ -397,9 +434,9 @@ class _Overwrite:
             assert isinstance(page, pa.Table)
             yield from page.to_batches()
 
-    def _write(self, path: str, reader: pa.RecordBatchReader, options: dict[str, Any]) -> None:
+    def _write(self, reader: pa.RecordBatchReader, options: dict[str, Any]) -> None:
         try:
-            write_deltalake(path, reader, **options)
+            write_deltalake(self.table, reader, **options)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller by put or finish
             self._failure = exc
 

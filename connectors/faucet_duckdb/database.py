@@ -123,6 +123,11 @@ class DuckDbFile:
         self._connect = connect
         self._conn: Connection | None = None
         self._lock = writer_lock(self.path.resolve()) if writer else threading.Lock()
+        self.opened = 0
+        """How many connections this object opened. While one stays open (``hold``), no other process
+        writes the file (DuckDB's file lock) and this process's other writers only add tables and
+        columns (a REPLACE swaps in a table of the same columns): what a call read of a table's
+        columns holds until ``opened`` changes."""
 
     async def call(
         self, doing: str, function: Callable[Concatenate[Connection, P], T], *args: P.args, **kwargs: P.kwargs
@@ -159,6 +164,7 @@ class DuckDbFile:
     def _connection(self) -> Connection:
         if self._conn is None:
             self._conn = self._open()
+            self.opened += 1
         return self._conn
 
     def _open(self) -> Connection:

@@ -88,6 +88,11 @@ class DuckDbSink(Sink):
         self._watermark_scope = config.watermark_scope()
         self._watermark_ready = False
         """The watermark table exists with its bookmark column (its DDL runs once per sink)."""
+        self._checked: tuple[pa.Schema, tables.Target, int] | None = None
+        """The Arrow schema of the last committed batch, the table it was checked against and the
+        connection (:attr:`DuckDbFile.opened`) that read it: a next batch of that schema goes to that
+        table without reading the catalog again while that connection holds the file and this sink
+        made no DDL of its own outside a write (evolve, replace)."""
 
     @property
     def label(self) -> str:
@@ -204,14 +209,16 @@ class DuckDbSink(Sink):
         kept with it); 0 for a replayed token."""
         conn.begin()
         try:
-            written = self._apply(conn, batch, token)
+            written, target = self._apply(conn, batch, token)
             if written is None:
                 conn.rollback()
                 return 0
             conn.commit()
         except BaseException:
+            self._checked = None
             rollback_quietly(conn)
             raise
+        self._checked = (batch.schema, target, self.file.opened)
         self._staged = self._staged or self.mode is WritePolicy.REPLACE
         # Committed with the token: the watermark table's DDL of this transaction holds from now on.
         self._watermark_ready = self._watermark_ready or token is not None
@@ -222,31 +229,36 @@ class DuckDbSink(Sink):
         conn: duckdb.DuckDBPyConnection,
         batch: pa.RecordBatch,
         token: tuple[CommitToken, JsonValue | None] | None,
-    ) -> int | None:
-        """Write ``batch`` in the caller's transaction; None when ``token`` is not newer than the
-        stored one (nothing was written)."""
+    ) -> tuple[int | None, tables.Target]:
+        """Write ``batch`` in the caller's transaction; the rows written (None when ``token`` is not
+        newer than the stored one: nothing was written) and the table they went to."""
+        schema = batch.schema
         if self._key:
             batch = upsert_rows(batch, self._key, self.dataset_uri())
         if self.mode is WritePolicy.REPLACE and not self._staged:
             self._create_stage(conn)
-        with tables.registered(conn, batch) as incoming:
-            target = tables.prepare(
-                conn,
-                self.config.schema_name,
-                self._write_name(),
-                incoming,
-                self._key,
-                evolve=self.config.schema_evolution,
-                where=self.dataset_uri(),
-            )
+        with tables.registered(conn, batch):
+            checked = self._checked
+            if checked is not None and checked[0].equals(schema) and checked[2] == self.file.opened:
+                target = checked[1]
+            else:
+                target = tables.prepare(
+                    conn,
+                    self.config.schema_name,
+                    self._write_name(),
+                    tables.described(conn),
+                    self._key,
+                    evolve=self.config.schema_evolution,
+                    where=self.dataset_uri(),
+                )
             if token is not None and not self._claim(conn, *token):
-                return None
+                return None, target
             if batch.num_rows:
                 if self._key:
                     tables.merge(conn, target, self._key)
                 else:
                     tables.insert(conn, target)
-        return int(batch.num_rows)
+        return int(batch.num_rows), target
 
     def _refusal(self, conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch) -> str | None:
         """Why the table refuses ``batch`` (None: it takes every row), found by writing it in a
@@ -282,6 +294,7 @@ class DuckDbSink(Sink):
     def _swap(self, conn: duckdb.DuckDBPyConnection) -> None:
         """REPLACE: put the staging table in the target's place in one transaction."""
         schema = self.config.schema_name
+        self._checked = None
         conn.begin()
         try:
             if not self._staged:
@@ -305,6 +318,7 @@ class DuckDbSink(Sink):
         return tables.arrow_schema(conn, tables.Target(self.config.schema_name, name, columns))
 
     def _evolve(self, conn: duckdb.DuckDBPyConnection, changes: Sequence[AddColumn]) -> None:
+        self._checked = None
         conn.begin()
         try:
             if self.mode is WritePolicy.REPLACE and not self._staged:
@@ -328,8 +342,8 @@ class DuckDbSink(Sink):
     def _claim(self, conn: duckdb.DuckDBPyConnection, token: CommitToken, bookmark: JsonValue | None) -> bool:
         """Advance this sync's watermark to ``token``, with the page's ``bookmark`` (JSON), in the
         caller's transaction; False when the stored token is not older (a replayed page). Two
-        transactions advancing one row conflict at commit (DuckDB's optimistic concurrency): one of
-        them fails with CommitConflict."""
+        transactions advancing one row conflict (DuckDB's optimistic concurrency): one of them fails
+        with CommitConflict (the update's "Conflict on" error, or the first insert's duplicate key)."""
         name = self._watermark_name()
         if not self._watermark_ready:
             # A table an older version made has no bookmark column: added once.
@@ -338,15 +352,22 @@ class DuckDbSink(Sink):
                 "updated_at TIMESTAMPTZ NOT NULL, bookmark VARCHAR)"
             )
             conn.execute(f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS bookmark VARCHAR")
-        stored = first_row(conn, f"SELECT token FROM {name} WHERE sync_id = ?", [self._watermark_scope])
-        if stored is not None and str(stored[0]) >= str(token):
-            return False
+        text = None if bookmark is None else json.dumps(bookmark)
+        # One statement on every page but a sync's first: the row is advanced only from an older token.
+        advanced = first_row(
+            conn,
+            f"UPDATE {name} SET token = ?, updated_at = now(), bookmark = ? "
+            "WHERE sync_id = ? AND token < ? RETURNING token",
+            [str(token), text, self._watermark_scope, str(token)],
+        )
+        if advanced is not None:
+            return True
+        if first_row(conn, f"SELECT token FROM {name} WHERE sync_id = ?", [self._watermark_scope]):
+            return False  # the stored token is not older: a replayed page
         try:
             conn.execute(
-                f"INSERT INTO {name} (sync_id, token, updated_at, bookmark) VALUES (?, ?, now(), ?) "
-                "ON CONFLICT (sync_id) DO UPDATE "
-                "SET token = excluded.token, updated_at = excluded.updated_at, bookmark = excluded.bookmark",
-                [self._watermark_scope, str(token), None if bookmark is None else json.dumps(bookmark)],
+                f"INSERT INTO {name} (sync_id, token, updated_at, bookmark) VALUES (?, ?, now(), ?)",
+                [self._watermark_scope, str(token), text],
             )
         except duckdb.ConstraintException as exc:
             raise CommitConflict(

@@ -33,7 +33,7 @@ commit's random id. ``close_session`` returning means nothing of the session can
 import asyncio
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import duckdb
 
@@ -44,14 +44,15 @@ from faucet_dagster.protocol import (
     DataError,
     Durability,
     EpochId,
-    EpochMismatch,
     FaucetError,
+    HeldEpoch,
+    HeldEpochs,
     LifecycleError,
     OrderingDomain,
     OwnershipLost,
     Position,
     Receipt,
-    SchemaError,
+    ResourceTally,
     SinkBatch,
     SinkCapabilities,
     SinkCommitState,
@@ -60,7 +61,6 @@ from faucet_dagster.protocol import (
     UncertainOutcome,
     WorkerIdentity,
     WritePolicy,
-    first_row_without_key,
     upsert_rows,
 )
 from faucet_duckdb import tables
@@ -79,32 +79,12 @@ from faucet_duckdb.database import (
 POLICIES = frozenset({WritePolicy.APPEND, WritePolicy.UPSERT})
 
 
-@dataclass
-class _Tally:
-    """What a committed epoch did to one resource."""
-
-    table: str
-    written: int = 0
-    skipped: int = 0
-    first: str | None = None
-    last: str | None = None
-
-
-@dataclass
-class _Epoch:
-    """The active epoch: its batches, in the order they were applied."""
-
-    epoch: EpochId
-    batches: list[SinkBatch] = field(default_factory=list)
-    failed: bool = False
-
-
 @dataclass(frozen=True)
 class _Committed:
     """What a commit did: the stream's state after it and the tallies by resource."""
 
     state: CommittedEpochs
-    tallies: dict[str, _Tally]
+    tallies: dict[str, ResourceTally]
 
 
 class _StateTables:
@@ -277,11 +257,9 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
         self._file = file
         self._state = state
         self._policy = policy
-        self._key = key
-        self._worker = worker
         self._where = where
-        self._active: _Epoch | None = None
-        self._pending: tuple[_Epoch, str] | None = None
+        self._epochs = HeldEpochs(state.stream, worker.fencing_token, key, where)
+        self._pending: tuple[HeldEpoch, str] | None = None
         """A commit given up on (cancelled) before its outcome was known: the epoch and its commit id."""
         self._closed = False
 
@@ -301,45 +279,18 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
 
     async def begin_epoch(self, epoch: EpochId) -> None:
         await self._check_usable()
-        if self._active is not None:
-            raise LifecycleError(f"epoch {self._active.epoch} is still active", where=self._where)
-        if epoch.stream != self._state.stream or epoch.fencing_token != self._worker.fencing_token:
-            raise EpochMismatch(
-                f"epoch {epoch} is not for stream {self._state.stream} under fencing token "
-                f"{self._worker.fencing_token}",
-                where=self._where,
-            )
-        self._active = _Epoch(epoch)
+        self._epochs.begin(epoch)
 
     async def apply(self, epoch: EpochId, batch: SinkBatch) -> None:
         """Keep ``batch`` for the commit, after checking what can be checked without the table: a
         row without its key (UPSERT) fails the epoch with a DataError naming its event identity."""
-        state = await self._active_epoch(epoch, "apply")
-        if batch.epoch != epoch:
-            raise EpochMismatch(f"a batch of epoch {batch.epoch} applied to {epoch}", where=self._where)
-        if state.failed:
-            raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
-        where = f"{self._where} table {self._table_label(batch.resource)}"
-        if self._key:
-            missing = [name for name in self._key if name not in batch.records.schema.names]
-            if missing:
-                state.failed = True
-                raise SchemaError(f"the records lack key column(s) {', '.join(missing)}", where=where)
-            row = first_row_without_key(batch.records, self._key)
-            if row is not None:
-                state.failed = True
-                raise DataError(
-                    f"the row has no value in a key column ({', '.join(self._key)})",
-                    where=f"{where} @ {batch.identities.at(batch.domain, row)}",
-                )
-        if batch.records.num_rows:
-            state.batches.append(batch)
+        await self._check_usable()
+        self._epochs.hold(epoch, batch, f"{self._where} table {self._table_label(batch.resource)}")
 
     async def commit_epoch(self, epoch: EpochId, coverage: Coverage) -> tuple[Receipt, ...]:
         """Fence check, rows above the watermarks, epoch row and watermarks in one transaction."""
-        state = await self._active_epoch(epoch, "commit")
-        if state.failed:
-            raise LifecycleError(f"epoch {epoch} failed; abort it", where=self._where)
+        await self._check_usable()
+        state = self._epochs.committable(epoch)
         commit_id = uuid.uuid4().hex
         self._pending = (state, commit_id)
         try:
@@ -353,13 +304,14 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
             state.failed = True
             raise
         self._pending = None
-        self._active = None
+        self._epochs.active = None
         return self._receipts(done.tallies)
 
     async def abort_epoch(self, epoch: EpochId) -> None:
         """Drop the epoch's batches: nothing of it reached DuckDB (a commit that failed rolled back)."""
-        await self._active_epoch(epoch, "abort")
-        self._active = None
+        await self._check_usable()
+        self._epochs.current(epoch, "abort")
+        self._epochs.active = None
 
     async def close_session(self) -> None:
         """Wait for a commit still running (given up on by its caller), then release the file.
@@ -370,14 +322,14 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
         if self._closed:
             return
         self._closed = True
-        self._active = None
+        self._epochs.active = None
         self._pending = None
         await self._file.close()
 
     # -- the commit, on the file's worker thread ---------------------------------------------------
 
     def _commit(
-        self, conn: duckdb.DuckDBPyConnection, state: _Epoch, coverage: Coverage, commit_id: str
+        self, conn: duckdb.DuckDBPyConnection, state: HeldEpoch, coverage: Coverage, commit_id: str
     ) -> _Committed:
         epoch = state.epoch
         conn.begin()
@@ -391,7 +343,7 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
                     where=self._where,
                 )
             committed = self._state.read(conn)
-            tallies: dict[str, _Tally] = {}
+            tallies: dict[str, ResourceTally] = {}
             for batch in state.batches:
                 self._write(conn, batch, committed, tallies)
             marks = committed.next_watermarks(coverage)
@@ -407,32 +359,33 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
         conn: duckdb.DuckDBPyConnection,
         batch: SinkBatch,
         committed: CommittedEpochs,
-        tallies: dict[str, _Tally],
+        tallies: dict[str, ResourceTally],
     ) -> None:
         table = self._config.table_for(batch.resource)
         label = f"{self._config.schema_name}.{table}"
         where = f"{self._where} table {label}"
         kept = committed.rows_above(batch, where)
-        tally = tallies.setdefault(batch.resource, _Tally(label))
-        tally.skipped += kept.skipped
+        tally = tallies.setdefault(batch.resource, ResourceTally())
         records = kept.records
         if not records.num_rows:
+            tally.add(kept)
             return
-        if self._key:
-            records = upsert_rows(records, self._key, where)
-        with tables.registered(conn, records) as incoming:
+        key = self._epochs.key
+        if key:
+            records = upsert_rows(records, key, where)
+        with tables.registered(conn, records):
             target = tables.prepare(
                 conn,
                 self._config.schema_name,
                 table,
-                incoming,
-                self._key,
+                tables.described(conn),
+                key,
                 evolve=self._config.schema_evolution,
                 where=where,
             )
             try:
-                if self._key:
-                    tables.merge(conn, target, self._key)
+                if key:
+                    tables.merge(conn, target, key)
                 else:
                     tables.insert(conn, target)
             except duckdb.Error as exc:
@@ -444,10 +397,7 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
                     f"the destination refused a row of the batch: {str(exc).strip().splitlines()[0]}",
                     where=f"{where} @ {first} .. {last}",
                 ) from exc
-        positions = kept.identities.positions
-        tally.written += records.num_rows
-        tally.first = tally.first or positions[0]
-        tally.last = positions[-1]
+        tally.add(kept, records.num_rows)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -472,7 +422,7 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
             ) from exc
         self._pending = None
         if found == commit_id:
-            self._active = None  # it committed: the epoch is over
+            self._epochs.active = None  # it committed: the epoch is over
         else:
             state.failed = True  # it rolled back: only abort remains
 
@@ -481,19 +431,10 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
             holder = self._state.holder(probe)
         return None if holder is None else holder[1]
 
-    async def _active_epoch(self, epoch: EpochId, doing: str) -> _Epoch:
-        await self._check_usable()
-        state = self._active
-        if state is None:
-            raise LifecycleError(f"{doing} of epoch {epoch} without an active epoch", where=self._where)
-        if state.epoch != epoch:
-            raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self._where)
-        return state
-
     def _table_label(self, resource: str) -> str:
         return f"{self._config.schema_name}.{self._config.table_for(resource)}"
 
-    def _receipts(self, tallies: dict[str, _Tally]) -> tuple[Receipt, ...]:
+    def _receipts(self, tallies: dict[str, ResourceTally]) -> tuple[Receipt, ...]:
         receipts = []
         for resource, tally in sorted(tallies.items()):
             details: dict[str, str] = {
@@ -501,12 +442,10 @@ class DuckDbStreamingSinkSession(StreamingSinkSession):
                 # own full name of the table, as dagster/table_name states it.
                 "database": self._file.path.stem,
                 "file": str(self._file.path),
-                "table": tally.table,
+                "table": self._table_label(resource),
                 "policy": self._policy.value,
             }
-            if tally.first is not None and tally.last is not None:
-                details |= {"first_position": tally.first, "last_position": tally.last}
-            receipts.append(Receipt(resource, tally.written, tally.skipped, details))
+            receipts.append(Receipt(resource, tally.written, tally.skipped, details | tally.positions()))
         return tuple(receipts)
 
 

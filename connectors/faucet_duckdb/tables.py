@@ -95,21 +95,26 @@ def row_count(conn: duckdb.DuckDBPyConnection, schema: str, table: str) -> int |
 
 
 @contextmanager
-def registered(conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch) -> Iterator[list[tuple[str, str]]]:
-    """``batch`` registered as :data:`BATCH_VIEW` inside the context; yields its (column, DuckDB type).
+def registered(conn: duckdb.DuckDBPyConnection, batch: pa.RecordBatch) -> Iterator[None]:
+    """``batch`` registered as :data:`BATCH_VIEW` inside the context.
 
     A statement that fails aborts DuckDB's transaction, in which not even the view can be dropped: on
     an error the transaction is rolled back first (the caller was going to), so the error raised is
     the statement's own."""
     conn.register(BATCH_VIEW, arrow_for_duckdb(batch))
     try:
-        described = conn.execute(f"DESCRIBE SELECT * FROM {BATCH_VIEW}").fetchall()
-        yield [(str(row[0]), str(row[1])) for row in described]
+        yield
     except BaseException:
         rollback_quietly(conn)
         conn.unregister(BATCH_VIEW)
         raise
     conn.unregister(BATCH_VIEW)
+
+
+def described(conn: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """The registered batch's columns and their DuckDB types."""
+    found = conn.execute(f"DESCRIBE SELECT * FROM {BATCH_VIEW}").fetchall()
+    return [(str(row[0]), str(row[1])) for row in found]
 
 
 def prepare(
@@ -178,8 +183,8 @@ def duckdb_types(conn: duckdb.DuckDBPyConnection, changes: Sequence[AddColumn]) 
     empty = pa.RecordBatch.from_arrays(
         [pa.array([], type=change.type) for change in changes], names=[change.name for change in changes]
     )
-    with registered(conn, empty) as described:
-        return described
+    with registered(conn, empty):
+        return described(conn)
 
 
 def insert(conn: duckdb.DuckDBPyConnection, target: Target) -> None:
@@ -203,6 +208,7 @@ __all__ = [
     "arrow_schema",
     "columns_of",
     "create",
+    "described",
     "duckdb_types",
     "insert",
     "merge",

@@ -1,4 +1,4 @@
-"""The faucet-dagster example: a shop's sample customers and orders synced into SQLite by Dagster, and
+"""The faucet-dagster example: a shop's sample customers and orders synced into DuckDB by Dagster, and
 order events streamed from NATS JetStream and Kafka into PostgreSQL where those servers are configured.
 """
 

@@ -12,6 +12,18 @@ import sys
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+INSTANCE_SETTINGS = """\
+telemetry:
+  enabled: false
+# The syncs into the DuckDB warehouse share the pool duckdb_warehouse: under `dg dev` the run queue
+# starts one run of it at a time (DuckDB lets one process write the file), instead of a second run
+# waiting for the file. Per run, not per step, so a run launched here in-process never waits on a slot.
+concurrency:
+  pools:
+    granularity: run
+    default_limit: 1
+"""
+"""The example's Dagster instance, written on first use (shared with ``dg dev``)."""
 QUIET_RUN = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 """Dagster's console log shows warnings and errors only: the table printed here says what moved."""
 
@@ -21,7 +33,7 @@ def main() -> int:
     home.mkdir(parents=True, exist_ok=True)
     settings = home / "dagster.yaml"
     if not settings.exists():
-        settings.write_text("telemetry:\n  enabled: false\n")
+        settings.write_text(INSTANCE_SETTINGS)
 
     # Imported after DAGSTER_HOME is set: the instance and the definitions read it.
     import dagster as dg

@@ -63,6 +63,7 @@ from faucet_dagster.protocol.errors import (
     UnsupportedOperation,
     Violation,
 )
+from faucet_dagster.protocol.held_epochs import HeldEpoch, HeldEpochs, ResourceTally
 from faucet_dagster.protocol.identifiers import (
     POSTGRES_MAX_IDENTIFIER_BYTES,
     identifier_too_long,
@@ -201,6 +202,8 @@ __all__ = [
     "FaucetError",
     "FetchContext",
     "FoundRow",
+    "HeldEpoch",
+    "HeldEpochs",
     "Identities",
     "IncarnationChanged",
     "IntegerPositionCodec",
@@ -234,6 +237,7 @@ __all__ = [
     "RejectedRecord",
     "RejectedRow",
     "Replay",
+    "ResourceTally",
     "Role",
     "SchemaError",
     "Sink",

@@ -320,6 +320,17 @@ class Sink(Connector):
         when this sink cannot count them or the destination does not exist. Optional."""
         return None
 
+    def commit_details(self) -> Mapping[str, int | str]:
+        """Destination facts of the commits this sink made in the run, for the run's materialization
+        metadata (a Delta table's ``{"delta/table_version": 7}``), after ``finish``.
+
+        Pure: no I/O. Each value comes from what a commit of this sink returned, never read back from
+        the destination (another writer may have committed since); a run that committed nothing has
+        none. Keys are namespaced by the destination (``delta/...``); never a secret. Optional: the
+        default has none.
+        """
+        return {}
+
     def supports_schema_evolution(self) -> bool:
         """True only if ``evolve_schema`` applies idempotent additive DDL."""
         return self.capabilities().schema_evolution

@@ -311,7 +311,7 @@ async def _execute(
             on_page=on_page,
         )
         rows = await sink.row_count()
-        return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri(), rows)
+        return SyncOutcome(result, source.dataset_uri(), sink.dataset_uri(), rows, sink.commit_details())
 
 
 # -- building the assets ---------------------------------------------------------------------------

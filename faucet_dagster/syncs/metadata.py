@@ -7,12 +7,14 @@ the run; ``dagster/partition_row_count``; ``dagster/table_name``, qualified; ``d
 started: the range ``faucet verify`` re-reads), ``faucet/commit_token``, ``faucet/delivery``,
 ``faucet/plan``, ``faucet/rows_read``, ``faucet/rows_written`` (this run's),
 ``faucet/rows_dead_lettered``, ``faucet/rows_skipped``, ``faucet/pages``, ``faucet/rows_per_second``,
-``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets). The next run
-reads the bookmark and commit token back with :func:`last_sync_state`.
+``faucet/seconds``, ``faucet/source`` and ``faucet/sink`` (dataset URIs, never secrets), and what the
+sink's commits returned (``delta/table_version``: the Delta table version the run's last commit
+created). The next run reads the bookmark and commit token back with :func:`last_sync_state`.
 """
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import dagster as dg
@@ -50,6 +52,8 @@ class SyncOutcome:
     sink_uri: str
     table_rows: int | None = None
     """The destination table's rows after the run, when the sink can count them."""
+    sink_details: Mapping[str, int | str] = field(default_factory=dict)
+    """What the sink's commits of this run returned (``Sink.commit_details``: a Delta table's version)."""
 
 
 def last_sync_state(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str | None) -> SyncState:
@@ -137,6 +141,10 @@ def sync_metadata(outcome: SyncOutcome, previous: SyncState | None = None) -> di
         "faucet/seconds": dg.MetadataValue.float(round(result.seconds, 3)),
         "faucet/source": dg.MetadataValue.text(outcome.source_uri),
         "faucet/sink": dg.MetadataValue.text(outcome.sink_uri),
+        **{
+            key: dg.MetadataValue.int(detail) if isinstance(detail, int) else dg.MetadataValue.text(detail)
+            for key, detail in outcome.sink_details.items()
+        },
     }
 
 

@@ -126,7 +126,7 @@ def rows(path: Path, *columns: str) -> list[tuple[Any, ...]]:
 
 def test_registered_as_a_sink_whose_modes_declare_what_they_do(tmp_path: Path) -> None:
     spec = get_connector("delta")
-    assert set(spec.roles) == {Role.SINK}
+    assert set(spec.roles) == {Role.SINK, Role.STREAMING_SINK}
     path = tmp_path / "lake" / "orders"
     append = sink(path).capabilities()
     assert append.bounded_policies == {WritePolicy.APPEND} and append.atomic_watermark
@@ -244,6 +244,7 @@ def test_a_writer_whose_snapshot_is_stale_conflicts_and_its_retry_skips_the_page
         commit_properties=_transaction(2),
         storage_options=lake.options(),
     )
+    others = lake.table("orders").version()  # the other writer's commit
     monkeypatch.setattr(DeltaSink, "_table", lambda self: stale)
     with pytest.raises(CommitConflict) as raised:
         run(write(lake.sink("orders"), orders([2, 3]), token=2))
@@ -251,7 +252,7 @@ def test_a_writer_whose_snapshot_is_stale_conflicts_and_its_retry_skips_the_page
     monkeypatch.undo()
     assert run(write(lake.sink("orders"), orders([2, 3]), token=2)) == 0
     assert lake.rows("orders", "id") == [(1,), (2,), (3,)]
-    assert lake.table("orders").version() == 1  # the first writer's two commits, nothing of the second
+    assert lake.table("orders").version() == others  # nothing of the stale writer
 
 
 RACING_PROXY = """
@@ -347,16 +348,17 @@ def commit_race(server: S3Server, lake: Lake, drop_if_none_match: bool = False) 
 def test_two_writers_racing_for_one_log_entry_on_s3_are_kept_apart_by_the_stores_conditional_put(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    """Both writers list the log at version 0 and PUT version 1: the endpoint creates it for the first
-    and answers 412 to the second (``If-None-Match: *``), whose commit becomes a retryable
+    """Both writers list the log at the same version and PUT the next one: the endpoint creates it for
+    the first and answers 412 to the second (``If-None-Match: *``), whose commit becomes a retryable
     CommitConflict; its retry skips the page."""
     lake = s3_lake(s3_server, s3_bucket)
     run(write(lake.sink("orders"), orders([1]), token=1))
+    raced_version = lake.table("orders").version() + 1
     with commit_race(s3_server, lake) as race, pytest.raises(CommitConflict) as raised:
         run(write(race.lake.sink("orders"), orders([2, 3]), token=2))
     assert raised.value.retryable
-    assert [path.rsplit("/", 1)[-1] for path in race.raced] == ["00000000000000000001.json"]
-    assert lake.table("orders").version() == 1
+    assert [path.rsplit("/", 1)[-1] for path in race.raced] == [f"{raced_version:020d}.json"]
+    assert lake.table("orders").version() == raced_version  # the other writer's commit only
     assert run(write(lake.sink("orders"), orders([2, 3]), token=2)) == 0
     assert lake.rows("orders", "id", "name") == [(1, "n1v1"), (2, "other"), (3, "other")]
 
@@ -423,17 +425,15 @@ def test_a_process_dying_around_a_delta_commit_loses_and_duplicates_nothing(lake
 def test_upsert_merges_by_key_and_a_row_without_its_key_is_refused(lake: Lake) -> None:
     keyed = pa.concat_batches([orders([1, 2]), orders([2], version=2)])
     run(write(lake.sink("customers", mode="upsert", key=["id"]), keyed, token=1))
-    run(
-        write(
-            lake.sink("customers", mode="upsert", key=["id"]), orders([1, 3], version=3, tier="gold"), token=2
-        )
-    )
+    merging = lake.sink("customers", mode="upsert", key=["id"])
+    run(write(merging, orders([1, 3], version=3, tier="gold"), token=2))
     assert lake.rows("customers", "id", "name", "tier") == [
         (1, "n1v3", "gold"),
         (2, "n2v2", None),
         (3, "n3v3", "gold"),
     ]
     version = lake.table("customers").version()
+    assert merging.commit_details() == {"delta/table_version": version}  # the MERGE's commit
     nameless = pa.RecordBatch.from_pylist([{"id": 4, "name": "a"}, {"id": None, "name": "b"}])
     with pytest.raises(DataError, match="row 1"):
         run(write(lake.sink("customers", mode="upsert", key=["id"]), nameless, token=3))
@@ -452,6 +452,9 @@ def test_replace_commits_one_version_at_finish_and_an_unfinished_run_commits_not
             assert lake.table("snapshot").version() == before  # readers still see the old snapshot
             if finish:
                 await target.finish()
+                assert target.commit_details() == {"delta/table_version": before + 1}
+            else:
+                assert target.commit_details() == {}  # nothing committed
         finally:
             await target.close()
 

@@ -241,6 +241,29 @@ def test_schema_evolution_adds_a_column_or_refuses_it_and_a_lossy_type_is_named(
     assert query(path, "SELECT count(*) FROM orders") == [(2,)]
 
 
+def test_the_tables_columns_are_read_again_when_the_file_was_let_go_between_pages(tmp_path: Path) -> None:
+    """The sink reads the table's columns at its first page and not again while its connection holds
+    the file. Let go between two pages (``close``), the table can change (here ``name`` becomes an
+    INTEGER column), so the next page is checked against it again: refused, naming the column, not
+    cast."""
+    path = tmp_path / "w.duckdb"
+
+    async def scenario() -> None:
+        target = sink(path)
+        try:
+            await target.write_batch_idempotent(orders([1]), CommitToken(1))
+            await target.write_batch_idempotent(orders([2]), CommitToken(2))
+            await target.close()
+            query(path, "DROP TABLE orders; CREATE TABLE orders (id BIGINT, name INTEGER)")
+            with pytest.raises(SchemaError, match=r"name \(VARCHAR into INTEGER\)"):
+                await target.write_batch_idempotent(orders([3]), CommitToken(3))
+        finally:
+            await target.close()
+
+    run(scenario())
+    assert query(path, "SELECT count(*) FROM orders") == [(0,)]
+
+
 # -- one writer per file --------------------------------------------------------------------------------
 
 

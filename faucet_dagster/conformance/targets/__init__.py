@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory
 from faucet_dagster.conformance.targets._common import closed_port
-from faucet_dagster.conformance.targets.delta import delta_s3_sink, delta_sink
+from faucet_dagster.conformance.targets.delta import (
+    DELTA_STREAMING_OPTIONS,
+    delta_s3_sink,
+    delta_s3_streaming_sink,
+    delta_sink,
+    delta_streaming_sink,
+)
 from faucet_dagster.conformance.targets.duckdb import duckdb_sink, duckdb_source, duckdb_streaming_sink
 from faucet_dagster.conformance.targets.kafka import kafka_source
 from faucet_dagster.conformance.targets.local import files_source, sql_sink, sql_source
@@ -48,7 +54,10 @@ TARGETS: Mapping[str, Mapping[Role, tuple[ConfigFactory, ConformanceOptions]]] =
         Role.SINK: (duckdb_sink, DEFAULT_OPTIONS),
         Role.STREAMING_SINK: (duckdb_streaming_sink, DEFAULT_OPTIONS),
     },
-    "delta": {Role.SINK: (delta_sink, DEFAULT_OPTIONS)},
+    "delta": {
+        Role.SINK: (delta_sink, DEFAULT_OPTIONS),
+        Role.STREAMING_SINK: (delta_streaming_sink, DELTA_STREAMING_OPTIONS),
+    },
     "kafka": {
         Role.SOURCE: (kafka_source, DEFAULT_OPTIONS),
         Role.STREAM_SOURCE: (kafka_source, DEFAULT_OPTIONS),
@@ -62,10 +71,13 @@ def target(connector: str, role: Role) -> tuple[ConfigFactory, ConformanceOption
 
 
 __all__ = [
+    "DELTA_STREAMING_OPTIONS",
     "TARGETS",
     "closed_port",
     "delta_s3_sink",
+    "delta_s3_streaming_sink",
     "delta_sink",
+    "delta_streaming_sink",
     "duckdb_sink",
     "duckdb_source",
     "duckdb_streaming_sink",

@@ -1,4 +1,5 @@
-"""Delta Lake: the bounded sink, on fresh tables per check: local folders, or a bucket on the S3 endpoint.
+"""Delta Lake: the bounded sink and the streaming sink, on fresh tables per check: local folders,
+or a bucket on the S3 endpoint.
 
 Rows are read back through delta-rs (``DeltaTable.to_pyarrow_table``) as any reader of the table
 would. The refused rows are refused by a CHECK constraint on ``name``'s length, added to the table
@@ -10,12 +11,22 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+from faucet_dagster.conformance.options import ConformanceOptions
 from faucet_dagster.conformance.setup import SinkSetup
 from faucet_dagster.conformance.targets._common import NAME_LIMIT, closed_port, refused_rows, with_mode
 from faucet_dagster.testing import S3Server
 
 Options = dict[str, str] | None
 """delta-rs's storage options of a table (None: a local folder)."""
+
+DELTA_STREAMING_OPTIONS = ConformanceOptions(
+    effects=frozenset(
+        f"deltalake._internal:{call}"
+        for call in ("write_to_deltalake", "RawDeltaTable.write", "RawDeltaTable.merge_execute")
+    )
+)
+"""The streaming sink's battery options: delta-rs's calls that commit to the table's log are the
+effects the generated scenarios crash a worker right before."""
 
 
 def _create_items(uri: str, options: Options) -> None:
@@ -67,8 +78,9 @@ def delta_sink(tmp_path: Path) -> SinkSetup:
     return _setup(str(tmp_path / "lake"), {}, None, unreachable)
 
 
-def delta_s3_sink(s3_server: S3Server, unique_name: Callable[..., str]) -> SinkSetup:
-    """:func:`delta_sink` in a new bucket of the S3 endpoint; unreachable: an endpoint nobody answers."""
+def _s3_table(s3_server: S3Server, unique_name: Callable[..., str]) -> tuple[str, dict[str, Any], Options]:
+    """A new bucket of the S3 endpoint: its ``s3://`` root, the sink's ``s3`` block and delta-rs's
+    storage options for reading it back."""
     bucket = s3_server.create_bucket(unique_name("lake").replace("_", "-"))
     s3 = {
         "endpoint_url": s3_server.endpoint_url,
@@ -84,6 +96,42 @@ def delta_s3_sink(s3_server: S3Server, unique_name: Callable[..., str]) -> SinkS
         "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
         "AWS_ALLOW_HTTP": "true",
     }
-    closed = {**s3, "endpoint_url": f"http://127.0.0.1:{closed_port()}", "allow_http": True}
-    unreachable = {"uri": f"s3://{bucket}/lake/items", "mode": "append", "s3": closed}
-    return _setup(f"s3://{bucket}/lake", {"s3": s3}, options, unreachable)
+    return f"s3://{bucket}/lake", s3, options
+
+
+def _closed_endpoint(s3: Mapping[str, Any]) -> dict[str, Any]:
+    return {**s3, "endpoint_url": f"http://127.0.0.1:{closed_port()}", "allow_http": True}
+
+
+def delta_s3_sink(s3_server: S3Server, unique_name: Callable[..., str]) -> SinkSetup:
+    """:func:`delta_sink` in a new bucket of the S3 endpoint; unreachable: an endpoint nobody answers."""
+    root, s3, options = _s3_table(s3_server, unique_name)
+    unreachable = {"uri": f"{root}/items", "mode": "append", "s3": _closed_endpoint(s3)}
+    return _setup(root, {"s3": s3}, options, unreachable)
+
+
+def _streaming_setup(
+    items: str, extra: Mapping[str, Any], options: Options, unreachable: Mapping[str, Any]
+) -> SinkSetup:
+    _create_items(items, options)
+    return SinkSetup(
+        {"uri": items, **extra},
+        _reader(items, options),
+        refused_rows=refused_rows(),
+        unreachable=unreachable,
+    )
+
+
+def delta_streaming_sink(tmp_path: Path) -> SinkSetup:
+    """Epochs into ``items`` (name at most 40 characters), one Delta commit each."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    return _streaming_setup(str(tmp_path / "lake" / "items"), {}, None, {"uri": str(blocker / "items")})
+
+
+def delta_s3_streaming_sink(s3_server: S3Server, unique_name: Callable[..., str]) -> SinkSetup:
+    """:func:`delta_streaming_sink` in a new bucket of the S3 endpoint; unreachable: an endpoint nobody
+    answers."""
+    root, s3, options = _s3_table(s3_server, unique_name)
+    unreachable = {"uri": f"{root}/items", "s3": _closed_endpoint(s3)}
+    return _streaming_setup(f"{root}/items", {"s3": s3}, options, unreachable)
