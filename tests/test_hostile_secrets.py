@@ -5,7 +5,9 @@ Places: ``auth`` passwords and tokens through ``dg.EnvVar`` (SQL, PostgreSQL, NA
 ``secret_properties`` value (``ssl.key.password``) and a secret-bearing Kafka ``client_properties`` value
 given as plain text (refused), a password
 in a SQLAlchemy URL's query string, a libpq ``sslpassword``, credentials in a NATS server URL, the state
-store's URL (it has no auth field: accepted, never shown), and a YAML file `faucet plan` cannot parse.
+store's URL (it has no auth field: accepted, never shown), a Delta table on S3's secret access key and
+session token (a run that writes, one whose endpoint does not answer) and credentials in its endpoint
+URL (refused), and a YAML file `faucet plan` cannot parse.
 Searched: every file under DAGSTER_HOME (run and event storage, compute logs), the event logs as
 serialized, materialization metadata, the state store (PostgreSQL, through `faucet streams status`
 with and without --json), every CLI output, the log records, and the text of every error raised.
@@ -29,7 +31,7 @@ from faucet_dagster.streams.runner_cache import close_cached_streams
 from faucet_dagster.streams.sensor import faucet_stream_sensor
 from faucet_dagster.syncs.assets import faucet_sync_assets
 from faucet_dagster.syncs.declaration import FaucetSync
-from faucet_dagster.testing import NatsServer
+from faucet_dagster.testing import NatsServer, S3Server
 
 SECRETS = {
     "SQL_AUTH": "sql-auth-secret-0001",
@@ -44,6 +46,9 @@ SECRETS = {
     "PG_QUERY": "pg-query-secret-0010",
     "KAFKA_KEY_PASSWORD": "kafka-key-password-secret-0011",
     "KAFKA_PLAIN": "kafka-plain-secret-0012",
+    "S3_SECRET_KEY": "s3-secret-access-key-secret-0013",
+    "S3_SESSION": "s3-session-token-secret-0014",
+    "S3_URL": "s3-endpoint-url-secret-0015",
 }
 
 
@@ -57,6 +62,17 @@ def endpoint(connector: str, config: dict[str, Any]) -> FaucetEndpoint:
     return FaucetConnection(connector=connector).using(**config)
 
 
+def delta_on_s3(endpoint_url: str, uri: str) -> FaucetEndpoint:
+    s3 = {
+        "endpoint_url": endpoint_url,
+        "allow_http": True,
+        "access_key_id": "faucet-test-key",
+        "secret_access_key": dg.EnvVar("FAUCET_TEST_S3_SECRET_KEY"),
+        "session_token": dg.EnvVar("FAUCET_TEST_S3_SESSION"),
+    }
+    return FaucetConnection(connector="delta", config={"uri": uri, "s3": s3}).using()
+
+
 def write_csv(path: Path) -> None:
     path.write_text("id,name\n" + "".join(f"{i},n{i}\n" for i in range(1, 6)))
 
@@ -66,6 +82,8 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
     postgres_url: str,
     nats_users: NatsServer,
     kafka_bootstrap: str,
+    s3_server: S3Server,
+    s3_bucket: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
@@ -112,18 +130,30 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
                 "auth": {"type": "token", "config": {"token": dg.EnvVar("FAUCET_TEST_PG_TOKEN")}},
             },
         ).using(table="orders_token"),
+        # Succeeds (moto takes any credentials), and one whose endpoint does not answer.
+        "delta_s3": delta_on_s3(s3_server.endpoint_url, f"s3://{s3_bucket}/lake/orders"),
+        "delta_s3_refused": delta_on_s3("http://127.0.0.1:1", f"s3://{s3_bucket}/lake/orders"),
+        "delta_s3_url": endpoint(
+            "delta",
+            {
+                "uri": f"s3://{s3_bucket}/lake/url",
+                "s3": {"endpoint_url": f"http://key:{SECRETS['S3_URL']}@127.0.0.1:1", "allow_http": True},
+            },
+        ),
     }
     instance = dg.DagsterInstance.get()
     try:
         for name, sink in syncs.items():
             try:
-                assets = faucet_sync_assets([FaucetSync(name, source=files, sink=sink)])
+                # One refused connection is retried as the default policy says; the others fail once.
+                retry = {"retry_policy": None} if name == "delta_s3_refused" else {}
+                assets = faucet_sync_assets([FaucetSync(name, source=files, sink=sink, **retry)])
             except ConfigError as exc:  # refused when the definitions load (a URL credential)
-                assert name in ("query", "pg_query", "sslpassword"), name
+                assert name in ("query", "pg_query", "sslpassword", "delta_s3_url"), name
                 texts.append(f"{exc} {exc.where}")
                 continue
             result = dg.materialize(assets, instance=instance, raise_on_error=False)
-            assert result.success is (name == "token"), name
+            assert result.success is (name in ("token", "delta_s3")), name
             for event in result.all_events:
                 texts.append(str(event.event_specific_data))
                 texts.append(str(event.message))
@@ -261,4 +291,5 @@ def test_no_secret_reaches_storage_logs_metadata_state_or_output(
     assert "AuthError" in joined and "refused the credentials" in joined
     assert "carries credentials" in joined or "holds a secret" in joined
     assert "must not carry credentials" in joined
+    assert "ConnectionFailed" in joined and "the S3 endpoint does not answer" in joined
     assert "sasl.oauthbearer.client.secret carry a secret" in joined and "secret_properties" in joined

@@ -19,6 +19,7 @@ from faucet_dagster.testing import (
     KafkaServer,
     NatsServer,
     PostgresServer,
+    S3Server,
     ServerStartError,
     make_unique_name,
 )
@@ -247,11 +248,33 @@ def test_kafka_kill_and_restart_clients_reconnect(
 # ---------------------------------------------------------------------------------------------- API
 
 
+def test_s3_roundtrip_and_a_conditional_put_refused_when_the_key_exists(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """What Delta's commit on S3 relies on: ``If-None-Match: *`` creates a key only if it is absent."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint_url,
+        region_name=s3_server.region,
+        aws_access_key_id=s3_server.access_key_id,
+        aws_secret_access_key=s3_server.secret_access_key,
+    )
+    client.put_object(Bucket=s3_bucket, Key="log/1.json", Body=b"first", IfNoneMatch="*")
+    with pytest.raises(ClientError) as refused:
+        client.put_object(Bucket=s3_bucket, Key="log/1.json", Body=b"second", IfNoneMatch="*")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert client.get_object(Bucket=s3_bucket, Key="log/1.json")["Body"].read() == b"first"
+
+
 def test_external_servers_refuse_lifecycle_calls() -> None:
     handles = [
         PostgresServer.external("postgresql://postgres@127.0.0.1:1/postgres"),
         NatsServer.external("nats://127.0.0.1:1"),
         KafkaServer.external("127.0.0.1:1"),
+        S3Server.external("http://127.0.0.1:1"),
     ]
     for handle in handles:
         assert handle.is_external
@@ -279,7 +302,7 @@ def test_database_url_and_unique_names() -> None:
 def test_plugin_imports_without_dagster_or_clients() -> None:
     code = (
         "import sys, faucet_dagster.testing.pytest_plugin\n"
-        "heavy = {'dagster', 'psycopg', 'nats', 'confluent_kafka'}\n"
+        "heavy = {'dagster', 'psycopg', 'nats', 'confluent_kafka', 'boto3', 'moto'}\n"
         "bad = sorted({m.split('.')[0] for m in sys.modules} & heavy)\n"
         "assert not bad, bad\n"
     )

@@ -31,6 +31,11 @@ advances to the version that commit created (a missing table is created first, s
 page commits through one); :meth:`DeltaSink.commit_details` reports the last of them as
 ``delta/table_version``, never a version read back later (another writer may have committed since).
 
+Stores. A local table is a folder (created with its parents); an ``s3://`` table goes through
+delta-rs's object store with the config's ``storage_options``, conditional puts on: the log entry of a
+commit is created only if absent, so two writers of one version on S3 conflict as they do locally. The
+secrets in those options reach delta-rs only: a delta-rs error is scrubbed of them before it is raised.
+
 Blocking. delta-rs calls block; every call runs in a worker thread (``asyncio.to_thread``).
 """
 
@@ -38,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import queue
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -48,10 +54,13 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, SchemaMismatchError, TableNotFoundError
 
 from faucet_dagster.protocol import (
+    REDACTED,
     AddColumn,
+    AuthError,
     CommitConflict,
     CommitToken,
     ConfigError,
+    ConnectionFailed,
     DataError,
     Durability,
     FaucetError,
@@ -68,7 +77,7 @@ from faucet_delta.config import DeltaSinkConfig
 P = ParamSpec("P")
 T = TypeVar("T")
 
-_TABLE_LOCKS: dict[Path, threading.Lock] = {}
+_TABLE_LOCKS: dict[str, threading.Lock] = {}
 _TABLE_LOCKS_GUARD = threading.Lock()
 _QUEUE_DEPTH = 2
 BOOKMARK_APP, BOOKMARK_TOKEN, BOOKMARK = "faucet.app", "faucet.token", "faucet.bookmark"
@@ -81,10 +90,11 @@ _END = object()
 _ABORT = object()
 
 
-def _table_lock(path: Path) -> threading.Lock:
-    """The process-wide lock the writers of the table at ``path`` take turns under."""
+def _table_lock(table: str) -> threading.Lock:
+    """The process-wide lock the writers of the table at ``table`` (a resolved path or URI) take
+    turns under."""
     with _TABLE_LOCKS_GUARD:
-        return _TABLE_LOCKS.setdefault(path, threading.Lock())
+        return _TABLE_LOCKS.setdefault(table, threading.Lock())
 
 
 class DeltaSink(Sink):
@@ -96,8 +106,10 @@ class DeltaSink(Sink):
     def __init__(self, config: DeltaSinkConfig) -> None:
         self.config = config
         self.mode = WritePolicy(config.mode)
-        self.path = config.path()
-        self._lock = _table_lock(self.path.resolve())
+        self.uri = config.table_uri()
+        self._options = config.storage_options()
+        self._local = None if config.on_s3() else config.path()
+        self._lock = _table_lock(self.uri if self._local is None else str(self._local.resolve()))
         self._key = tuple(config.key) if self.mode is WritePolicy.UPSERT else ()
         self._app_id = config.transaction_app_id()
         self._overwrite: _Overwrite | None = None
@@ -106,7 +118,9 @@ class DeltaSink(Sink):
     # -- identity and capabilities ------------------------------------------------------------------
 
     def dataset_uri(self) -> str:
-        return f"delta+file://{self.path.as_posix()}"
+        if self._local is None:
+            return f"delta+{self.uri}"
+        return f"delta+file://{self._local.as_posix()}"
 
     def capabilities(self) -> SinkCapabilities:
         return SinkCapabilities(
@@ -192,7 +206,10 @@ class DeltaSink(Sink):
                 except FaucetError:
                     raise
                 except (DeltaError, pa.ArrowException, OSError) as exc:
-                    raise _error(exc, where=self.dataset_uri(), doing=doing) from exc
+                    secrets = self.config.secrets()
+                    error = _error(exc, where=self.dataset_uri(), doing=doing, secrets=secrets)
+                    leaks = any(secret in str(exc) for secret in secrets)
+                    raise error from (None if leaks else exc)  # a traceback prints its cause
 
         return await asyncio.to_thread(work)
 
@@ -201,10 +218,10 @@ class DeltaSink(Sink):
             raise UnsupportedOperation(f"{self.mode.value} has no atomic watermark", where=self.dataset_uri())
 
     def _table(self) -> DeltaTable | None:
-        if not DeltaTable.is_deltatable(str(self.path)):
+        if not DeltaTable.is_deltatable(self.uri, storage_options=self._options):
             return None
         try:
-            return DeltaTable(str(self.path))
+            return DeltaTable(self.uri, storage_options=self._options)
         except TableNotFoundError:
             return None
 
@@ -212,7 +229,11 @@ class DeltaSink(Sink):
         """The table, created with ``schema`` (partitioned by ``partition_by``) when missing: every
         write then goes through a ``DeltaTable``, which knows the version its commit created."""
         return DeltaTable.create(
-            str(self.path), schema=schema, mode="ignore", partition_by=list(self.config.partition_by) or None
+            self.uri,
+            schema=schema,
+            mode="ignore",
+            partition_by=list(self.config.partition_by) or None,
+            storage_options=self._options,
         )
 
     def _committed(self, table: DeltaTable) -> None:
@@ -220,15 +241,19 @@ class DeltaSink(Sink):
         self._committed_version = int(table.version())
 
     def _check(self) -> None:
-        if self.path.exists() and not self.path.is_dir():
+        if self._local is not None:
+            self._make_folder(self._local)
+        self._table()
+
+    def _make_folder(self, path: Path) -> None:
+        if path.exists() and not path.is_dir():
             raise ConfigError("the table's path is a file, not a folder", where=self.dataset_uri())
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(
                 f"cannot create the table's folder: {exc.strerror}", where=self.dataset_uri()
             ) from exc
-        self._table()
 
     def _write(self, batch: pa.RecordBatch, committed: tuple[CommitToken, JsonValue | None] | None) -> int:
         """Write ``batch`` in one Delta commit; with ``committed`` (the page's token and bookmark), the
@@ -385,7 +410,8 @@ class _Overwrite:
 
     def __init__(self, table: DeltaTable, schema: pa.Schema, config: DeltaSinkConfig) -> None:
         self.table = table
-        """Written through, so its version is the overwrite's once :meth:`finish` returned."""
+        """Written through (its storage options included), so its version is the overwrite's once
+        :meth:`finish` returned."""
         self.schema = schema
         self._pages: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._failure: BaseException | None = None
@@ -472,10 +498,18 @@ def _quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def _error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
-    """The FaucetError for a delta-rs, Arrow or OS error raised while ``doing`` something."""
+def _error(exc: BaseException, *, where: str, doing: str, secrets: Sequence[str] = ()) -> FaucetError:
+    """The FaucetError for a delta-rs, Arrow or OS error raised while ``doing`` something; a secret
+    the message would echo is replaced by ``**********``."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    store = _store_failure(str(exc))
+    if store is not None:
+        text = store[1]
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
     message = f"{doing} failed: {text}"
+    if store is not None:
+        return store[0](message, where=where)
     if isinstance(exc, CommitFailedError):
         return CommitConflict(message, where=where)
     if isinstance(exc, SchemaMismatchError):
@@ -485,6 +519,38 @@ def _error(exc: BaseException, *, where: str, doing: str) -> FaucetError:
     if isinstance(exc, OSError):
         return ConfigError(message, where=where)
     return FaucetError(message, where=where)
+
+
+_S3_AUTH_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+)
+_UNREACHABLE = ("error sending request", "connection refused", "operation timed out", "dns error")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _store_failure(text: str) -> tuple[type[FaucetError], str] | None:
+    """An object store's failure in a delta-rs message (``Generic S3 error`` and its chain of causes,
+    ending in the store's XML error document): its error class and a one-line summary, or None when
+    the message is not one. Unreachable endpoints are ConnectionFailed (retryable); credentials the
+    store refuses, AuthError; a missing bucket, ConfigError."""
+    if not text.startswith("Generic S3 error"):
+        return None
+    lines = [_ANSI.sub("", line).strip(" ↳") for line in text.splitlines()]
+    code = re.search(r"<Code>([^<]*)</Code>", text)
+    detail = re.search(r"<Message>([^<]*)</Message>", text)
+    requests = [line for line in lines if line.startswith("Error performing")]  # the last names the URL
+    request = requests[-1] if requests else lines[0]
+    summary = request.split(" in ", 1)[0]  # "Error performing GET <url>", without timings and retries
+    if code is not None:
+        summary += f": {code.group(1)}" + (f" ({detail.group(1)})" if detail is not None else "")
+        if code.group(1) in _S3_AUTH_CODES:
+            return AuthError, f"the store refused the credentials: {summary}"
+        if code.group(1) == "NoSuchBucket":
+            return ConfigError, summary
+        return FaucetError, summary
+    if any(marker in text.lower() for marker in _UNREACHABLE):
+        return ConnectionFailed, f"the S3 endpoint does not answer: {summary}"
+    return FaucetError, " ".join(line for line in lines if line)
 
 
 __all__ = ["DeltaSink"]

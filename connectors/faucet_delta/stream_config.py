@@ -5,7 +5,7 @@ from typing import Self
 from pydantic import Field, model_validator
 
 from faucet_dagster.protocol import ConnectorConfig
-from faucet_delta.config import DeltaSinkConfig
+from faucet_delta.config import DeltaSinkConfig, S3Storage
 
 
 class DeltaStreamingSinkConfig(ConnectorConfig):
@@ -18,12 +18,17 @@ class DeltaStreamingSinkConfig(ConnectorConfig):
     identifiers the stream's commits carry (default: ``faucet:<table folder>``): ``<app_id>:epoch:<stream>``
     (the epoch), ``<app_id>:owner:<stream>`` (the owner's fencing token) and one per integer-ordered
     domain, ``<app_id>:watermark:<stream>@<source>/<resource>/<partition>`` (its watermark).
+    ``uri`` and ``s3`` locate the table as for the bounded sink (:class:`DeltaSinkConfig`): a local
+    folder, or ``s3://bucket/path`` with the store's endpoint and credentials in ``s3``.
     """
 
-    uri: str = Field(min_length=1, description="The table's folder: a local path or a file:// URI.")
+    uri: str = Field(
+        min_length=1, description="The table's folder: a local path, a file:// URI or s3://bucket/path."
+    )
     schema_evolution: bool = True
     partition_by: list[str] = Field(default_factory=list)
     app_id: str | None = Field(default=None, min_length=1)
+    s3: S3Storage | None = None
 
     @model_validator(mode="after")
     def _valid_table(self) -> Self:
@@ -38,6 +43,7 @@ class DeltaStreamingSinkConfig(ConnectorConfig):
             schema_evolution=self.schema_evolution,
             partition_by=list(self.partition_by),
             app_id=self.app_id,
+            s3=self.s3,
         )
 
 

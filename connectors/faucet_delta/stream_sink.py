@@ -46,6 +46,10 @@ Writers of the table in one process take turns under the bounded sink's process-
 processes are met by Delta's optimistic commit (a conflict is retried from a fresh snapshot up to
 ``COMMIT_ATTEMPTS`` times, then raised as the retryable CommitConflict).
 
+Stores. The table is local or on S3, located and reached as the bounded sink's (``uri`` and ``s3``,
+:class:`DeltaSinkConfig`): on S3 the log entry of a commit is a conditional put, so the optimistic
+commit above holds between processes there too.
+
 Uncertain commits. The commit runs in a worker thread; a caller that gives up waiting (cancelled)
 leaves it to finish. The next call, or ``close_session``, waits for it and learns its outcome from its
 result. ``close_session`` returning means nothing of the session can land later.
@@ -55,7 +59,9 @@ import asyncio
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import PurePath, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
@@ -137,6 +143,9 @@ class _StreamTable:
         self.owner_app = f"{app}:owner:{stream}"
         self._watermark_app = f"{app}:watermark:{stream}"
         self.where = f"{self.table.dataset_uri()} stream {stream}"
+        local = self.table._local
+        self.folder: PurePath = local if local is not None else PurePosixPath(urlsplit(self.table.uri).path)
+        """The table's folder (on S3, its path in the bucket)."""
         self._before_commit = before_commit
 
     def domain_app(self, domain: OrderingDomain) -> str:
@@ -266,17 +275,18 @@ class _StreamTable:
             ).when_matched_update_all().when_not_matched_insert_all().execute()
             return _Committed(table.version(), tallies)
         evolve = self.config.schema_evolution and table is not None
+        uri, options = self.table.uri, self.table._options
         write_deltalake(
-            table if table is not None else str(self.table.path),
+            table if table is not None else uri,
             data,
+            storage_options=None if table is not None else options,
             mode="append",
             schema_mode="merge" if evolve else None,
             partition_by=(list(self.config.partition_by) or None) if table is None else None,
             commit_properties=properties,
         )
-        return _Committed(
-            table.version() if table is not None else DeltaTable(str(self.table.path)).version(), tallies
-        )
+        created = table if table is not None else DeltaTable(uri, storage_options=options)
+        return _Committed(created.version(), tallies)
 
     def _write_empty(
         self, table: DeltaTable, transactions: list[Transaction], metadata: dict[str, str]
@@ -431,7 +441,7 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
     def _receipts(self, done: _Committed) -> tuple[Receipt, ...]:
         receipts = []
         for resource, tally in sorted(done.tallies.items()):
-            path = self._table.table.path
+            path = self._table.folder
             details: dict[str, str] = {
                 # The folder holding the table and the table's folder: dagster/table_name, as the
                 # bounded sink states it (lake.orders).

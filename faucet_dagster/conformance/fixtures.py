@@ -1,9 +1,9 @@
 """The fixtures a config factory may name, outside pytest and inside it, fresh on every call.
 
 A config factory (see :mod:`.setup`) names fixtures as a pytest fixture does: ``postgres_url``,
-``nats_url``, ``nats_server``, ``kafka_bootstrap``, ``unique_name`` and ``tmp_path``. The generated
-scenarios need a new setup for every run (each example, each try while shrinking), so the battery
-calls the factory again and again: :class:`Fixtures` gives each call fresh values (a new database,
+``nats_url``, ``nats_server``, ``kafka_bootstrap``, ``s3_server``, ``unique_name`` and ``tmp_path``.
+The generated scenarios need a new setup for every run (each example, each try while shrinking), so
+the battery calls the factory again and again: :class:`Fixtures` gives each call fresh values (a new database,
 new names, a new folder) on servers started once. ``faucet conformance`` starts the servers itself
 (:mod:`faucet_dagster.testing`, or the ``FAUCET_TEST_*`` environment variables); under pytest the
 session's server fixtures are used.
@@ -18,15 +18,23 @@ from typing import Any
 
 from faucet_dagster.conformance.setup import ConfigFactory, Setup, factory_fixtures
 from faucet_dagster.protocol import ConfigError
-from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, make_unique_name
+from faucet_dagster.testing import KafkaServer, NatsServer, PostgresServer, S3Server, make_unique_name
 
-FIXTURES = ("postgres_url", "nats_url", "nats_server", "kafka_bootstrap", "unique_name", "tmp_path")
+FIXTURES = (
+    "postgres_url",
+    "nats_url",
+    "nats_server",
+    "kafka_bootstrap",
+    "s3_server",
+    "unique_name",
+    "tmp_path",
+)
 
 
 class Fixtures:
     """Fresh fixture values for config factories; what they create is released at :meth:`close`.
 
-    ``servers`` gives a running server by kind (``postgres``, ``nats``, ``kafka``); by default they
+    ``servers`` gives a running server by kind (``postgres``, ``nats``, ``kafka``, ``s3``); by default they
     are started here on first use and stopped at close.
     """
 
@@ -64,6 +72,8 @@ class Fixtures:
             return server.url if name == "nats_url" else server
         if name == "kafka_bootstrap":
             return self._servers("kafka").bootstrap
+        if name == "s3_server":
+            return self._servers("s3")
         if name == "unique_name":
             return lambda prefix="t": make_unique_name(prefix, self.hint)
         if name == "tmp_path":
@@ -83,7 +93,12 @@ class Fixtures:
     def _start(self, kind: str) -> Any:
         server = self._started.get(kind)
         if server is None:
-            kinds: dict[str, Any] = {"postgres": PostgresServer, "nats": NatsServer, "kafka": KafkaServer}
+            kinds: dict[str, Any] = {
+                "postgres": PostgresServer,
+                "nats": NatsServer,
+                "kafka": KafkaServer,
+                "s3": S3Server,
+            }
             made = kinds[kind].from_env()
             self._stack.callback(made.close)
             server = self._started[kind] = made.start()

@@ -14,6 +14,7 @@ from faucet_dagster.testing.servers import (
     KafkaServer,
     NatsServer,
     PostgresServer,
+    S3Server,
     ServerStartError,
     make_unique_name,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "KafkaServer",
     "NatsServer",
     "PostgresServer",
+    "S3Server",
     "ServerStartError",
     "make_unique_name",
 ]

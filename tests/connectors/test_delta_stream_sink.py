@@ -1,4 +1,5 @@
-"""The Delta Lake streaming sink on real local Delta tables (delta-rs).
+"""The Delta Lake streaming sink on real Delta tables (delta-rs): local folders, and S3 (moto's server
+on loopback) for a stream's epochs, its replay and its fence.
 
 Faults are injected at exact points: another worker's claim of the stream committed between this
 worker's snapshot and its Delta commit (what a second process does there), a commit of the same
@@ -36,6 +37,7 @@ from faucet_dagster.protocol import (
     WritePolicy,
     get_connector,
 )
+from faucet_dagster.testing import S3Server
 
 DOMAIN = OrderingDomain("nats", "orders", "0", "incarnation-1", "nats.stream_sequence")
 STREAM = "orders"
@@ -293,3 +295,63 @@ def test_a_streams_name_cannot_spell_another_streams_identifier(tmp_path: Path) 
 
     assert run(scenario())[0].rows_written == 1
     assert rows(path, "id") == [(1,), (2,), (3,)]
+
+
+def test_on_s3_epochs_land_once_a_replay_is_skipped_and_a_stale_owner_is_fenced(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    uri = f"s3://{s3_bucket}/lake/orders"
+    s3 = {
+        "endpoint_url": s3_server.endpoint_url,
+        "region": s3_server.region,
+        "access_key_id": s3_server.access_key_id,
+        "secret_access_key": s3_server.secret_access_key,
+        "allow_http": True,
+    }
+    config = DeltaStreamingSinkConfig.model_validate({"uri": uri, "s3": s3})
+    options = config.table().storage_options()
+
+    def table() -> DeltaTable:
+        return DeltaTable(uri, storage_options=options)
+
+    def newer_worker_claims() -> None:  # between the stale worker's snapshot read and its commit
+        stored = table()
+        empty = pa.Table.from_batches([], schema=pa.schema(stored.schema().to_arrow()))
+        owner = CommitProperties(app_transactions=[Transaction(f"faucet:orders:owner:{STREAM}", 9)])
+        write_deltalake(stored, empty, mode="append", commit_properties=owner)
+
+    async def scenario() -> tuple[tuple[Receipt, ...], ...]:
+        worker = WorkerIdentity("w", 3)
+        session = await DeltaStreamingSink(config).open(STREAM, WritePolicy.APPEND, (), worker)
+        one, two = EpochId(STREAM, 1, 3), EpochId(STREAM, 2, 3)
+        first = await epoch_of(session, one, batch(one, [1, 2]), ids=[1, 2])  # creates the table
+        second = await epoch_of(session, two, batch(two, [3]), ids=[3])
+        await session.close_session()
+        again = await DeltaStreamingSink(config).open(STREAM, WritePolicy.APPEND, (), worker)
+        replayed = await epoch_of(again, two, batch(two, [3]), ids=[3])  # a replay after a crash
+        await again.close_session()
+        stale = await DeltaStreamingSink(config, before_commit=newer_worker_claims).open(
+            STREAM, WritePolicy.APPEND, (), worker
+        )
+        three = EpochId(STREAM, 3, 3)
+        try:
+            with pytest.raises(OwnershipLost, match="fencing token 9"):
+                await epoch_of(stale, three, batch(three, [4]), ids=[4])
+            await stale.abort_epoch(three)
+        finally:
+            await stale.close_session()
+        return first, second, replayed
+
+    first, second, replayed = run(scenario())
+    receipts = (*first, *second)
+    assert [r.details["version"] for r in receipts] == ["0", "1"]
+    assert {(r.details["database"], r.details["table"], r.details["uri"]) for r in receipts} == {
+        ("lake", "orders", f"delta+{uri}")
+    }
+    assert (replayed[0].rows_written, replayed[0].rows_skipped) == (0, 1)
+    stored = table()
+    assert stored.transaction_version(f"faucet:orders:epoch:{STREAM}") == 2
+    assert stored.transaction_version(f"faucet:orders:owner:{STREAM}") == 9
+    assert stored.transaction_version(f"faucet:orders:watermark:{STREAM}@nats/orders/0") == 3
+    ids = sorted(row["id"] for row in stored.to_pyarrow_table(columns=["id"]).to_pylist())
+    assert ids == [1, 2, 3], "an epoch landed twice, or the stale worker's landed"

@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from faucet_dagster.conformance.options import DEFAULT_OPTIONS, ConformanceOptions
 from faucet_dagster.conformance.setup import ConfigFactory
 from faucet_dagster.conformance.targets._common import closed_port
-from faucet_dagster.conformance.targets.delta import DELTA_STREAMING_OPTIONS, delta_sink, delta_streaming_sink
+from faucet_dagster.conformance.targets.delta import (
+    DELTA_STREAMING_OPTIONS,
+    delta_s3_sink,
+    delta_s3_streaming_sink,
+    delta_sink,
+    delta_streaming_sink,
+)
 from faucet_dagster.conformance.targets.duckdb import duckdb_sink, duckdb_source, duckdb_streaming_sink
 from faucet_dagster.conformance.targets.kafka import kafka_source
 from faucet_dagster.conformance.targets.local import files_source, sql_sink, sql_source
@@ -68,6 +74,8 @@ __all__ = [
     "DELTA_STREAMING_OPTIONS",
     "TARGETS",
     "closed_port",
+    "delta_s3_sink",
+    "delta_s3_streaming_sink",
     "delta_sink",
     "delta_streaming_sink",
     "duckdb_sink",

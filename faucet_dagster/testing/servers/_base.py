@@ -23,6 +23,7 @@ from typing import IO, Any, ClassVar, Self, TypeVar
 POSTGRES_URL_ENV = "FAUCET_TEST_POSTGRES_URL"
 NATS_URL_ENV = "FAUCET_TEST_NATS_URL"
 KAFKA_BOOTSTRAP_ENV = "FAUCET_TEST_KAFKA_BOOTSTRAP"
+S3_ENDPOINT_ENV = "FAUCET_TEST_S3_ENDPOINT"
 
 #: OS user PostgreSQL runs as when this process is root (PostgreSQL refuses to run as root).
 POSTGRES_OS_USER = "faucet_pg"
