@@ -282,6 +282,12 @@ class DeltaSink(Sink):
         created = table is None
         if table is None:
             table = self._created(data.schema)
+            # Another writer may have created the table, and committed to it, since _table() looked:
+            # what it holds decides, as for a table that existed (its transaction, then MERGE).
+            created = table.version() == 0
+            stored = None if token is None else table.transaction_version(self._app_id)
+            if token is not None and stored is not None and stored >= token.sequence:
+                return 0
         if not created and self._key:
             predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in self._key)
             merger = table.merge(

@@ -65,7 +65,7 @@ from urllib.parse import urlsplit
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, DeltaError
 
 from faucet_dagster.protocol import (
     CommittedEpochs,
@@ -276,15 +276,22 @@ class _StreamTable:
             return _Committed(table.version(), tallies)
         evolve = self.config.schema_evolution and table is not None
         uri, options = self.table.uri, self.table._options
-        write_deltalake(
-            table if table is not None else uri,
-            data,
-            storage_options=None if table is not None else options,
-            mode="append",
-            schema_mode="merge" if evolve else None,
-            partition_by=(list(self.config.partition_by) or None) if table is None else None,
-            commit_properties=properties,
-        )
+        try:
+            write_deltalake(
+                table if table is not None else uri,
+                data,
+                storage_options=None if table is not None else options,
+                # The first commit creates the table, or fails if another writer created it since the
+                # snapshot was read: then its state must judge these rows (retried as a conflict).
+                mode="append" if table is not None else "error",
+                schema_mode="merge" if evolve else None,
+                partition_by=(list(self.config.partition_by) or None) if table is None else None,
+                commit_properties=properties,
+            )
+        except DeltaError as exc:
+            if table is None and DeltaTable.is_deltatable(uri, storage_options=options):
+                raise CommitFailedError(f"another writer created the table: {exc}") from exc
+            raise
         created = table if table is not None else DeltaTable(uri, storage_options=options)
         return _Committed(created.version(), tallies)
 

@@ -186,6 +186,34 @@ def test_a_commit_of_the_same_epoch_landing_after_the_snapshot_makes_the_replay_
     assert rows(path, "id") == [(1,), (2,), (3,), (4,)]
 
 
+def test_a_first_epoch_whose_table_another_writer_created_meanwhile_is_judged_by_its_commit(
+    tmp_path: Path,
+) -> None:
+    """No table when the epoch's snapshot was read; the same epoch committed elsewhere creates it before
+    this commit: the first commit must not append blindly, it retries and skips the epoch's rows."""
+    path = tmp_path / "orders"
+    epoch = EpochId(STREAM, 1, 1)
+    landed: list[int] = []
+
+    def the_same_epoch_creates_the_table_elsewhere() -> None:
+        if not landed:
+            landed.append(_commit_in_another_process(path, epoch))
+
+    async def first() -> tuple[Receipt, ...]:
+        session = await streaming(path, the_same_epoch_creates_the_table_elsewhere).open(
+            STREAM, WritePolicy.APPEND, (), WorkerIdentity("w", 1)
+        )
+        try:
+            return await epoch_of(session, epoch, batch(epoch, [2, 3, 4]), ids=[2, 3, 4])
+        finally:
+            await session.close_session()
+
+    receipts = run(first())
+    assert landed == [3]
+    assert (receipts[0].rows_written, receipts[0].rows_skipped) == (0, 3)
+    assert rows(path, "id") == [(2,), (3,), (4,)]
+
+
 _ELSEWHERE = """
 import asyncio, sys
 from pathlib import Path
