@@ -6,6 +6,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+PIPED = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+"""The environment of a command whose output goes to a pipe: no COLUMNS (a parallel test worker's
+terminal would set it), so the table is not wrapped."""
+
 
 def test_faucet_check_connects_to_every_connection_and_reports_a_table(
     tmp_path: Path, postgres_url: str
@@ -37,7 +41,7 @@ def test_faucet_check_connects_to_every_connection_and_reports_a_table(
     )
     checked = subprocess.run(
         [str(Path(sys.executable).with_name("faucet")), "check", "-m", "location", "-d", str(tmp_path)],
-        env={**os.environ, "CHECK_PG_URL": postgres_url},
+        env={**PIPED, "CHECK_PG_URL": postgres_url},
         capture_output=True,
         text=True,
         timeout=300,
@@ -81,7 +85,7 @@ def test_faucet_check_finds_a_missing_topic_before_a_stream_sensor_ticks(
     )
     checked = subprocess.run(
         [str(Path(sys.executable).with_name("faucet")), "check", "-m", "streams", "-d", str(tmp_path)],
-        env={**os.environ, "CHECK_PG_URL": postgres_url, "CHECK_KAFKA": kafka_bootstrap},
+        env={**PIPED, "CHECK_PG_URL": postgres_url, "CHECK_KAFKA": kafka_bootstrap},
         capture_output=True,
         text=True,
         timeout=300,

@@ -610,5 +610,8 @@ streams:
     materializations = [
         e for data in results for e in data.asset_events if isinstance(e, dg.AssetMaterialization)
     ]
-    assert [m.asset_key for m in materializations] == [dg.AssetKey(["raw", "events"])] * 3
+    # One materialization per reporting tick, covering every certificate since the last: how many
+    # ticks the three epochs take depends on the machine's speed.
+    assert materializations
+    assert {m.asset_key for m in materializations} == {dg.AssetKey(["raw", "events"])}
     assert env.ids() == list(range(1_000))

@@ -3,17 +3,16 @@
 ``examples/faucet_example_connector`` is a package of its own (its own ``pyproject.toml``) that
 registers a connector (``faucet.connectors``) and its conformance setup (``faucet.conformance``). The
 test builds its wheel from the repository's sources (a wheel is a zip: no build backend, no network),
-installs it into this test venv with pip, runs ``faucet conformance jsonl_example`` by name and
-uninstalls it again.
+installs it with pip into a folder of its own and runs ``faucet conformance jsonl_example`` by name.
 """
 
 import base64
 import hashlib
+import os
 import subprocess
 import sys
 import tomllib
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,21 +56,26 @@ def pip(*args: str) -> None:
 
 
 @pytest.fixture
-def installed_example(tmp_path: Path) -> Iterator[None]:
+def installed_example(tmp_path: Path) -> dict[str, str]:
+    """The environment of a process that has the example's wheel installed: pip installs it into a
+    folder of its own on ``PYTHONPATH`` (its entry points are found there), never into the shared
+    environment, where other test processes import the example from its source folder meanwhile."""
     wheel = build_wheel(EXAMPLE, tmp_path)
-    pip("install", "--no-deps", "--no-index", str(wheel))
-    try:
-        yield
-    finally:
-        pip("uninstall", "-y", "faucet-example-connector")
+    site = tmp_path / "site"
+    pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheel))
+    return {**os.environ, "PYTHONPATH": str(site)}
 
 
 def test_an_installed_out_of_tree_connector_passes_faucet_conformance_by_name(
-    installed_example: None,
+    installed_example: dict[str, str],
 ) -> None:
     faucet = Path(sys.executable).with_name("faucet")
     result = subprocess.run(
-        [str(faucet), "conformance", "jsonl_example"], capture_output=True, text=True, timeout=600
+        [str(faucet), "conformance", "jsonl_example"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=installed_example,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout

@@ -300,10 +300,12 @@ def test_a_cancelled_apply_against_a_stalled_server_stops_and_close_names_what_i
 
 def test_close_waits_for_an_apply_still_sending(nats_url: str, short_acks: NatsSinkConfig) -> None:
     """A caller that gave up on an apply without waiting for it, then closes: close_session
-    returns only after that apply ended and its publishes were acknowledged."""
+    returns only after that apply ended and its publishes were acknowledged. (The close's budget is
+    generous: on a loaded machine sending 300 messages takes longer than ``short_acks``' second.)"""
+    patient = short_acks.model_copy(update={"ack_timeout": 60.0})
 
     async def scenario() -> None:
-        session = await open_session(short_acks)
+        session = await open_session(patient)
         epoch = EpochId("orders-stream", 1, 1)
         await session.begin_epoch(epoch)
         apply = asyncio.ensure_future(session.apply(epoch, batch(epoch, 0, 300)))
