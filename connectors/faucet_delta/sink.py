@@ -289,16 +289,7 @@ class DeltaSink(Sink):
             if token is not None and stored is not None and stored >= token.sequence:
                 return 0
         if not created and self._key:
-            predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in self._key)
-            merger = table.merge(
-                data,
-                predicate,
-                source_alias="s",
-                target_alias="t",
-                merge_schema=self.config.schema_evolution,
-                commit_properties=properties,
-            )
-            merger.when_matched_update_all().when_not_matched_insert_all().execute()
+            merge_by_key(table, data, self._key, evolve=self.config.schema_evolution, properties=properties)
         else:
             write_deltalake(
                 table,
@@ -498,6 +489,23 @@ def _fits(incoming: pa.DataType, stored: pa.DataType) -> bool:
     if pa.types.is_timestamp(incoming) and pa.types.is_timestamp(stored):
         return (incoming.tz is None) == (stored.tz is None)
     return bool(incoming == pa.float32() and stored == pa.float64())
+
+
+def merge_by_key(
+    table: DeltaTable,
+    data: pa.Table,
+    key: Sequence[str],
+    *,
+    evolve: bool,
+    properties: CommitProperties | None,
+) -> None:
+    """UPSERT ``data`` into ``table`` in one commit (MERGE on ``key``: a matched row is replaced, a new
+    one inserted), new columns merged when ``evolve``; ``properties`` go into that commit."""
+    predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in key)
+    merger = table.merge(
+        data, predicate, source_alias="s", target_alias="t", merge_schema=evolve, commit_properties=properties
+    )
+    merger.when_matched_update_all().when_not_matched_insert_all().execute()
 
 
 def _quote(name: str) -> str:

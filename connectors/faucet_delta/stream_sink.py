@@ -93,7 +93,7 @@ from faucet_dagster.protocol import (
     default_codec_registry,
     upsert_rows,
 )
-from faucet_delta.sink import DeltaSink, _arrow_schema, _quote
+from faucet_delta.sink import DeltaSink, _arrow_schema, merge_by_key
 from faucet_delta.stream_config import DeltaStreamingSinkConfig
 
 POLICIES = frozenset({WritePolicy.APPEND, WritePolicy.UPSERT})
@@ -264,15 +264,7 @@ class _StreamTable:
         if self._before_commit is not None:
             self._before_commit()
         if table is not None and self.key:
-            predicate = " AND ".join(f"t.{_quote(name)} = s.{_quote(name)}" for name in self.key)
-            table.merge(
-                data,
-                predicate,
-                source_alias="s",
-                target_alias="t",
-                merge_schema=self.config.schema_evolution,
-                commit_properties=properties,
-            ).when_matched_update_all().when_not_matched_insert_all().execute()
+            merge_by_key(table, data, self.key, evolve=self.config.schema_evolution, properties=properties)
             return _Committed(table.version(), tallies)
         evolve = self.config.schema_evolution and table is not None
         uri, options = self.table.uri, self.table._options
