@@ -352,11 +352,14 @@ class KafkaReader:
         last record and that end, is re-read with a second consumer: a record it delivers inside a
         gap means the read skipped it (IntegrityError); none means the broker itself holds no
         deliverable record there. The caller moves ``next_offset`` once the ends are accepted.
+
+        The incarnations are checked first, also when nothing was delivered: a reader at the head of
+        a deleted topic reads nothing forever, and librdkafka only logs that the topic is gone.
         """
+        await self.check_incarnations()
         keys = list(keys)
         if not keys:
             return {}
-        await self.check_incarnations()
         positions = await self.positions(keys)
         ends: dict[TopicPartitionKey, int] = {}
         for key in keys:
