@@ -298,16 +298,19 @@ def answers_after_a_refusal_come_later(monkeypatch: pytest.MonkeyPatch) -> tuple
     injected: list[int] = []
     later: list[Any] = []  # answers read from the server, handed on by the next read
     gap: list[bool] = []  # the next fetch finds nothing yet
+    refusing: list[Any] = []  # the connection whose answers these are: no other reads them
 
     def refused(results: Any) -> bool:
         return bool(armed and results) and results[-1].status == pq.ExecStatus.FATAL_ERROR
 
     def communicate_in_pieces(pgconn: Any, commands: Any) -> Any:
-        fetched = later + (yield from communicate(pgconn, commands))
-        later.clear()
+        held = later if pgconn in refusing else []
+        fetched = held + (yield from communicate(pgconn, commands))
+        held.clear()
         for index, results in enumerate(fetched):
             if refused(results) and not injected:
                 injected.append(1)
+                refusing.append(pgconn)
                 later.extend(fetched[index + 1 :])
                 if not later:
                     gap.append(True)
@@ -315,14 +318,15 @@ def answers_after_a_refusal_come_later(monkeypatch: pytest.MonkeyPatch) -> tuple
         return fetched
 
     def fetch_in_pieces(pgconn: Any) -> Any:
-        if gap:
+        if gap and pgconn in refusing:
             gap.clear()
             return []
-        if later:
+        if later and pgconn in refusing:
             return later.pop(0)
         results = yield from fetch_many(pgconn)
         if refused(results) and not injected:
             injected.append(1)
+            refusing.append(pgconn)
             gap.append(True)
         return results
 
