@@ -176,6 +176,29 @@ def test_an_uncertain_stream_is_not_leased_until_released(
     assert status["owner"] == "w2" and status["uncertain"] is False and status["lease_live"] is True
 
 
+def test_release_refuses_a_live_lease_that_is_not_uncertain_unless_forced(
+    store: StateStore, store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Releasing a stream a live worker holds would let a second worker write beside it: refused (exit
+    1, nothing changed) unless --force; an expired or uncertain one is released as before."""
+    lease = store.acquire_lease("orders", "w1", 30)
+    assert main(["streams", "release", "orders", "--state-url", store_url]) == 1
+    assert "not released: orders is not marked uncertain and w1 holds a live lease" in capsys.readouterr().err
+    store.check_lease(lease)  # still held
+    assert main(["streams", "release", "orders", "--force", "--state-url", store_url]) == 0
+    assert "leased to w1" in capsys.readouterr().out
+    with pytest.raises(OwnershipLost):
+        store.check_lease(lease)
+    expired = store.acquire_lease("orders", "w2", 0.001)
+    deadline = time.monotonic() + 60
+    while store.status("orders")[0].lease_live:  # the lease's end, as the store's clock sees it
+        assert time.monotonic() < deadline, "a lease of a millisecond is still live after a minute"
+        time.sleep(0.05)
+    assert main(["streams", "release", "orders", "--state-url", store_url]) == 0
+    with pytest.raises(OwnershipLost):
+        store.check_lease(expired)
+
+
 def test_report_marks_never_go_back(store: StateStore) -> None:
     assert store.reported_through("orders") == 0
     store.mark_reported("orders", 5)

@@ -262,7 +262,7 @@ def test_a_stalled_stream_fails_the_health_check_once_with_the_reason_and_the_re
         assert "waiting on a lease another worker holds: another-code-server" in value(
             waiting.metadata, "faucet/reason"
         )
-        assert f"faucet streams release {env.name}" in value(waiting.metadata, "faucet/remedy")
+        assert f"faucet streams release --force {env.name}" in value(waiting.metadata, "faucet/remedy")
         assert str(result.skip_message).startswith("stalled: waiting on a lease")
         assert "Remedy:" in str(result.skip_message) and materializations(result) == []
 

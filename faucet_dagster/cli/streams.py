@@ -6,13 +6,14 @@ received reports, its certified positions and its dead-letter count; for a parti
 stream on several workers (``<stream>[g/groups]``), the group and the stream's live members.
 ``release`` is the operator's answer to an uncertain close: it clears the uncertain flag and the
 lease so the stream can be taken over (the fencing token is kept, so the next owner still fences
-every earlier one). Both take
-``--state-url`` (default: ``$FAUCET_STATE_URL``, else the SQLite file under ``$DAGSTER_HOME``) and
-``--json``.
+every earlier one). A stream not marked uncertain whose lease is live is refused without ``--force``.
+Both take ``--state-url`` (default: ``$FAUCET_STATE_URL``, else the SQLite file under
+``$DAGSTER_HOME``) and ``--json``.
 """
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from faucet_dagster.cli.terminal import fit_line, fit_text, terminal_width
@@ -47,6 +48,11 @@ def add_streams_parser(commands: "argparse._SubParsersAction[argparse.ArgumentPa
         "fencing token is kept: the next owner still fences every earlier one.",
     )
     release.add_argument("stream", help="the stream to release")
+    release.add_argument(
+        "--force",
+        action="store_true",
+        help="release a stream that is not marked uncertain although a worker holds a live lease on it",
+    )
     for parser in (status, release):
         parser.add_argument(
             "--state-url",
@@ -145,7 +151,16 @@ def _lag_dict(last: EpochCertificate | None) -> dict[str, Any]:
 
 def _release_command(args: argparse.Namespace) -> int:
     with StateStore(args.state_url) as store:
-        before = store.release(args.stream)
+        before = store.release(args.stream, unless_live=not args.force)
+    if not args.force and before.lease_live and not before.uncertain:
+        refusal = (
+            f"not released: {args.stream} is not marked uncertain and {before.owner} holds a live lease "
+            f"on it (token {before.fencing_token}, {before.lease_seconds_left:.0f}s left); another worker "
+            f"taking it over now would write beside {before.owner}. Stop that worker or let its lease "
+            "expire, or pass --force"
+        )
+        print("\n".join(fit_line(refusal, terminal_width())), file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"released": args.stream, "before": before.to_dict()}, indent=2))
         return 0

@@ -249,13 +249,17 @@ class StateStore:
                 .values(uncertain=True, uncertain_reason=reason[:2000])
             )
 
-    def release(self, stream: str) -> StreamStatus:
+    def release(self, stream: str, *, unless_live: bool = False) -> StreamStatus:
         """Operator action: clear the uncertain flag and the lease; returns the status before.
 
         The fencing token is kept, so the next owner's token is still larger than every earlier one.
+        ``unless_live``: a stream that is not marked uncertain and whose lease is live is left as it is
+        (in the same transaction as the look), since a worker holds it and may still be writing.
         """
         with self._db.transaction("release a stream") as conn:
             before = stream_status(conn, stream, self._where)
+            if unless_live and before.lease_live and not before.uncertain:
+                return before
             conn.execute(
                 streams_table.update()
                 .where(streams_table.c.stream == stream)

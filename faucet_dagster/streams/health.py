@@ -87,7 +87,7 @@ def lease_stall(stream: str, lease_seconds: float, holder: str | None, *, mine: 
             f"waiting on a lease another worker holds: {holder} ({detail})",
             "none while that worker runs (its certificates are reported here); if that process is gone, "
             f"the lease expires by itself within lease_seconds ({lease_seconds:.0f}s), or run "
-            f"`faucet streams release {stream}` to take over at once (fencing stops the old worker)",
+            f"`faucet streams release --force {stream}` to take over at once (fencing stops the old worker)",
             dg.AssetCheckSeverity.WARN,
             f"lease:{holder}",
         )
