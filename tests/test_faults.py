@@ -71,7 +71,14 @@ def test_every_record_survives_the_fault_or_the_stream_halts_explicitly(
 ) -> None:
     # Bounded syncs are fast: small pages keep a random moment inside the run.
     size = 100 if pair.mode is Mode.BOUNDED else 400
-    result = run_case(servers, tmp_path, pair, fault, CaseParams(records=2_000, epoch_records=size))
+    params = CaseParams(records=2_000, epoch_records=size)
+    result = run_case(servers, tmp_path / "run0", pair, fault, params)
+    for again in range(1, 3 if fault.kind is FaultKind.RANDOM else 1):
+        if result.fired:
+            break
+        # A signal at a random moment can come after a fast worker finished (the test process starved
+        # on a loaded machine while it polled): the case proved nothing, so it runs again.
+        result = run_case(servers, tmp_path / f"run{again}", pair, fault, params)
     assert result.fired, f"the fault did not happen as scheduled: {result.notes}"
     assert result.halted_correctly, result.notes
     verdict = result.verdict
