@@ -8,6 +8,7 @@ at the exact point the certificate is persisted.
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from kafka_topics import committed, create_topic, produce_json
 from stream_ticks import chained_ends, evaluate_ticks, lose_certificate, stored_ids
 
 from faucet_dagster.declarations.resources import FaucetConnection
+from faucet_dagster.pipeline import PipelineOptions
 from faucet_dagster.protocol import ConnectionFailed, EpochCertificate, ReadLimits
 from faucet_dagster.runner.continuous import StreamRunner, StreamSpec
 from faucet_dagster.state import StateStore
@@ -92,6 +94,45 @@ def test_kafka_to_nats_lands_every_record_once_with_chained_certificates(
     assert ends == {str(p): "624" for p in range(PARTITIONS)}
     assert sorted(asyncio.run(stored_ids(nats_url, pair["target"]))) == list(range(2500))
     assert committed(kafka_bootstrap, pair["topic"], pair["group"]) == {p: 625 for p in range(PARTITIONS)}
+
+
+def test_a_stop_after_the_open_epoch_published_certifies_it_instead_of_rolling_it_back(
+    kafka_bootstrap: str, nats_url: str, pair: dict[str, Any]
+) -> None:
+    """NATS cannot take back what an epoch published. A stop (``cancel``) that lands after the open
+    epoch published part of its rows lets the epoch end at its next safe boundary and certifies it;
+    a rollback would leave those rows to the next owner, stored twice once the duplicate window passed.
+    The read after the stop is interrupted."""
+    store: StateStore = pair["store"]
+    topic, target = pair["topic"], pair["target"]
+    # No idle or age limit: the epoch ends only at 800 records, so the stop lands in its read.
+    spec = replace(pair["spec"], limits=ReadLimits(records=800), pipeline=PipelineOptions(batch_rows=100))
+    produce_json(kafka_bootstrap, topic, 0, 400)
+
+    async def scenario() -> tuple[EpochCertificate | None, list[int], EpochCertificate | None]:
+        runner = StreamRunner(spec, store, worker_id="w1")
+        try:
+            epoch = asyncio.ensure_future(runner.run_epoch())
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 120
+            while not await stored_ids(nats_url, target):
+                assert loop.time() < give_up, "the open epoch published nothing within 120s"
+                assert not epoch.done(), "the epoch ended before it published"
+                await asyncio.sleep(0.05)
+            runner.cancel()
+            await asyncio.to_thread(produce_json, kafka_bootstrap, topic, 400, 400)
+            certificate = await asyncio.wait_for(epoch, 120)
+            after = await asyncio.wait_for(runner.run_epoch(), 120)
+            return certificate, await stored_ids(nats_url, target), after
+        finally:
+            await runner.close()
+
+    certificate, published, after = asyncio.run(scenario())
+    assert certificate is not None, "the stop rolled back an epoch that had published"
+    assert sum(certificate.row_counts.values()) == 800
+    assert sorted(published) == list(range(800))
+    assert after is None
+    assert store.certified_positions(spec.name), "the stopped epoch's positions are certified"
 
 
 def test_crash_after_the_nats_commit_before_the_certificate_replays_without_duplicates(

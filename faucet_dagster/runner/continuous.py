@@ -172,9 +172,14 @@ class StreamRunner:
 
     def cancel(self) -> None:
         """Interrupt the current read, or the next one if none is running: its epoch is aborted and
-        nothing is certified (``run_epoch`` returns None); a reader between ticks stops. Thread-safe."""
+        nothing is certified (``run_epoch`` returns None); a reader between ticks stops. Thread-safe.
+
+        For a sink whose writes cannot be taken back (:attr:`final_applies`) the read in progress is
+        not interrupted, since its epoch may have published already: it ends at the first safe
+        boundary after the source read under way returns (within the epoch's limits), and its epoch
+        is sealed, committed, certified and acknowledged; the read after it is interrupted."""
         self._reader.clock.stopping = True
-        self._reads.cancel()
+        self._reads.cancel(finish=self.final_applies)
 
     # -- epochs in calls ------------------------------------------------------------------------
 

@@ -182,7 +182,8 @@ class MemberWorker:
             await self.close()
 
     def cancel(self) -> None:
-        """Interrupt the reads in progress (their epochs are aborted, nothing of them certified)."""
+        """Interrupt the reads in progress (see :meth:`StreamRunner.cancel`: their epochs are aborted,
+        except for a sink whose writes cannot be taken back, where each ends at its next boundary)."""
         for runner in self._runners.values():
             runner.cancel()
 

@@ -5,7 +5,8 @@ A read is interrupted by :meth:`EpochReads.cancel` (any thread; the next read if
 :meth:`EpochReads.interrupt` (the read in progress only: a hand-over, a lease lost) and by the epoch
 before it when that one fails (:meth:`.pipelined.Flight.interrupt`). Cancellation is an interruption,
 never evidence that a source transaction ended: an interrupted read returns None, and its epoch is
-aborted and rewound.
+aborted and rewound. A cancel that lets the read in progress finish (``cancel(finish=True)``, a stop
+for a sink whose writes cannot be taken back) ends its epoch at the next safe boundary instead.
 
 An epoch read in one call reads to the first safe boundary after its limits, in one read of the source
 session as long as data comes: a read is not cut into slices by time (a PostgreSQL change source ends a
@@ -46,16 +47,25 @@ class EpochReads:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token: CancelToken | None = None
         self._requested = False
+        self._finishing: CancelToken | None = None
         self._lock = threading.Lock()
 
-    def cancel(self) -> None:
-        """Interrupt the read in progress, or the next one if none runs. Thread-safe."""
+    def cancel(self, *, finish: bool = False) -> None:
+        """Interrupt the read in progress, or the next one if none runs. Thread-safe.
+
+        With ``finish`` the read in progress is not interrupted: its epoch ends at the first safe
+        boundary after the source read under way returns (within the epoch's limits), so it is sealed
+        and certified, and the read after it is interrupted. That is a stop for a sink whose writes
+        cannot be taken back: interrupting an epoch that already published would leave its writes
+        uncertified, replayed by the next owner."""
         with self._lock:
             token, loop = self._token, self._loop
-            if token is not None and loop is not None:
-                loop.call_soon_threadsafe(token.cancel)
-            else:
+            if token is None or loop is None:
                 self._requested = True
+            elif finish:
+                self._finishing = token
+            else:
+                loop.call_soon_threadsafe(token.cancel)
 
     def interrupt(self) -> None:
         """Interrupt the read in progress, if any (unlike :meth:`cancel`, never the next one)."""
@@ -85,6 +95,14 @@ class EpochReads:
             with self._lock:
                 if self._token is token:
                     self._token = None
+                if self._finishing is token:
+                    self._finishing = None
+                    self._requested = True
+
+    def _finishes(self, token: CancelToken) -> bool:
+        """Whether the read holding ``token`` was asked to end at its next safe boundary."""
+        with self._lock:
+            return self._finishing is token
 
     async def to_limits(
         self,
@@ -145,6 +163,8 @@ class EpochReads:
                 quiet_since = now
             if cancel.cancelled or not ahead or _reached(limits, pipeline, now - began, now - quiet_since):
                 return coverage
+            if self._finishes(cancel):
+                return coverage
 
     async def lag(self, session: StreamSession, timeout: float) -> tuple[SourceLag, ...]:
         """How far the source's head is past the last read, for its epoch's certificate, in the source
@@ -164,7 +184,11 @@ class EpochReads:
         sessions = self._sessions
 
         async def read(into: EpochPipeline, limits: ReadLimits, cancel: CancelToken) -> Coverage:
-            return await sessions.read(session, into, limits, cancel)
+            coverage = await sessions.read(session, into, limits, cancel)
+            if self._finishes(cancel):
+                clock.stopping = True
+                clock.request()  # the open epoch is due at the end of this read
+            return coverage
 
         with self._cancellable(flight) as token:
             coverage = await clock.read(read, pipeline, token, sessions.recover_to)
