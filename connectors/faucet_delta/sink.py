@@ -144,7 +144,7 @@ class DeltaSink(Sink):
     # -- protocol methods -----------------------------------------------------------------------------
 
     async def check(self) -> None:
-        await self._run("checking the table", self._check)
+        await self.call("checking the table", self.check_path)
 
     async def close(self) -> None:
         overwrite, self._overwrite = self._overwrite, None
@@ -153,14 +153,14 @@ class DeltaSink(Sink):
 
     async def write_batch(self, records: pa.RecordBatch) -> int:
         if self.mode is WritePolicy.REPLACE:
-            return await self._run("writing the snapshot", self._stream, records)
-        return await self._run("writing", self._write, records, None)
+            return await self.call("writing the snapshot", self._stream, records)
+        return await self.call("writing", self._write, records, None)
 
     async def write_batch_idempotent(
         self, records: pa.RecordBatch, token: CommitToken, bookmark: JsonValue | None = None
     ) -> int:
         self._require_watermark()
-        return await self._run("writing", self._write, records, (token, bookmark))
+        return await self.call("writing", self._write, records, (token, bookmark))
 
     async def last_committed_token(self) -> CommitToken | None:
         committed = await self.last_committed_bookmark()
@@ -168,21 +168,21 @@ class DeltaSink(Sink):
 
     async def last_committed_bookmark(self) -> tuple[CommitToken, JsonValue | None] | None:
         self._require_watermark()
-        return await self._run("reading the transaction version", self._read_token)
+        return await self.call("reading the transaction version", self._read_token)
 
     async def finish(self) -> None:
         if self.mode is WritePolicy.REPLACE:
-            await self._run("replacing the table", self._commit_snapshot)
+            await self.call("replacing the table", self._commit_snapshot)
 
     def commit_details(self) -> Mapping[str, int | str]:
         version = self._committed_version
         return {} if version is None else {TABLE_VERSION: version}
 
     async def current_schema(self) -> pa.Schema | None:
-        return await self._run("reading the table's schema", self._current_schema)
+        return await self.call("reading the table's schema", self._current_schema)
 
     async def row_count(self) -> int | None:
-        return await self._run("counting rows", self._row_count)
+        return await self.call("counting rows", self._row_count)
 
     async def evolve_schema(self, changes: Sequence[AddColumn]) -> None:
         if not self.config.schema_evolution:
@@ -191,11 +191,11 @@ class DeltaSink(Sink):
                 where=self.dataset_uri(),
             )
         if self.mode is not WritePolicy.REPLACE:  # a replace's snapshot brings its own schema
-            await self._run("adding columns", self._evolve, changes)
+            await self.call("adding columns", self._evolve, changes)
 
     # -- blocking parts, run in a worker thread -----------------------------------------------------
 
-    async def _run(self, doing: str, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def call(self, doing: str, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``function`` in a worker thread under the table's lock; a delta-rs, Arrow or OS error
         becomes the FaucetError :func:`_error` names."""
 
@@ -217,7 +217,8 @@ class DeltaSink(Sink):
         if not self.capabilities().atomic_watermark:
             raise UnsupportedOperation(f"{self.mode.value} has no atomic watermark", where=self.dataset_uri())
 
-    def _table(self) -> DeltaTable | None:
+    def open_table(self) -> DeltaTable | None:
+        """The table as it is now, or None while it does not exist (blocking: run it with :meth:`call`)."""
         if not DeltaTable.is_deltatable(self.uri, storage_options=self._options):
             return None
         try:
@@ -240,10 +241,12 @@ class DeltaSink(Sink):
         """Keep the version ``table``'s last commit (this sink's, just made) created."""
         self._committed_version = int(table.version())
 
-    def _check(self) -> None:
+    def check_path(self) -> None:
+        """Refuse a path that cannot hold the table (a file; a folder that cannot be created), and an
+        unreadable table (blocking: run it with :meth:`call`)."""
         if self._local is not None:
             self._make_folder(self._local)
-        self._table()
+        self.open_table()
 
     def _make_folder(self, path: Path) -> None:
         if path.exists() and not path.is_dir():
@@ -258,8 +261,8 @@ class DeltaSink(Sink):
     def _write(self, batch: pa.RecordBatch, committed: tuple[CommitToken, JsonValue | None] | None) -> int:
         """Write ``batch`` in one Delta commit; with ``committed`` (the page's token and bookmark), the
         token as the commit's transaction identifier and the bookmark in its commit metadata."""
-        self._check()
-        table = self._table()
+        self.check_path()
+        table = self.open_table()
         token = None if committed is None else committed[0]
         if token is not None and table is not None:
             stored = table.transaction_version(self._app_id)
@@ -267,7 +270,7 @@ class DeltaSink(Sink):
                 return 0
         if self._key:
             batch = upsert_rows(batch, self._key, self.dataset_uri())
-        data = self._conformed(batch, table)
+        data = self.conformed(batch, table)
         properties = None
         if committed is not None:
             token, bookmark = committed
@@ -282,7 +285,7 @@ class DeltaSink(Sink):
         created = table is None
         if table is None:
             table = self._created(data.schema)
-            # Another writer may have created the table, and committed to it, since _table() looked:
+            # Another writer may have created the table, and committed to it, since open_table() looked:
             # what it holds decides, as for a table that existed (its transaction, then MERGE).
             created = table.version() == 0
             stored = None if token is None else table.transaction_version(self._app_id)
@@ -301,7 +304,7 @@ class DeltaSink(Sink):
         self._committed(table)
         return int(batch.num_rows)
 
-    def _conformed(self, batch: pa.RecordBatch, table: DeltaTable | None) -> pa.Table:
+    def conformed(self, batch: pa.RecordBatch, table: DeltaTable | None) -> pa.Table:
         """``batch`` as the table stores it: dictionary columns decoded, narrower numbers widened to
         the table's types; a lossy type or (evolution off) a new column refused."""
         data = pa.Table.from_batches([batch])
@@ -312,7 +315,7 @@ class DeltaSink(Sink):
                 data = data.set_column(index, field.name, data.column(index).cast(field.type.value_type))
         if table is None:
             return data
-        stored = _arrow_schema(table)
+        stored = arrow_schema(table)
         new = [name for name in data.schema.names if name not in stored.names]
         if new and not self.config.schema_evolution:
             raise SchemaError(
@@ -336,7 +339,7 @@ class DeltaSink(Sink):
     def _read_token(self) -> tuple[CommitToken, JsonValue | None] | None:
         """The table's transaction version for this sync, and the bookmark its commit recorded (None
         when that commit's information is gone: the log's retention removed it)."""
-        table = self._table()
+        table = self.open_table()
         version = None if table is None else table.transaction_version(self._app_id)
         if table is None or version is None:
             return None
@@ -348,18 +351,18 @@ class DeltaSink(Sink):
     def _current_schema(self) -> pa.Schema | None:
         if self._overwrite is not None:
             return self._overwrite.schema
-        table = self._table()
-        return None if table is None else _arrow_schema(table)
+        table = self.open_table()
+        return None if table is None else arrow_schema(table)
 
     def _row_count(self) -> int | None:
-        table = self._table()
+        table = self.open_table()
         return None if table is None else int(table.count())
 
     def _evolve(self, changes: Sequence[AddColumn]) -> None:
-        table = self._table()
+        table = self.open_table()
         if table is None:
             return  # the first write creates the table with every column of its page
-        stored = _arrow_schema(table)
+        stored = arrow_schema(table)
         fields = [*stored, *(pa.field(c.name, c.type) for c in changes if c.name not in stored.names)]
         empty = pa.Table.from_batches([], schema=pa.schema(fields))
         write_deltalake(table, empty, mode="append", schema_mode="merge")
@@ -368,12 +371,12 @@ class DeltaSink(Sink):
     # -- replace ------------------------------------------------------------------------------------
 
     def _stream(self, batch: pa.RecordBatch) -> int:
-        self._check()
-        data = self._conformed(batch, None)
+        self.check_path()
+        data = self.conformed(batch, None)
         if self._overwrite is None:
-            table = self._table()
+            table = self.open_table()
             if table is not None and not self.config.schema_evolution:
-                self._refuse_other_schema(data.schema, _arrow_schema(table))
+                self._refuse_other_schema(data.schema, arrow_schema(table))
             if table is None:
                 table = self._created(data.schema)
             self._overwrite = _Overwrite(table, data.schema, self.config)
@@ -394,9 +397,9 @@ class DeltaSink(Sink):
             overwrite.finish()
             self._committed(overwrite.table)
             return
-        table = self._table()
+        table = self.open_table()
         if table is not None:  # an empty snapshot empties the table
-            empty = pa.Table.from_batches([], schema=_arrow_schema(table))
+            empty = pa.Table.from_batches([], schema=arrow_schema(table))
             write_deltalake(table, empty, mode="overwrite")
             self._committed(table)
 
@@ -470,7 +473,7 @@ class _Overwrite:
             raise self._failure
 
 
-def _arrow_schema(table: DeltaTable) -> pa.Schema:
+def arrow_schema(table: DeltaTable) -> pa.Schema:
     return pa.schema(table.schema().to_arrow())
 
 

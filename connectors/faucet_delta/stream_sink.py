@@ -93,7 +93,7 @@ from faucet_dagster.protocol import (
     default_codec_registry,
     upsert_rows,
 )
-from faucet_delta.sink import DeltaSink, _arrow_schema, merge_by_key
+from faucet_delta.sink import DeltaSink, arrow_schema, merge_by_key
 from faucet_delta.stream_config import DeltaStreamingSinkConfig
 
 POLICIES = frozenset({WritePolicy.APPEND, WritePolicy.UPSERT})
@@ -181,14 +181,14 @@ class _StreamTable:
         )
 
     def read(self) -> CommittedEpochs:
-        return self.state(self.table._table())[0]
+        return self.state(self.table.open_table())[0]
 
     def claim(self, token: int) -> bool:
         """Record ``token`` as the stream's owner (an empty commit) unless a higher one holds it:
         False then. A missing table holds no claim (its first commit will)."""
         for attempt in range(COMMIT_ATTEMPTS):
-            self.table._check()
-            table = self.table._table()
+            self.table.check_path()
+            table = self.table.open_table()
             if table is None:
                 return True
             owner = table.transaction_version(self.owner_app)
@@ -216,8 +216,8 @@ class _StreamTable:
 
     def _commit_once(self, state: HeldEpoch, coverage: Coverage) -> _Committed:
         epoch = state.epoch
-        self.table._check()
-        table = self.table._table()
+        self.table.check_path()
+        table = self.table.open_table()
         committed, owner = self.state(table)
         if owner is not None and owner > epoch.fencing_token:
             raise OwnershipLost(
@@ -231,7 +231,7 @@ class _StreamTable:
             kept = committed.rows_above(batch, self.where)
             tallies.setdefault(batch.resource, ResourceTally()).add(kept)
             if kept.records.num_rows:
-                parts.append(self.table._conformed(kept.records, table))
+                parts.append(self.table.conformed(kept.records, table))
         marks = committed.next_watermarks(coverage)
         transactions = [
             Transaction(self.epoch_app, epoch.sequence),
@@ -291,7 +291,7 @@ class _StreamTable:
         self, table: DeltaTable, transactions: list[Transaction], metadata: dict[str, str]
     ) -> int:
         """A commit without files: the transaction identifiers and metadata only."""
-        empty = pa.Table.from_batches([], schema=_arrow_schema(table))
+        empty = pa.Table.from_batches([], schema=arrow_schema(table))
         properties = CommitProperties(app_transactions=transactions, custom_metadata=metadata)
         write_deltalake(table, empty, mode="append", commit_properties=properties)
         return int(table.version())
@@ -350,7 +350,7 @@ class DeltaStreamingSink(StreamingSink):
             raise ConfigError("policy upsert needs a key", where=table.where)
         if policy is WritePolicy.APPEND:
             table.key = ()
-        claimed = await table.table._run("claiming the stream", table.claim, worker.fencing_token)
+        claimed = await table.table.call("claiming the stream", table.claim, worker.fencing_token)
         if not claimed:
             raise OwnershipLost(
                 f"a fencing token above {worker.fencing_token} holds the stream at the destination",
@@ -372,7 +372,7 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
 
     async def last_committed(self) -> SinkCommitState | None:
         await self._check_usable()
-        found = await self._table.table._run("reading the last committed epoch", self._table.read)
+        found = await self._table.table.call("reading the last committed epoch", self._table.read)
         return found.state()
 
     async def begin_epoch(self, epoch: EpochId) -> None:
@@ -389,7 +389,7 @@ class DeltaStreamingSinkSession(StreamingSinkSession):
         await self._check_usable()
         state = self._epochs.committable(epoch)
         pending = asyncio.ensure_future(
-            self._table.table._run(f"committing epoch {epoch}", self._table.commit, state, coverage)
+            self._table.table.call(f"committing epoch {epoch}", self._table.commit, state, coverage)
         )
         self._pending = pending
         try:

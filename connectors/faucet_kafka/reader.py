@@ -48,6 +48,9 @@ from faucet_kafka.config import KafkaSourceConfig
 
 LOG = logging.getLogger("faucet_kafka")
 CODEC = KafkaOffsetCodec()
+EMPTY_READ_CHECK_SECONDS = 1.0
+"""How often a reader that delivers nothing proves its topics' incarnations (a read that delivered
+records always does)."""
 _RAISED_CLIENT_ERRORS = frozenset({KafkaError._ALL_BROKERS_DOWN, KafkaError._AUTHENTICATION})
 
 
@@ -135,6 +138,7 @@ class KafkaReader:
         self._consumer: Consumer | None = None
         self._verifier: Consumer | None = None
         self._client_errors: list[KafkaError] = []
+        self._incarnations_checked = float("-inf")
 
     # Opening
 
@@ -353,11 +357,14 @@ class KafkaReader:
         gap means the read skipped it (IntegrityError); none means the broker itself holds no
         deliverable record there. The caller moves ``next_offset`` once the ends are accepted.
 
-        The incarnations are checked first, also when nothing was delivered: a reader at the head of
-        a deleted topic reads nothing forever, and librdkafka only logs that the topic is gone.
+        The incarnations are checked first, also when nothing was delivered (at most every
+        ``EMPTY_READ_CHECK_SECONDS`` then, so an idle stream does not ask the broker twice per read): a
+        reader at the head of a deleted topic reads nothing forever, and librdkafka only logs that the
+        topic is gone.
         """
-        await self.check_incarnations()
         keys = list(keys)
+        if keys or time.monotonic() - self._incarnations_checked >= EMPTY_READ_CHECK_SECONDS:
+            await self.check_incarnations()
         if not keys:
             return {}
         positions = await self.positions(keys)
@@ -388,6 +395,7 @@ class KafkaReader:
         cluster_id, described = await self._thread.call(
             describe, self._admin, list(self.topics), self.config.request_timeout, self.where
         )
+        self._incarnations_checked = time.monotonic()
         for name, opened in self.topics.items():
             partition = min((key[1] for key in self.parts if key[0] == name), default=None)
             where = where_of(name, partition)

@@ -245,7 +245,7 @@ def test_a_writer_whose_snapshot_is_stale_conflicts_and_its_retry_skips_the_page
         storage_options=lake.options(),
     )
     others = lake.table("orders").version()  # the other writer's commit
-    monkeypatch.setattr(DeltaSink, "_table", lambda self: stale)
+    monkeypatch.setattr(DeltaSink, "open_table", lambda self: stale)
     with pytest.raises(CommitConflict) as raised:
         run(write(lake.sink("orders"), orders([2, 3]), token=2))
     assert raised.value.retryable
@@ -261,7 +261,7 @@ def test_a_table_another_writer_created_after_this_one_looked_is_judged_by_what_
     """This writer saw no table; meanwhile another created it and committed the same page (and a row
     of the upsert's key): the table's transaction skips the page, and an upsert merges, never appends."""
     run(write(lake.sink("orders"), orders([1, 2]), token=1))
-    monkeypatch.setattr(DeltaSink, "_table", lambda self: None)  # the look before the other's create
+    monkeypatch.setattr(DeltaSink, "open_table", lambda self: None)  # the look before the other's create
     assert run(write(lake.sink("orders"), orders([1, 2]), token=1)) == 0
     run(write(lake.sink("orders", mode="upsert", key=["id"], app_id="keyed"), orders([2, 3]), token=1))
     monkeypatch.undo()
