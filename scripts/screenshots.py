@@ -326,13 +326,13 @@ def shoot(
 ) -> None:
     """Open ``url``, wait until the page's text holds ``shows`` (after clicking ``click``, until it holds
     ``then_shows``, reloading the page for up to ``reload_for`` seconds), close Dagster's welcome
-    dialog, let the page's other queries end, and save a PNG."""
+    dialog (:func:`close_welcome`), let the page's other queries end, and save a PNG."""
     print(f"-- {path.name}: {url}", flush=True)
     deadline = time.monotonic() + reload_for
     while True:
         browser.call("Page.navigate", url=url)
         wait_for_text(browser, shows, url)
-        browser.evaluate(f"({CLICK})('Skip')")  # the "Join the Dagster community" dialog, shown once
+        close_welcome(browser)
         if click is None:
             break
         if not browser.evaluate(f"({CLICK})({json.dumps(click)})"):
@@ -344,8 +344,22 @@ def shoot(
             if time.monotonic() > deadline:
                 raise
     time.sleep(3)  # the rest of the page's queries
+    close_welcome(browser)  # it may open only after the page's queries
     png = browser.call("Page.captureScreenshot", format="png")["data"]
     path.write_bytes(base64.b64decode(png))
+
+
+WELCOME = "Join the Dagster community"
+
+
+def close_welcome(browser: Browser) -> None:
+    """Skip Dagster's welcome dialog if it shows: it opens over every page until skipped once."""
+    deadline = time.monotonic() + 30
+    while browser.evaluate(f"document.body.innerText.includes({json.dumps(WELCOME)})"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the {WELCOME!r} dialog did not close")
+        browser.evaluate(f"({CLICK})('Skip')")
+        time.sleep(0.5)
 
 
 def wait_for_text(browser: Browser, text: str, url: str, timeout: float = 120) -> None:
