@@ -199,14 +199,12 @@ class Visibility(threading.Thread):
                     if highest is not None and (not marks or highest > marks[-1][1]):
                         marks.append((now, highest))
 
-    def latencies(self, table: str, sent: dict[int, float], since: float) -> list[tuple[float, int]]:
-        """(latency, id) of every message sent at or after ``since`` (seconds since 1970) that was seen."""
+    def latencies(self, table: str, sent: dict[int, float]) -> list[tuple[float, int]]:
+        """(latency, id) of every message sent that was seen."""
         marks = self.seen[table]
         highs = [high for _, high in marks]
         found = []
         for n, at in sent.items():
-            if at < since:
-                continue
             index = bisect.bisect_left(highs, n)
             if index < len(marks):
                 found.append((marks[index][0] - at, n))
@@ -216,11 +214,12 @@ class Visibility(threading.Thread):
         """The latencies of the messages published once every stream ran (at ``since``), in all and
         per stream, and those of the messages published during the start-up."""
         every: list[float] = []
-        starting: list[float] = []
+        with_start_up: list[float] = []
         lines = []
         for table, publisher in zip(tables, publishers, strict=True):
-            starting += [latency for latency, _ in self.latencies(table, publisher.sent, 0.0)]
-            mine = sorted(self.latencies(table, publisher.sent, since))
+            seen = self.latencies(table, publisher.sent)
+            with_start_up += [latency for latency, _ in seen]
+            mine = sorted((latency, n) for latency, n in seen if publisher.sent[n] >= since)
             every += [latency for latency, _ in mine]
             _, n = mine[-1]
             at = time.strftime("%H:%M:%S", time.localtime(publisher.sent[n]))
@@ -229,13 +228,13 @@ class Visibility(threading.Thread):
                 f"published at {at}"
             )
         every.sort()
-        starting.sort()
+        with_start_up.sort()
         return "\n".join(
             [
                 f"publish to visible once every stream ran, {len(every)} messages (poll {self.poll}s): "
                 f"{_percentiles(every)}",
                 *lines,
-                f"every message, the start-up included ({len(starting)}): {_percentiles(starting)}",
+                f"every message, the start-up included ({len(with_start_up)}): {_percentiles(with_start_up)}",
             ]
         )
 

@@ -144,7 +144,7 @@ class DeltaSink(Sink):
     # -- protocol methods -----------------------------------------------------------------------------
 
     async def check(self) -> None:
-        await self.call("checking the table", self.check_path)
+        await self.call("checking the table", self.checked_table)
 
     async def close(self) -> None:
         overwrite, self._overwrite = self._overwrite, None
@@ -241,12 +241,12 @@ class DeltaSink(Sink):
         """Keep the version ``table``'s last commit (this sink's, just made) created."""
         self._committed_version = int(table.version())
 
-    def check_path(self) -> None:
-        """Refuse a path that cannot hold the table (a file; a folder that cannot be created), and an
-        unreadable table (blocking: run it with :meth:`call`)."""
+    def checked_table(self) -> DeltaTable | None:
+        """:meth:`open_table`, after refusing a path that cannot hold the table (a file; a folder that
+        cannot be created); an unreadable table is refused too (blocking: run it with :meth:`call`)."""
         if self._local is not None:
             self._make_folder(self._local)
-        self.open_table()
+        return self.open_table()
 
     def _make_folder(self, path: Path) -> None:
         if path.exists() and not path.is_dir():
@@ -261,8 +261,7 @@ class DeltaSink(Sink):
     def _write(self, batch: pa.RecordBatch, committed: tuple[CommitToken, JsonValue | None] | None) -> int:
         """Write ``batch`` in one Delta commit; with ``committed`` (the page's token and bookmark), the
         token as the commit's transaction identifier and the bookmark in its commit metadata."""
-        self.check_path()
-        table = self.open_table()
+        table = self.checked_table()
         token = None if committed is None else committed[0]
         if token is not None and table is not None:
             stored = table.transaction_version(self._app_id)
@@ -371,10 +370,9 @@ class DeltaSink(Sink):
     # -- replace ------------------------------------------------------------------------------------
 
     def _stream(self, batch: pa.RecordBatch) -> int:
-        self.check_path()
+        table = self.checked_table() if self._overwrite is None else None  # later pages: the overwrite's
         data = self.conformed(batch, None)
         if self._overwrite is None:
-            table = self.open_table()
             if table is not None and not self.config.schema_evolution:
                 self._refuse_other_schema(data.schema, arrow_schema(table))
             if table is None:

@@ -187,8 +187,7 @@ class _StreamTable:
         """Record ``token`` as the stream's owner (an empty commit) unless a higher one holds it:
         False then. A missing table holds no claim (its first commit will)."""
         for attempt in range(COMMIT_ATTEMPTS):
-            self.table.check_path()
-            table = self.table.open_table()
+            table = self.table.checked_table()
             if table is None:
                 return True
             owner = table.transaction_version(self.owner_app)
@@ -216,8 +215,7 @@ class _StreamTable:
 
     def _commit_once(self, state: HeldEpoch, coverage: Coverage) -> _Committed:
         epoch = state.epoch
-        self.table.check_path()
-        table = self.table.open_table()
+        table = self.table.checked_table()
         committed, owner = self.state(table)
         if owner is not None and owner > epoch.fencing_token:
             raise OwnershipLost(

@@ -152,7 +152,7 @@ def _lag_dict(last: EpochCertificate | None) -> dict[str, Any]:
 def _release_command(args: argparse.Namespace) -> int:
     with StateStore(args.state_url) as store:
         before = store.release(args.stream, unless_live=not args.force)
-    if not args.force and before.lease_live and not before.uncertain:
+    if not args.force and before.held_by_live_worker:
         refusal = (
             f"not released: {args.stream} is not marked uncertain and {before.owner} holds a live lease "
             f"on it (token {before.fencing_token}, {before.lease_seconds_left:.0f}s left); another worker "

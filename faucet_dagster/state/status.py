@@ -40,6 +40,12 @@ class StreamStatus:
         """True while an owner holds an unexpired lease."""
         return self.owner is not None and self.lease_seconds_left is not None and self.lease_seconds_left > 0
 
+    @property
+    def held_by_live_worker(self) -> bool:
+        """True when a worker holds a live lease and the stream is not marked uncertain: a release
+        would let another worker write beside it (``StateStore.release(unless_live=True)`` refuses)."""
+        return self.lease_live and not self.uncertain
+
     def to_dict(self) -> dict[str, Any]:
         plain = asdict(self)
         plain["lease_live"] = self.lease_live

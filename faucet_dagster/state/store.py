@@ -258,7 +258,7 @@ class StateStore:
         """
         with self._db.transaction("release a stream") as conn:
             before = stream_status(conn, stream, self._where)
-            if unless_live and before.lease_live and not before.uncertain:
+            if unless_live and before.held_by_live_worker:
                 return before
             conn.execute(
                 streams_table.update()
