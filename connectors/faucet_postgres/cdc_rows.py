@@ -19,11 +19,16 @@ from faucet_dagster.protocol import (
 from faucet_postgres import pgoutput as pg
 from faucet_postgres.cdc_ddl import DdlMessage, TableHistory
 from faucet_postgres.cdc_server import CODEC
+from faucet_postgres.pgoutput_columns import insert_columns, insert_count
 
 INSERT, UPDATE, DELETE = Operation.INSERT.value, Operation.UPDATE.value, Operation.DELETE.value
 TRUNCATE = Operation.TRUNCATE.value
 GROUP_TRANSACTIONS = 1_000
 """Complete source transactions written under one pair of transaction controls, at most."""
+
+
+RowValues = Sequence[str | None] | bytes
+"""A buffered row's values: texts (or null), or an Insert message kept encoded until its batch."""
 
 
 class Table:
@@ -50,15 +55,55 @@ class Table:
         self.width = len(relation.columns)
 
     def batch(self, rows: "Rows") -> pa.RecordBatch:
-        """The Arrow batch of buffered rows (raises :class:`DataError` for a value with no Arrow form)."""
-        columns = list(zip(*rows.values, strict=True)) if self.width else []
+        """The Arrow batch of buffered rows (raises :class:`DataError` for a value with no Arrow form,
+        :class:`IntegrityError` for an Insert message kept encoded that does not decode)."""
         arrays = [
-            pg.column_array(values, column, self.where)
-            for values, column in zip(columns, self.relation.columns, strict=True)
+            pg.column_array(text, column, self.where)
+            for text, column in zip(self._texts(rows.values), self.relation.columns, strict=True)
         ]
         arrays.append(pa.array(rows.operations, pa.string()))
         arrays.append(pa.array(rows.unchanged, pa.list_(pa.string())))
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+    def _texts(self, values: Sequence[RowValues]) -> list[pa.Array]:
+        """Each column's texts, in row order: Insert messages kept encoded are decoded in bulk
+        (:mod:`faucet_postgres.pgoutput_columns`), decoded rows are transposed, and the two merged."""
+        if not self.width:
+            return []
+        encoded = [row for row in values if type(row) is bytes]
+        columns = insert_columns(encoded, self.width) if encoded else []
+        if columns is None:
+            # Not decodable in bulk: one by one, which raises the precise error.
+            values = [_insert_values(row) if type(row) is bytes else row for row in values]
+            encoded, columns = [], []
+        if len(encoded) == len(values):
+            return columns
+        decoded = [
+            pa.array(column, pa.string())
+            for column in zip(*(r for r in values if type(r) is not bytes), strict=True)
+        ]
+        if not encoded:
+            return decoded
+        order: list[int] = []
+        taken, rest = 0, len(encoded)
+        for row in values:
+            if type(row) is bytes:
+                order.append(taken)
+                taken += 1
+            else:
+                order.append(rest)
+                rest += 1
+        indices = pa.array(order, pa.int64())
+        return [
+            pa.concat_arrays([bulk, one]).take(indices) for bulk, one in zip(columns, decoded, strict=True)
+        ]
+
+
+def _insert_values(message: bytes) -> Sequence[str | None]:
+    decoded = pg.decode(message)
+    if not isinstance(decoded, pg.Insert):  # only Insert messages are kept encoded
+        raise IntegrityError("an encoded row is not an Insert message", where="pgoutput")
+    return decoded.new.values
 
 
 @dataclass
@@ -66,7 +111,7 @@ class Rows:
     """Rows of one table buffered, with their positions (commit LSNs) and ordinals."""
 
     positions: list[str] = field(default_factory=list)
-    values: list[Sequence[str | None]] = field(default_factory=list)
+    values: list[RowValues] = field(default_factory=list)
     operations: list[str] = field(default_factory=list)
     unchanged: list[list[str] | None] = field(default_factory=list)
     ordinals: list[int] = field(default_factory=list)
@@ -160,18 +205,16 @@ class TransactionWriter:
         self._begun = False
         self.is_open = True
 
-    def add(
-        self, table: Table, values: Sequence[str | None], operation: str, unchanged: list[str] | None
-    ) -> bool:
-        """Buffer one row; True when the buffered rows reached ``batch_rows`` (then call :meth:`flush`)."""
+    def add(self, table: Table, values: RowValues, operation: str, unchanged: list[str] | None) -> bool:
+        """Buffer one row (its values, or the Insert message that holds them: decoded with its batch);
+        True when the buffered rows reached ``batch_rows`` (then call :meth:`flush`)."""
         if not self.is_open:
             raise IntegrityError(
                 f"a change of {table.resource} came outside a transaction", where=str(self._domain)
             )
-        if len(values) != table.width:
-            raise IntegrityError(
-                f"a row of {len(values)} values came for {table.width} columns", where=table.where
-            )
+        width = insert_count(values) if type(values) is bytes else len(values)
+        if width != table.width:
+            raise IntegrityError(f"a row of {width} values came for {table.width} columns", where=table.where)
         rows = self._buffers.get(table)
         if rows is None:
             rows = self._buffers[table] = Rows()
@@ -251,10 +294,13 @@ class TransactionWriter:
         # In insertion order: rows under an older Relation of a table before those under the newer.
         tables = list(self._buffers.items())
         self._buffers = {}
-        for table, rows in tables:
+        # Every batch built before the first is written: one that fails to build writes nothing.
+        batches = [
+            (table, table.batch(rows), Identities(rows.positions, rows.ordinals)) for table, rows in tables
+        ]
+        for (table, batch, identities), (_, rows) in zip(batches, tables, strict=True):
             self._buffered -= len(rows.operations)
-            identities = Identities(rows.positions, rows.ordinals)
-            await self._sink.write(self._domain, table.batch(rows), identities, resource=table.resource)
+            await self._sink.write(self._domain, batch, identities, resource=table.resource)
 
 
 def _transaction_id(transaction_id: str | int, position: int) -> str:

@@ -41,6 +41,7 @@ from faucet_postgres.cdc_snapshot import read_snapshot
 from faucet_postgres.common import pg_error
 
 _FETCH_ROWS = 5_000
+_INSERT, _NEW_TUPLE = ord("I"), ord("N")
 _MIN_POLL = 0.05
 
 
@@ -217,7 +218,19 @@ class PostgresCdcSession(SlotSession):
                     seen += len(rows)
                     progress.messages += len(rows)
                     for (data,) in rows:
-                        progress.bytes += len(data)
+                        size = len(data)
+                        progress.bytes += size
+                        # An insert of a known table is kept encoded: its batch decodes the table's
+                        # inserts in bulk, no Python object per value (the bulk of most streams).
+                        if (
+                            size > 7
+                            and data[0] == _INSERT
+                            and data[5] == _NEW_TUPLE
+                            and (table := tables.get(int.from_bytes(data[1:5]))) is not None
+                        ):
+                            if table.selected and writer.add(table, data, INSERT, None):
+                                await writer.flush()
+                            continue
                         message = decode(data)
                         # Rows and transaction controls inline (no coroutine per message): the bulk of
                         # every change stream; what is rarer, or fails, goes through _apply.

@@ -9,7 +9,8 @@ PostgreSQL's built-in output plugin ``pgoutput`` writes one binary message per c
 A Relation message describes a table (its columns, their type OIDs and which columns form the replica
 identity) before the first change of that table in a decoding session, and again after the table
 changes. Tuple data is in the text format of each type's output function (the ``binary`` option is
-not used), so :func:`column_array` turns a column of such texts into a typed Arrow array. The texts
+not used), so :func:`column_array` turns a column of such texts into a typed Arrow array (a table's
+Insert messages are cut into such columns in bulk by :mod:`faucet_postgres.pgoutput_columns`). The texts
 depend on the decoding session's settings: the ones :func:`faucet_postgres.common.connect` sets (ISO
 dates, UTC, hex bytea).
 
@@ -439,8 +440,9 @@ def _field_metadata(
     return metadata
 
 
-def column_array(values: Sequence[str | None], column: Column, where: str) -> pa.Array:
-    """Parse a column of output-function texts (``None`` for null) into an Arrow array of its type.
+def column_array(text: pa.Array, column: Column, where: str) -> pa.Array:
+    """Parse a column of output-function texts (an Arrow string array, null for SQL null) into an
+    Arrow array of its type.
 
     ``infinity`` and ``-infinity`` of a timestamp, timestamptz or date become the largest and the
     smallest value of the Arrow type (int64, int32 for dates), which the sinks write back as
@@ -450,7 +452,6 @@ def column_array(values: Sequence[str | None], column: Column, where: str) -> pa
     """
     target = arrow_type(column)
     try:
-        text = pa.array(values, pa.string())
         if pa.types.is_timestamp(target) or pa.types.is_date(target):
             return _with_infinities(text, target)
         if pa.types.is_string(target):
@@ -458,6 +459,7 @@ def column_array(values: Sequence[str | None], column: Column, where: str) -> pa
         if pa.types.is_boolean(target):
             return pc.equal(text, "t")
         if pa.types.is_binary(target):
+            values = text.to_pylist()
             return pa.array([None if value is None else bytes.fromhex(value[2:]) for value in values], target)
         if pa.types.is_time(target):
             # Arrow parses a time only as part of a timestamp.

@@ -1231,4 +1231,4 @@ def test_malformed_pgoutput_messages_stop_decoding() -> None:
             pgoutput.decode(data)
     column = pgoutput.Column("at", 1184, -1, False)
     with pytest.raises(DataError, match="column 'at'"):
-        pgoutput.column_array(["not a time"], column, "table public.t")
+        pgoutput.column_array(pa.array(["not a time"]), column, "table public.t")
