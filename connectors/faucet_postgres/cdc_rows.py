@@ -1,9 +1,13 @@
 """Change rows: what a decoded change becomes, buffered per table and written in runs of whole source
 transactions."""
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from typing import cast
 
+import numpy as np
 import pyarrow as pa
 
 from faucet_dagster.protocol import (
@@ -19,16 +23,17 @@ from faucet_dagster.protocol import (
 from faucet_postgres import pgoutput as pg
 from faucet_postgres.cdc_ddl import DdlMessage, TableHistory
 from faucet_postgres.cdc_server import CODEC
-from faucet_postgres.pgoutput_columns import insert_columns, insert_count
+from faucet_postgres.pgoutput_columns import tuple_columns, tuple_width
 
 INSERT, UPDATE, DELETE = Operation.INSERT.value, Operation.UPDATE.value, Operation.DELETE.value
 TRUNCATE = Operation.TRUNCATE.value
-GROUP_TRANSACTIONS = 1_000
+GROUP_TRANSACTIONS = 10_000
 """Complete source transactions written under one pair of transaction controls, at most."""
 
 
 RowValues = Sequence[str | None] | bytes
-"""A buffered row's values: texts (or null), or an Insert message kept encoded until its batch."""
+"""A buffered row's values: texts (or null), or the change message that holds them, kept encoded until
+its batch (:data:`faucet_postgres.pgoutput_columns.TUPLE_START`: its tuple's place)."""
 
 
 class Table:
@@ -56,54 +61,67 @@ class Table:
 
     def batch(self, rows: "Rows") -> pa.RecordBatch:
         """The Arrow batch of buffered rows (raises :class:`DataError` for a value with no Arrow form,
-        :class:`IntegrityError` for an Insert message kept encoded that does not decode)."""
+        :class:`IntegrityError` for a change message kept encoded that does not decode)."""
+        texts, unchanged = self._texts(rows.values, rows.unchanged)
         arrays = [
             pg.column_array(text, column, self.where)
-            for text, column in zip(self._texts(rows.values), self.relation.columns, strict=True)
+            for text, column in zip(texts, self.relation.columns, strict=True)
         ]
         arrays.append(pa.array(rows.operations, pa.string()))
-        arrays.append(pa.array(rows.unchanged, pa.list_(pa.string())))
+        arrays.append(pa.array(unchanged, pa.list_(pa.string())))
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
-    def _texts(self, values: Sequence[RowValues]) -> list[pa.Array]:
-        """Each column's texts, in row order: Insert messages kept encoded are decoded in bulk
-        (:mod:`faucet_postgres.pgoutput_columns`), decoded rows are transposed, and the two merged."""
-        if not self.width:
-            return []
-        encoded = [row for row in values if type(row) is bytes]
-        columns = insert_columns(encoded, self.width) if encoded else []
+    def _texts(
+        self, values: Sequence[RowValues], unchanged: list[list[str] | None]
+    ) -> tuple[list[pa.Array], list[list[str] | None]]:
+        """Each column's texts in row order, and the rows' unchanged columns: messages kept encoded
+        are decoded in bulk (:mod:`faucet_postgres.pgoutput_columns`), decoded rows are transposed,
+        and the two merged. When bulk decoding declines, every message is decoded one by one (which
+        raises the decoder's error for a malformed one, and names an update's unchanged columns)."""
+        kept = list(map(isinstance, values, repeat(bytes)))  # C-level passes: no Python step per row
+        encoded = cast(list[bytes], list(compress(values, kept)))
+        columns = tuple_columns(encoded, self.width) if encoded else []
         if columns is None:
-            # Not decodable in bulk: one by one, which raises the precise error.
-            values = [_insert_values(row) if type(row) is bytes else row for row in values]
-            encoded, columns = [], []
-        if len(encoded) == len(values):
-            return columns
-        decoded = [
-            pa.array(column, pa.string())
-            for column in zip(*(r for r in values if type(r) is not bytes), strict=True)
-        ]
+            values, unchanged = self._one_by_one(values, unchanged)
+            kept, encoded, columns = [False] * len(values), [], []
+        if len(encoded) == len(values) or not self.width:
+            return columns, unchanged
+        rest = compress(values, map(operator.not_, kept))
+        decoded = [pa.array(column, pa.string()) for column in zip(*rest, strict=True)]
         if not encoded:
-            return decoded
-        order: list[int] = []
-        taken, rest = 0, len(encoded)
-        for row in values:
-            if type(row) is bytes:
-                order.append(taken)
-                taken += 1
-            else:
-                order.append(rest)
-                rest += 1
-        indices = pa.array(order, pa.int64())
-        return [
+            return decoded, unchanged
+        # Where each row lands in the encoded rows followed by the decoded ones.
+        mask = np.fromiter(kept, dtype=np.bool_, count=len(kept))
+        indices = pa.array(np.where(mask, np.cumsum(mask) - 1, len(encoded) + np.cumsum(~mask) - 1))
+        merged = [
             pa.concat_arrays([bulk, one]).take(indices) for bulk, one in zip(columns, decoded, strict=True)
         ]
+        return merged, unchanged
+
+    def _one_by_one(
+        self, values: Sequence[RowValues], unchanged: list[list[str] | None]
+    ) -> tuple[list[RowValues], list[list[str] | None]]:
+        rows: list[RowValues] = []
+        names: list[list[str] | None] = []
+        for row, missing in zip(values, unchanged, strict=True):
+            if type(row) is bytes:
+                row, indexes = _values_of(row)
+                missing = [self.relation.columns[index].name for index in indexes] if indexes else None
+            rows.append(row)
+            names.append(missing)
+        return rows, names
 
 
-def _insert_values(message: bytes) -> Sequence[str | None]:
+def _values_of(message: bytes) -> tuple[Sequence[str | None], tuple[int, ...]]:
+    """A change message kept encoded, decoded: its row's values, and the columns an update left out."""
     decoded = pg.decode(message)
-    if not isinstance(decoded, pg.Insert):  # only Insert messages are kept encoded
-        raise IntegrityError("an encoded row is not an Insert message", where="pgoutput")
-    return decoded.new.values
+    if isinstance(decoded, pg.Insert):
+        return decoded.new.values, ()
+    if isinstance(decoded, pg.Update) and decoded.old is None:
+        return decoded.new.values, decoded.new.unchanged
+    if isinstance(decoded, pg.Delete):
+        return decoded.old.values, ()
+    raise IntegrityError("a change kept encoded is not an insert, an update or a delete", where="pgoutput")
 
 
 @dataclass
@@ -206,13 +224,14 @@ class TransactionWriter:
         self.is_open = True
 
     def add(self, table: Table, values: RowValues, operation: str, unchanged: list[str] | None) -> bool:
-        """Buffer one row (its values, or the Insert message that holds them: decoded with its batch);
+        """Buffer one row (its values, or the change message that holds them, kept encoded: an insert,
+        an update without an old image, a delete; decoded with its batch, see :meth:`Table.batch`);
         True when the buffered rows reached ``batch_rows`` (then call :meth:`flush`)."""
         if not self.is_open:
             raise IntegrityError(
                 f"a change of {table.resource} came outside a transaction", where=str(self._domain)
             )
-        width = insert_count(values) if type(values) is bytes else len(values)
+        width = tuple_width(values) if type(values) is bytes else len(values)
         if width != table.width:
             raise IntegrityError(f"a row of {width} values came for {table.width} columns", where=table.where)
         rows = self._buffers.get(table)

@@ -27,9 +27,11 @@ from faucet_postgres.cdc_ddl import (
     publication_added_after,
 )
 from faucet_postgres.cdc_rows import (
+    DELETE,
     GROUP_TRANSACTIONS,
     INSERT,
     TRUNCATE,
+    UPDATE,
     Table,
     TransactionWriter,
     change_rows,
@@ -41,7 +43,18 @@ from faucet_postgres.cdc_snapshot import read_snapshot
 from faucet_postgres.common import pg_error
 
 _FETCH_ROWS = 5_000
-_INSERT, _NEW_TUPLE = ord("I"), ord("N")
+_BEGIN, _COMMIT = ord("B"), ord("C")
+_KEPT_ENCODED = {
+    (ord(kind) << 8) | ord(tuple_marker): operation
+    for kind, tuple_marker, operation in (
+        ("I", "N", INSERT),
+        ("U", "N", UPDATE),  # no old image: the key did not change (change_rows: one update row)
+        ("D", "K", DELETE),
+        ("D", "O", DELETE),
+    )
+}
+"""Change messages whose one tuple is the change row's values, by type and tuple marker (first and
+sixth byte), and the row's operation: kept encoded for their batch to decode in bulk."""
 _MIN_POLL = 0.05
 
 
@@ -210,50 +223,47 @@ class PostgresCdcSession(SlotSession):
                     "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
                     (self._temp_slot, end, upto, self._publication_option),
                 )
-                tables, decode = self._tables, pg.decode
-                insert, update, delete, begin, commit = pg.Insert, pg.Update, pg.Delete, pg.Begin, pg.Commit
+                tables, decode, update, delete = self._tables, pg.decode, pg.Update, pg.Delete
+                begin_fields, commit_fields = pg.BEGIN_FIELDS, pg.COMMIT_FIELDS
                 while not stopped and (
                     rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel)
                 ):
                     seen += len(rows)
                     progress.messages += len(rows)
+                    # Rows and transaction controls inline (no coroutine, no message object): the bulk
+                    # of every change stream. What is rarer, or malformed, is decoded and goes through
+                    # _apply (a malformed message raises there, from the decoder).
                     for (data,) in rows:
                         size = len(data)
                         progress.bytes += size
-                        # An insert of a known table is kept encoded: its batch decodes the table's
-                        # inserts in bulk, no Python object per value (the bulk of most streams).
+                        kind = data[0] if size else 0
                         if (
                             size > 7
-                            and data[0] == _INSERT
-                            and data[5] == _NEW_TUPLE
+                            and (operation := _KEPT_ENCODED.get((kind << 8) | data[5])) is not None
                             and (table := tables.get(int.from_bytes(data[1:5]))) is not None
                         ):
-                            if table.selected and writer.add(table, data, INSERT, None):
+                            # Kept encoded: the batch decodes a table's changes in bulk, no Python
+                            # object per value.
+                            if table.selected and writer.add(table, data, operation, None):
                                 await writer.flush()
-                            continue
-                        message = decode(data)
-                        # Rows and transaction controls inline (no coroutine per message): the bulk of
-                        # every change stream; what is rarer, or fails, goes through _apply.
-                        if type(message) is insert and (table := tables.get(message.relation_oid)):
-                            if table.selected and writer.add(table, message.new.values, INSERT, None):
-                                await writer.flush()
-                        elif (type(message) is update or type(message) is delete) and (
-                            table := tables.get(message.relation_oid)
-                        ):
-                            if table.selected:
-                                for values, operation, unchanged in change_rows(message, table):
-                                    if writer.add(table, values, operation, unchanged):
-                                        await writer.flush()
-                        elif type(message) is begin:
-                            self._begin(message, writer)
-                        elif type(message) is commit:
-                            await writer.commit(message.commit_lsn)
+                        elif kind == _BEGIN and size >= begin_fields.size + 1:
+                            final_lsn, _, xid = begin_fields.unpack_from(data, 1)
+                            self._begin(final_lsn, xid, writer)
+                        elif kind == _COMMIT and size >= commit_fields.size + 1:
+                            await writer.commit(commit_fields.unpack_from(data, 1)[1])
                             if progress.limit_reached(writer.rows):
                                 stopped = True
                                 await writer.close_group()
                                 break
                             if writer.grouped >= GROUP_TRANSACTIONS:
                                 await writer.close_group()
+                        elif (type(message := decode(data)) is update or type(message) is delete) and (
+                            table := tables.get(message.relation_oid)
+                        ):
+                            if table.selected:
+                                for values, operation, unchanged in change_rows(message, table):
+                                    if writer.add(table, values, operation, unchanged):
+                                        await writer.flush()
                         else:
                             await self._apply(message, writer)
                 await cursor.close()
@@ -308,8 +318,11 @@ class PostgresCdcSession(SlotSession):
                 for values, operation, unchanged in change_rows(message, table):
                     if writer.add(table, values, operation, unchanged):
                         await writer.flush()
-        elif isinstance(message, pg.Begin):
-            self._begin(message, writer)
+        elif isinstance(message, pg.Begin | pg.Commit):
+            # Well-formed ones never come here (the read's loop takes them); a Commit would be lost.
+            raise IntegrityError(
+                f"a transaction control came out of the read's order: {message}", where=self._where
+            )
         elif isinstance(message, pg.Relation):
             await self._remember(message, writer)
         elif isinstance(message, pg.Truncate):
@@ -370,15 +383,16 @@ class PostgresCdcSession(SlotSession):
                     where=self._where,
                 )
 
-    def _begin(self, message: pg.Begin, writer: TransactionWriter) -> None:
+    def _begin(self, final_lsn: int, xid: int, writer: TransactionWriter) -> None:
+        """Open the transaction a Begin message announces (its commit LSN and xid) in ``writer``."""
         last = writer.position if writer.grouped else self._position
-        if last is not None and last >= 0 and message.final_lsn <= last:
+        if last is not None and last >= 0 and final_lsn <= last:
             raise IntegrityError(
-                f"a transaction committed at {CODEC.canonicalize(message.final_lsn)} came after the "
+                f"a transaction committed at {CODEC.canonicalize(final_lsn)} came after the "
                 f"position {CODEC.canonicalize(last)} was read",
                 where=self._where,
             )
-        writer.begin(message.xid, message.final_lsn)
+        writer.begin(xid, final_lsn)
 
     def _table(self, oid: int) -> Table:
         table = self._tables.get(oid)

@@ -47,8 +47,10 @@ from faucet_postgres.copy_arrow import INFINITE, INFINITE_DATES
 
 _U32 = Struct(">I")
 _U64 = Struct(">Q")
-_BEGIN = Struct(">QqI")
-_COMMIT = Struct(">BQQq")
+BEGIN_FIELDS = Struct(">QqI")
+"""A Begin message after its type byte: final LSN, commit time, xid."""
+COMMIT_FIELDS = Struct(">BQQq")
+"""A Commit message after its type byte: flags, commit LSN, end LSN, commit time."""
 _COLUMN_TAIL = Struct(">Ii")
 _CHANGE_HEAD = Struct(">IB")
 
@@ -222,12 +224,12 @@ def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
 
 
 def _begin(data: bytes) -> Begin:
-    final_lsn, commit_time, xid = _BEGIN.unpack_from(data, 1)
+    final_lsn, commit_time, xid = BEGIN_FIELDS.unpack_from(data, 1)
     return Begin(final_lsn, commit_time, xid)
 
 
 def _commit(data: bytes) -> Commit:
-    flags, commit_lsn, end_lsn, commit_time = _COMMIT.unpack_from(data, 1)
+    flags, commit_lsn, end_lsn, commit_time = COMMIT_FIELDS.unpack_from(data, 1)
     return Commit(flags, commit_lsn, end_lsn, commit_time)
 
 

@@ -1,17 +1,21 @@
-"""A table's pgoutput Insert messages decoded in bulk, straight into Arrow text columns.
+"""A table's pgoutput change messages decoded in bulk, straight into Arrow text columns.
 
 :func:`faucet_postgres.pgoutput.decode` builds, per message, a message tuple, its tuple data and a
 Python string per value, which :class:`faucet_postgres.cdc_rows.Table` then turns column by column into
-Arrow: in a stream of inserts most of a read's time. Here the messages of one batch are laid end to end
+Arrow: in a change stream most of a read's time. Here the messages of one batch are laid end to end
 in one buffer, and each column is cut out of it with array operations (NumPy) into an Arrow string
 array: no Python object per value. The result is exactly the texts ``decode`` gives (a property test
 compares them on generated messages). A batch this cannot decode as a whole (a malformed message, a
 value that is not UTF-8, a column marker other than text or null) yields None: the caller then decodes
 message by message, which raises the precise :class:`IntegrityError`.
 
-Insert message layout (PostgreSQL documentation, "Logical Replication Message Formats")::
+The messages whose one tuple starts at the same place (PostgreSQL documentation, "Logical Replication
+Message Formats"): an insert, an update that carries no old image (its key did not change), a delete
+(its old key, or its old row under REPLICA IDENTITY FULL)::
 
-    'I'  Int32 relation OID  'N'  Int16 column count  ('n' | 't' Int32 length bytes)*
+    'I' | 'U' | 'D'  Int32 relation OID  'N' | 'K' | 'O'  Int16 column count  ('n' | 't' Int32 length bytes)*
+
+Their type and tuple markers are the caller's to check; this module reads the tuple.
 """
 
 from collections.abc import Sequence
@@ -21,7 +25,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 TUPLE_START = 6
-"""Where an Insert message's tuple data starts: after 'I', the relation OID and 'N'."""
+"""Where the tuple data starts: after the message type, the relation OID and the tuple marker."""
 _TEXT, _NULL = 0x74, 0x6E
 _MAX_OFFSET = 2**31 - 1
 """The largest offset of an Arrow string array (int32 offsets)."""
@@ -29,15 +33,16 @@ _MAX_OFFSET = 2**31 - 1
 Positions = npt.NDArray[np.int64]
 
 
-def insert_count(message: bytes) -> int:
-    """The column count an Insert message declares (its tuple's Int16 header)."""
+def tuple_width(message: bytes) -> int:
+    """The column count a change message's tuple declares (its Int16 header)."""
     return (message[TUPLE_START] << 8) | message[TUPLE_START + 1]
 
 
-def insert_columns(messages: Sequence[bytes], width: int) -> list[pa.Array] | None:
-    """The ``width`` columns of ``messages`` (Insert messages of one relation, each declaring
-    ``width`` columns) as Arrow string arrays, a value's text or null; None when one of them cannot
-    be decoded so (the caller decodes them one by one instead, to raise the precise error)."""
+def tuple_columns(messages: Sequence[bytes], width: int) -> list[pa.Array] | None:
+    """The ``width`` columns of ``messages`` (change messages of one relation, each with one tuple of
+    ``width`` columns at :data:`TUPLE_START`) as Arrow string arrays, a value's text or null; None
+    when one of them cannot be decoded so (the caller decodes them one by one instead, to raise the
+    precise error, or to name an update's unchanged columns: the 'u' marker is declined here)."""
     count = len(messages)
     buffer = np.frombuffer(b"".join(messages), dtype=np.uint8)
     lengths = np.fromiter(map(len, messages), dtype=np.int64, count=count)

@@ -10,12 +10,12 @@ import struct
 import pyarrow as pa
 import pytest
 from faucet_postgres import pgoutput as pg
-from faucet_postgres.cdc_rows import INSERT, Rows, Table
-from faucet_postgres.pgoutput_columns import insert_columns, insert_count
+from faucet_postgres.cdc_rows import DELETE, INSERT, UPDATE, Rows, Table
+from faucet_postgres.pgoutput_columns import tuple_columns, tuple_width
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from faucet_dagster.protocol import IntegrityError
+from faucet_dagster.protocol import UNCHANGED_COLUMN, IntegrityError
 
 RELATION = 16_384
 
@@ -95,8 +95,8 @@ def columns_as_rows(columns: list[pa.Array], count: int) -> list[tuple[str | Non
 def test_bulk_decoding_gives_the_decoders_texts_or_declines(case: tuple[int, list[bytes], bool]) -> None:
     width, messages, malformed = case
     want = reference(messages)
-    got = insert_columns(messages, width)
-    if want is None or any(insert_count(data) != width for data in messages if len(data) > 7):
+    got = tuple_columns(messages, width)
+    if want is None or any(tuple_width(data) != width for data in messages if len(data) > 7):
         # The decoder refuses one of them (or one does not declare the table's width): bulk declines,
         # so the caller decodes one by one and raises the decoder's own error.
         assert got is None
@@ -113,7 +113,7 @@ def test_bulk_decoding_gives_the_decoders_texts_or_declines(case: tuple[int, lis
 def test_well_formed_inserts_are_decoded_in_bulk_not_declined() -> None:
     rows: list[list[Value]] = [["1", None, "été ✓"], [None, None, None], ["", "x" * 300, "\x00"]]
     messages = [message(row) for row in rows]
-    got = insert_columns(messages, 3)
+    got = tuple_columns(messages, 3)
     assert got is not None
     assert columns_as_rows(got, 3) == reference(messages)
 
@@ -144,3 +144,24 @@ def test_a_malformed_encoded_insert_raises_the_decoders_error_from_its_batch() -
     rows.unchanged.extend([None, None])
     with pytest.raises(IntegrityError, match="malformed"):
         table.batch(rows)
+
+
+def test_an_update_that_left_a_value_out_is_decoded_one_by_one_and_names_it() -> None:
+    """An update's 'u' marker (a TOASTed value it left unchanged) is declined by bulk decoding; the
+    batch then decodes each kept message and names the column, as a decoded update's row does."""
+    relation = pg.Relation(
+        RELATION, "public", "t", "d", (pg.Column("id", 20, -1, True), pg.Column("doc", 25, -1, False))
+    )
+    table = Table(relation, True, (0,))
+    untouched = b"U" + message(["7", None])[1:]  # an update without an old image, same layout
+    left_out = bytearray(b"U" + message(["8", None])[1:])
+    left_out[-1:] = b"u"  # the second column: unchanged
+    deleted = b"D" + message(["9", None])[1:5] + b"K" + message(["9", None])[6:]
+    rows = Rows()
+    rows.values.extend([untouched, bytes(left_out), deleted, ("10", "text")])
+    rows.operations.extend([UPDATE, UPDATE, DELETE, INSERT])
+    rows.unchanged.extend([None, None, None, None])
+    batch = table.batch(rows)
+    assert batch.column("id").to_pylist() == [7, 8, 9, 10]
+    assert batch.column("doc").to_pylist() == [None, None, None, "text"]
+    assert batch.column(UNCHANGED_COLUMN).to_pylist() == [None, ["doc"], None, None]
