@@ -47,10 +47,27 @@ class Result:
     ratios: list[float] = field(default_factory=list)
     error: str | None = None
     details: Mapping[str, object] = field(default_factory=dict)
+    cpu: list[dict[str, float]] = field(default_factory=list)
+    """Per run, the CPU seconds spent while the scenario's function ran (its untimed set-up included):
+    ``process`` by this process (its threads: the clients, librdkafka's), ``machine`` by every process
+    (the servers too), and the ``wall`` seconds of that call. What tells a run bound by the machine's
+    cores from one bound by a single thread (the GIL)."""
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has spent since boot (Linux ``/proc/stat``: all but
+    idle and I/O wait); 0.0 where there is no such file."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _run_once(item: Scenario, ctx: BenchContext, result: Result) -> float | None:
     """Run ``item`` once; record its rows, seconds and details; return its rows/s (None: failed)."""
+    process, machine, wall = time.process_time(), _machine_busy_seconds(), time.perf_counter()
     try:
         measured = item.fn(ctx)
     except Exception as exc:  # noqa: BLE001 - printed, reported, and the exit status is 1
@@ -58,6 +75,13 @@ def _run_once(item: Scenario, ctx: BenchContext, result: Result) -> float | None
         result.error = result.error or f"{type(exc).__name__}: {exc}"
         return None
     result.rows, result.details = measured.rows, measured.details
+    result.cpu.append(
+        {
+            "process": round(time.process_time() - process, 3),
+            "machine": round(_machine_busy_seconds() - machine, 3),
+            "wall": round(time.perf_counter() - wall, 3),
+        }
+    )
     return measured.rows / measured.seconds if measured.seconds > 0 else None
 
 
