@@ -105,23 +105,23 @@ class Table:
         names: list[list[str] | None] = []
         for row, missing in zip(values, unchanged, strict=True):
             if type(row) is bytes:
-                row, indexes = _values_of(row)
-                missing = [self.relation.columns[index].name for index in indexes] if indexes else None
+                row, missing = self._decoded(row)
             rows.append(row)
             names.append(missing)
         return rows, names
 
-
-def _values_of(message: bytes) -> tuple[Sequence[str | None], tuple[int, ...]]:
-    """A change message kept encoded, decoded: its row's values, and the columns an update left out."""
-    decoded = pg.decode(message)
-    if isinstance(decoded, pg.Insert):
-        return decoded.new.values, ()
-    if isinstance(decoded, pg.Update) and decoded.old is None:
-        return decoded.new.values, decoded.new.unchanged
-    if isinstance(decoded, pg.Delete):
-        return decoded.old.values, ()
-    raise IntegrityError("a change kept encoded is not an insert, an update or a delete", where="pgoutput")
+    def _decoded(self, message: bytes) -> tuple[Sequence[str | None], list[str] | None]:
+        """A change message kept encoded, decoded: its row's values and unchanged columns, by the
+        same rule as a change decoded in the read (:func:`change_rows`: one row for these)."""
+        decoded = pg.decode(message)
+        if isinstance(decoded, pg.Insert):
+            return decoded.new.values, None
+        if isinstance(decoded, pg.Update | pg.Delete):
+            [(values, _, missing)] = change_rows(decoded, self)
+            return values, missing
+        raise IntegrityError(
+            "a change kept encoded is not an insert, an update or a delete", where="pgoutput"
+        )
 
 
 @dataclass
@@ -315,10 +315,11 @@ class TransactionWriter:
         self._buffers = {}
         # Every batch built before the first is written: one that fails to build writes nothing.
         batches = [
-            (table, table.batch(rows), Identities(rows.positions, rows.ordinals)) for table, rows in tables
+            (table, table.batch(rows), Identities(rows.positions, rows.ordinals), len(rows.operations))
+            for table, rows in tables
         ]
-        for (table, batch, identities), (_, rows) in zip(batches, tables, strict=True):
-            self._buffered -= len(rows.operations)
+        for table, batch, identities, count in batches:
+            self._buffered -= count
             await self._sink.write(self._domain, batch, identities, resource=table.resource)
 
 

@@ -223,7 +223,7 @@ class PostgresCdcSession(SlotSession):
                     "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
                     (self._temp_slot, end, upto, self._publication_option),
                 )
-                tables, decode, update, delete = self._tables, pg.decode, pg.Update, pg.Delete
+                tables, decode = self._tables, pg.decode
                 begin_fields, commit_fields = pg.BEGIN_FIELDS, pg.COMMIT_FIELDS
                 while not stopped and (
                     rows := await interruptible(conn, cursor.fetchmany(_FETCH_ROWS), cancel)
@@ -231,8 +231,9 @@ class PostgresCdcSession(SlotSession):
                     seen += len(rows)
                     progress.messages += len(rows)
                     # Rows and transaction controls inline (no coroutine, no message object): the bulk
-                    # of every change stream. What is rarer, or malformed, is decoded and goes through
-                    # _apply (a malformed message raises there, from the decoder).
+                    # of every change stream. The rest (an update with an old image, a Relation, a
+                    # truncate, a logical message) is decoded and goes through _apply; a malformed
+                    # message raises from the decoder.
                     for (data,) in rows:
                         size = len(data)
                         progress.bytes += size
@@ -257,15 +258,8 @@ class PostgresCdcSession(SlotSession):
                                 break
                             if writer.grouped >= GROUP_TRANSACTIONS:
                                 await writer.close_group()
-                        elif (type(message := decode(data)) is update or type(message) is delete) and (
-                            table := tables.get(message.relation_oid)
-                        ):
-                            if table.selected:
-                                for values, operation, unchanged in change_rows(message, table):
-                                    if writer.add(table, values, operation, unchanged):
-                                        await writer.flush()
                         else:
-                            await self._apply(message, writer)
+                            await self._apply(decode(data), writer)
                 await cursor.close()
             if not stopped:
                 await writer.close_group()

@@ -10,7 +10,7 @@ A Relation message describes a table (its columns, their type OIDs and which col
 identity) before the first change of that table in a decoding session, and again after the table
 changes. Tuple data is in the text format of each type's output function (the ``binary`` option is
 not used), so :func:`column_array` turns a column of such texts into a typed Arrow array (a table's
-Insert messages are cut into such columns in bulk by :mod:`faucet_postgres.pgoutput_columns`). The texts
+change messages are cut into such columns in bulk by :mod:`faucet_postgres.pgoutput_columns`). The texts
 depend on the decoding session's settings: the ones :func:`faucet_postgres.common.connect` sets (ISO
 dates, UTC, hex bytea).
 
