@@ -173,7 +173,13 @@ def test_each_tick_says_what_it_did_where_the_ui_shows_a_tick(ui: UiDeployment) 
                 sum(entry(m, "faucet/rows_written") for m in materializations(ui, path)) >= EVENTS
             ),
         )
-    reported = [tick for tick in ticks(ui, NATS_SENSOR) if str(tick["skipReason"]).startswith("certified ")]
+
+    def reporting_ticks() -> list[dict[str, Any]]:
+        return [tick for tick in ticks(ui, NATS_SENSOR) if str(tick["skipReason"]).startswith("certified ")]
+
+    # The daemon stores a tick's reports before it ends the tick with its reason: wait for the reason.
+    ui.wait_for("a tick that reported the certified epochs in its reason", lambda: bool(reporting_ticks()))
+    reported = reporting_ticks()
     assert reported, "a tick reported the certified epochs in its reason"
     tick = reported[-1]
     # "View logs": the tick's own log holds its summary too.
