@@ -30,6 +30,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import Any, ParamSpec, TypeVar
 
 import pyarrow as pa
@@ -67,11 +68,12 @@ class _ReadPlan:
     """``start <= cursor < end`` of the config's ``cursor_window`` (empty without one)."""
     native: bool
     plain_rows: bool
+    """The selected columns are the output columns, and neither SQLAlchemy nor a converter changes
+    their values: pages are read as the DBAPI's tuples, and each column converted by Arrow in one call
+    where that lands its values exactly (:meth:`SqlSource._as_is`)."""
     unique_order: bool
     """The key is the table's primary key (so ``(cursor, key)`` is unique); a configured key may not
     be, and pages are then cut between positions only (:meth:`SqlSource._whole_positions`)."""
-    """The selected columns are the output columns, and neither SQLAlchemy nor a converter changes
-    their values: pages are built from the DBAPI's tuples at once (:func:`_batch_of_rows`)."""
 
     @property
     def order_names(self) -> tuple[str, ...]:
@@ -229,33 +231,38 @@ class SqlSource(KeysetSource):
         if not plan.unique_order and batch_size and fetched == batch_size:
             rows = self._whole_positions(plan, rows, at)
         last = tuple(rows[-1][index] for index in at)
-        typed = self.db.dialect != "sqlite"
-        columns = None if typed else list(zip(*rows, strict=True))
-        if plan.plain_rows and (
-            # SQLite keeps any value in any column (a REAL in an INTEGER one): only values of the
-            # column's own kind go through Arrow's one-call conversion, which would truncate 1.5 to 1.
-            columns is None or all(lands_as_is(columns[names.index(f.name)], f.type) for f in plan.schema)
-        ):
-            whole = _batch_of_rows(rows, plan.schema)
-            if whole is not None:
-                return whole, last, fetched
-        if columns is None:
-            columns = list(zip(*rows, strict=True))
+        # Column by column through an itemgetter, never a transposed page: a transpose allocates an
+        # iterator per row, and the garbage collections those allocations set off cost more than the
+        # fetch.
         arrays = []
         for field, convert in zip(plan.schema, plan.converters, strict=True):
-            values = list(columns[names.index(field.name)])
+            values = list(map(itemgetter(names.index(field.name)), rows))
             if convert is not None:
                 values = convert(values)
-            array, unfit = conform_values(values, field.type, field.name)
-            if unfit:
-                index = min(unfit)
-                row = ", ".join(f"{name}={rows[index][names.index(name)]!r}" for name in plan.order_names)
-                raise DataError(
-                    f"{self.db.qualified()!r} row ({row}): {unfit[index]}",
-                    where=f"{self.dataset_uri()} @ {row}",
-                )
+            array = self._as_is(values, field.type) if plan.plain_rows else None
+            if array is None:
+                array, unfit = conform_values(values, field.type, field.name)
+                if unfit:
+                    index = min(unfit)
+                    row = ", ".join(f"{name}={rows[index][names.index(name)]!r}" for name in plan.order_names)
+                    raise DataError(
+                        f"{self.db.qualified()!r} row ({row}): {unfit[index]}",
+                        where=f"{self.dataset_uri()} @ {row}",
+                    )
             arrays.append(array)
         return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last, fetched
+
+    def _as_is(self, values: list[Any], kind: pa.DataType) -> pa.Array | None:
+        """``values`` of a column as one Arrow array converted in one call, when that call lands them
+        exactly; None when the values need :func:`conform_values` (which also names a value that does
+        not fit). SQLite keeps any value in any column (a REAL in an INTEGER one), and the one call
+        would truncate 1.5 to 1: there only values of the column's own kind take it."""
+        if self.db.dialect == "sqlite" and not lands_as_is(values, kind):
+            return None
+        try:
+            return pa.array(values, kind)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+            return None
 
     def _whole_positions(
         self, plan: _ReadPlan, rows: Sequence[Sequence[Any]], at: Sequence[int]
@@ -310,17 +317,6 @@ def _bound(column: sa.Column[Any], moment: datetime) -> Any:
     if isinstance(kind, sa.Date):
         return moment.astimezone(UTC).date()
     return moment
-
-
-def _batch_of_rows(rows: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.RecordBatch | None:
-    """``rows`` (one value per field of ``schema``, in order) as one batch, converted by Arrow in one
-    call with no per-column Python lists; None when a value does not convert (the column-by-column
-    path then names the column)."""
-    try:
-        rows_array = pa.array(rows, type=pa.struct(list(schema)))
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
-        return None
-    return pa.RecordBatch.from_struct_array(rows_array).cast(schema)
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:
