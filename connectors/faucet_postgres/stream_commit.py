@@ -33,7 +33,6 @@ from faucet_dagster.protocol import (
     ConnectionFailed,
     Coverage,
     EpochId,
-    EpochMismatch,
     FaucetError,
     LifecycleError,
     Receipt,
@@ -41,6 +40,7 @@ from faucet_dagster.protocol import (
     UncertainOutcome,
     WorkerIdentity,
     WritePolicy,
+    active_epoch,
 )
 from faucet_postgres import stream_zombies
 from faucet_postgres.common import error_text, pg_error
@@ -236,12 +236,7 @@ class CommittingSession(StreamingSinkSession):
 
     def _active_epoch(self, epoch: EpochId, doing: str) -> Epoch:
         self._check_usable()
-        state = self._active
-        if state is None:
-            raise LifecycleError(f"{doing} of epoch {epoch} without an active epoch", where=self._where)
-        if state.epoch != epoch:
-            raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self._where)
-        return state
+        return active_epoch(self._active, epoch, doing, self._where)
 
     async def _prepared(self, *, quietly: bool = False) -> None:
         """Wait for the savepoint begin_epoch prepares (before any other statement of the epoch); its

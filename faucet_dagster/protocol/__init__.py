@@ -63,7 +63,7 @@ from faucet_dagster.protocol.errors import (
     UnsupportedOperation,
     Violation,
 )
-from faucet_dagster.protocol.held_epochs import HeldEpoch, HeldEpochs, ResourceTally
+from faucet_dagster.protocol.held_epochs import HeldEpoch, HeldEpochs, ResourceTally, active_epoch
 from faucet_dagster.protocol.identifiers import (
     POSTGRES_MAX_IDENTIFIER_BYTES,
     identifier_too_long,
@@ -261,6 +261,7 @@ __all__ = [
     "Violation",
     "WorkerIdentity",
     "WritePolicy",
+    "active_epoch",
     "arrow_type_from_name",
     "as_record_batch",
     "bisect_rejections",

@@ -9,11 +9,30 @@ counts what a commit did to one resource, for its :class:`Receipt`. Pure: no I/O
 """
 
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from faucet_dagster.protocol.errors import DataError, EpochMismatch, LifecycleError, SchemaError
 from faucet_dagster.protocol.keys import first_row_without_key
 from faucet_dagster.protocol.streaming import EpochId, SinkBatch
 from faucet_dagster.protocol.watermarks import KeptRows
+
+
+class _Active(Protocol):
+    @property
+    def epoch(self) -> EpochId: ...
+
+
+ActiveT = TypeVar("ActiveT", bound=_Active)
+
+
+def active_epoch(active: ActiveT | None, epoch: EpochId, doing: str, where: str) -> ActiveT:
+    """``active``, the session's active epoch, which must be ``epoch``: else LifecycleError (none is
+    active) or EpochMismatch (another is). ``doing`` names the call in the error."""
+    if active is None:
+        raise LifecycleError(f"{doing} of epoch {epoch} without an active epoch", where=where)
+    if active.epoch != epoch:
+        raise EpochMismatch(f"{doing} of epoch {epoch} while {active.epoch} is active", where=where)
+    return active
 
 
 @dataclass
@@ -78,12 +97,7 @@ class HeldEpochs:
 
     def current(self, epoch: EpochId, doing: str) -> HeldEpoch:
         """The active epoch, which must be ``epoch`` (``doing`` names the call in the error)."""
-        state = self.active
-        if state is None:
-            raise LifecycleError(f"{doing} of epoch {epoch} without an active epoch", where=self.where)
-        if state.epoch != epoch:
-            raise EpochMismatch(f"{doing} of epoch {epoch} while {state.epoch} is active", where=self.where)
-        return state
+        return active_epoch(self.active, epoch, doing, self.where)
 
     def committable(self, epoch: EpochId) -> HeldEpoch:
         """The active epoch, ready to commit (not failed)."""
