@@ -27,6 +27,7 @@ CPU the daemon and its code servers used. ``--keep`` keeps the daemon's log and 
 import argparse
 import bisect
 import itertools
+import os
 import statistics
 import sys
 import textwrap
@@ -104,7 +105,7 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
     database = postgres.create_database(make_unique_name("many_db"))
     state = f"sqlite:///{tmp / 'state.db'}"
     env = {
-        **daemon_test.os.environ,
+        **os.environ,
         "DAGSTER_HOME": str(home),
         "T_STREAM": names[0],
         "T_STREAMS": ",".join(names),

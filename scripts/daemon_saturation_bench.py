@@ -123,7 +123,7 @@ class Ledger:
         return self.refresh() >= self.published
 
 
-Advance = Callable[[str, Callable[[], bool], float], None]
+Advance = Callable[[str, Callable[[], bool], float], object]
 """``advance(what, condition, bound)``: let the stream run until ``condition()`` (fails after ``bound`` s)."""
 
 

@@ -17,6 +17,7 @@ longest sensor tick the daemon logged, and the time from the kill to the next ce
 
 import argparse
 import itertools
+import os
 import sys
 import tempfile
 import textwrap
@@ -77,7 +78,7 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
     stream = make_unique_name("bench")
     database = postgres.create_database(make_unique_name("bench_db"))
     env = {
-        **daemon_test.os.environ,
+        **os.environ,
         "DAGSTER_HOME": str(home),
         "T_STREAM": stream,
         "T_NATS": nats_server.url,
@@ -133,11 +134,11 @@ def run(tmp: Path, postgres: PostgresServer, nats_server: NatsServer, args: argp
                 existing = {p.pid for p in deployment.code_servers()}
                 killed = time.time()
                 victim.kill()
-                back = deployment.wait_for(
-                    "a new code server",
-                    lambda existing=existing: any(p.pid not in existing for p in deployment.code_servers()),
-                    bound=180,
-                )
+
+                def replaced(existing: set[int] = existing) -> bool:
+                    return any(p.pid not in existing for p in deployment.code_servers())
+
+                back = deployment.wait_for("a new code server", replaced, bound=180)
                 where = "the daemon's new code server appeared"
             again = deployment.certified_by_a_new_worker(before)
             print(

@@ -51,7 +51,9 @@ COLUMNS = {"i": "int64", "name": "string", "score": "float64"}
 BOUND = 600.0
 
 
-def measure(postgres_url: str, bootstrap: str, workers: int, args: argparse.Namespace, logs: Path) -> float:
+def measure(
+    postgres_url: str, bootstrap: str, workers: int, args: argparse.Namespace, logs: Path
+) -> "Figure":
     """One measurement (see the module); its messages per second."""
     topic, stream = make_unique_name("mt_topic"), make_unique_name("mt")
     admin = AdminClient({"bootstrap.servers": bootstrap})
