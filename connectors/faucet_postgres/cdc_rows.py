@@ -1,7 +1,6 @@
 """Change rows: what a decoded change becomes, buffered per table and written in runs of whole source
 transactions."""
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -76,25 +75,33 @@ class Table:
     ) -> tuple[list[pa.Array], list[list[str] | None]]:
         """Each column's texts in row order, and the rows' unchanged columns: messages kept encoded
         are decoded in bulk (:mod:`faucet_postgres.pgoutput_columns`), decoded rows are transposed,
-        and the two merged. When bulk decoding declines, every message is decoded one by one (which
-        raises the decoder's error for a malformed one, and names an update's unchanged columns)."""
-        kept = list(map(isinstance, values, repeat(bytes)))  # C-level passes: no Python step per row
+        and the two merged. A message bulk decoding leaves out is decoded on its own (which raises the
+        decoder's error for a malformed one, and names an update's unchanged columns); when it
+        declines the whole batch, every message is."""
+        kept = np.fromiter(map(isinstance, values, repeat(bytes)), dtype=np.bool_, count=len(values))
         encoded = cast(list[bytes], list(compress(values, kept)))
-        columns = tuple_columns(encoded, self.width) if encoded else []
-        if columns is None:
+        found = tuple_columns(encoded, self.width) if encoded else ([], np.ones(0, dtype=np.bool_))
+        if found is None:
             values, unchanged = self._one_by_one(values, unchanged)
-            kept, encoded, columns = [False] * len(values), [], []
-        if len(encoded) == len(values) or not self.width:
+            kept, found = np.zeros(len(values), dtype=np.bool_), ([], np.ones(0, dtype=np.bool_))
+        columns, bulk = found
+        if not bool(bulk.all()):
+            values, unchanged = list(values), list(unchanged)
+            for index in np.flatnonzero(kept)[~bulk].tolist():
+                values[index], unchanged[index] = self._decoded(cast(bytes, values[index]))
+                kept[index] = False
+        in_bulk = int(np.count_nonzero(kept))
+        if in_bulk == len(values) or not self.width:
             return columns, unchanged
-        rest = compress(values, map(operator.not_, kept))
+        rest = compress(values, ~kept)
         decoded = [pa.array(column, pa.string()) for column in zip(*rest, strict=True)]
-        if not encoded:
+        if not in_bulk:
             return decoded, unchanged
-        # Where each row lands in the encoded rows followed by the decoded ones.
-        mask = np.fromiter(kept, dtype=np.bool_, count=len(kept))
-        indices = pa.array(np.where(mask, np.cumsum(mask) - 1, len(encoded) + np.cumsum(~mask) - 1))
+        # Where each row lands in the rows decoded in bulk followed by the others.
+        indices = pa.array(np.where(kept, np.cumsum(kept) - 1, in_bulk + np.cumsum(~kept) - 1))
         merged = [
-            pa.concat_arrays([bulk, one]).take(indices) for bulk, one in zip(columns, decoded, strict=True)
+            pa.concat_arrays([bulk_column, one]).take(indices)
+            for bulk_column, one in zip(columns, decoded, strict=True)
         ]
         return merged, unchanged
 

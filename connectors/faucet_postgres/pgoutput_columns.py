@@ -5,9 +5,10 @@ Python string per value, which :class:`faucet_postgres.cdc_rows.Table` then turn
 Arrow: in a change stream most of a read's time. Here the messages of one batch are laid end to end
 in one buffer, and each column is cut out of it with array operations (NumPy) into an Arrow string
 array: no Python object per value. The result is exactly the texts ``decode`` gives (a property test
-compares them on generated messages). A batch this cannot decode as a whole (a malformed message, a
-value that is not UTF-8, a column marker other than text or null) yields None: the caller then decodes
-message by message, which raises the precise :class:`IntegrityError`.
+compares them on generated messages). A message this cannot decode so (malformed, or a column marker
+other than text or null: an update's unchanged TOASTed value) is left out and named, and the caller
+decodes it on its own, which raises the precise :class:`IntegrityError` or names the unchanged column;
+a value that is not UTF-8 makes the caller decode the whole batch message by message.
 
 The messages whose one tuple starts at the same place (PostgreSQL documentation, "Logical Replication
 Message Formats"): an insert, an update that carries no old image (its key did not change), a delete
@@ -38,44 +39,56 @@ def tuple_width(message: bytes) -> int:
     return (message[TUPLE_START] << 8) | message[TUPLE_START + 1]
 
 
-def tuple_columns(messages: Sequence[bytes], width: int) -> list[pa.Array] | None:
+def tuple_columns(
+    messages: Sequence[bytes], width: int
+) -> tuple[list[pa.Array], npt.NDArray[np.bool_]] | None:
     """The ``width`` columns of ``messages`` (change messages of one relation, each with one tuple of
-    ``width`` columns at :data:`TUPLE_START`) as Arrow string arrays, a value's text or null; None
-    when one of them cannot be decoded so (the caller decodes them one by one instead, to raise the
-    precise error, or to name an update's unchanged columns: the 'u' marker is declined here)."""
+    ``width`` columns at :data:`TUPLE_START`) as Arrow string arrays, a value's text or null, and
+    which messages they hold: ``bulk[i]`` is False for a message this cannot decode so (cut short,
+    another column count, a length past its end, a marker other than text or null: an update's 'u'
+    for an unchanged TOASTed value), which the caller decodes on its own (raising the precise error,
+    or naming the unchanged columns); the columns hold the other messages, in order. None (decode
+    every message one by one) when a value is not UTF-8, or the texts overflow one Arrow array."""
     count = len(messages)
     buffer = np.frombuffer(b"".join(messages), dtype=np.uint8)
     lengths = np.fromiter(map(len, messages), dtype=np.int64, count=count)
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    if bool((lengths < TUPLE_START + 2).any()):
-        return None
-    declared = (buffer[starts + TUPLE_START].astype(np.int64) << 8) | buffer[starts + TUPLE_START + 1]
-    if bool((declared != width).any()):
-        return None
+    bulk = lengths >= TUPLE_START + 2
+    if not bool(bulk.any()):
+        return [pa.array([], pa.string()) for _ in range(width)], bulk
+    header = np.where(bulk, starts + TUPLE_START, 0)  # a short message's header is not read
+    declared = (buffer[header].astype(np.int64) << 8) | buffer[header + 1]
+    bulk &= declared == width
     position = starts + TUPLE_START + 2
     columns: list[pa.Array] = []
     for _ in range(width):
-        column = _column(buffer, position, ends)
+        column = _column(buffer, position, ends, bulk)
         if column is None:
             return None
-        array, position = column
+        array, position, bulk = column
         columns.append(array)
-    return columns
+    if not bool(bulk.all()):
+        keep = pa.array(bulk)
+        columns = [column.filter(keep) for column in columns]
+    return columns, bulk
 
 
 def _column(
-    buffer: npt.NDArray[np.uint8], position: Positions, ends: Positions
-) -> tuple[pa.Array, Positions] | None:
-    """The column whose markers are at ``position`` (one per message), and the next column's."""
+    buffer: npt.NDArray[np.uint8], position: Positions, ends: Positions, bulk: npt.NDArray[np.bool_]
+) -> tuple[pa.Array, Positions, npt.NDArray[np.bool_]] | None:
+    """The column whose markers are at ``position`` (one per message; ``bulk``: the messages still
+    read), the next column's markers, and the messages still read after it (a message whose marker or
+    length does not fit is dropped, and reads as null here). None: a value is not UTF-8, or the
+    column's texts overflow one array."""
     count = len(position)
-    if bool((position >= ends).any()):
-        return None
-    kind = buffer[position]
-    text = kind == _TEXT
-    if not bool((text | (kind == _NULL)).all()) or bool((text & (position + 5 > ends)).any()):
-        return None
-    # A null's length bytes are not there: read the message's first bytes instead, then zero them.
+    inside = bulk & (position < ends)
+    kind = buffer[np.where(inside, position, 0)]
+    is_text = kind == _TEXT
+    bulk = inside & (is_text | (kind == _NULL)) & ~(is_text & (position + 5 > ends))
+    text = bulk & is_text
+    # A null's (or a dropped message's) length bytes are not read: the buffer's first bytes instead,
+    # then zeroed.
     head = np.where(text, position + 1, 0)
     size = (
         (buffer[head].astype(np.int64) << 24)
@@ -83,10 +96,11 @@ def _column(
         | (buffer[head + 2].astype(np.int64) << 8)
         | buffer[head + 3].astype(np.int64)
     )
-    size = np.where(text, size, 0)
     first = position + 5
-    if bool((text & (first + size > ends)).any()):
-        return None
+    fits = ~text | (first + size <= ends)
+    bulk &= fits
+    text &= fits
+    size = np.where(text, size, 0)
     offsets = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(size, out=offsets[1:])
     total = int(offsets[-1])
@@ -106,4 +120,4 @@ def _column(
         array.validate(full=True)  # UTF-8, as str.decode would insist
     except pa.ArrowInvalid:
         return None
-    return array, np.where(text, first + size, position + 1)
+    return array, np.where(text, first + size, position + 1), bulk

@@ -1,4 +1,4 @@
-"""Insert messages decoded in bulk give exactly what the message-by-message decoder gives.
+"""Change messages decoded in bulk give exactly what the message-by-message decoder gives.
 
 The oracle is :func:`faucet_postgres.pgoutput.decode`. Messages are generated (widths, nulls, any text,
 bytes that are not UTF-8, and malformed messages: cut short, a wrong column count, a length past the
@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from faucet_postgres import pgoutput as pg
 from faucet_postgres.cdc_rows import DELETE, INSERT, UPDATE, Rows, Table
-from faucet_postgres.pgoutput_columns import tuple_columns, tuple_width
+from faucet_postgres.pgoutput_columns import tuple_columns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,8 +61,8 @@ values = st.one_of(
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> tuple[int, list[bytes], bool]:
-    """A width, Insert messages of that width (some maybe malformed), and whether any is."""
+def batches(draw: st.DrawFn) -> tuple[int, list[bytes], int | None]:
+    """A width, Insert messages of that width, and the one that is damaged (None: none is)."""
     width = draw(st.integers(0, 5))
     count = draw(st.integers(1, 25))
     messages = [message(draw(st.lists(values, min_size=width, max_size=width))) for _ in range(count)]
@@ -83,39 +83,60 @@ def batches(draw: st.DrawFn) -> tuple[int, list[bytes], bool]:
             messages[index] = bytes(whole)
         else:
             messages[index] = message(row, marker=b"b" if damage == "marker_b" else b"u")
-    return width, messages, malformed
+    return width, messages, index if malformed else None
 
 
 def columns_as_rows(columns: list[pa.Array], count: int) -> list[tuple[str | None, ...]]:
     return list(zip(*(column.to_pylist() for column in columns), strict=True)) if columns else [()] * count
 
 
+def decoded_alone(data: bytes, width: int) -> tuple[str | None, ...] | None:
+    """What the decoder gives for one message of a ``width``-column table (None: it refuses it, or
+    the message declares another column count)."""
+    try:
+        decoded = pg.decode(data)
+    except IntegrityError:
+        return None
+    assert isinstance(decoded, pg.Insert)
+    return decoded.new.values if len(decoded.new.values) == width else None
+
+
 @settings(max_examples=400, deadline=None)
 @given(batches())
-def test_bulk_decoding_gives_the_decoders_texts_or_declines(case: tuple[int, list[bytes], bool]) -> None:
-    width, messages, malformed = case
-    want = reference(messages)
-    got = tuple_columns(messages, width)
-    if want is None or any(tuple_width(data) != width for data in messages if len(data) > 7):
-        # The decoder refuses one of them (or one does not declare the table's width): bulk declines,
-        # so the caller decodes one by one and raises the decoder's own error.
-        assert got is None
+def test_bulk_decoding_gives_the_decoders_texts_or_leaves_the_message_out(
+    case: tuple[int, list[bytes], int | None],
+) -> None:
+    width, messages, damaged = case
+    alone = [decoded_alone(data, width) for data in messages]
+    found = tuple_columns(messages, width)
+    if found is None:
+        # The whole batch declined: only for a value that is not UTF-8, which the decoder refuses.
+        assert any(values is None for values in alone), "declined a batch the decoder reads"
         return
-    if got is None:
-        # Declining what the decoder reads is allowed only for a damaged message it still reads (an
-        # unchanged-value marker, which never comes in an insert): the caller then decodes one by one.
-        assert malformed, "bulk decoding declined well-formed messages"
-        return
-    assert all(len(column) == len(messages) for column in got)
-    assert columns_as_rows(got, len(messages)) == want
+    columns, bulk = found
+    assert len(bulk) == len(messages)
+    for index, values in enumerate(alone):
+        if values is None:
+            # The decoder refuses it (or it is not the table's width): left out, for the caller to
+            # decode on its own and raise the decoder's error.
+            assert not bulk[index], f"message {index} decoded in bulk, the decoder refuses it"
+        elif not bulk[index]:
+            # Leaving out what the decoder reads is allowed only for a damaged message it still reads
+            # (an unchanged-value marker, which never comes in an insert).
+            assert index == damaged, f"well-formed message {index} left out"
+    assert all(len(column) == int(bulk.sum()) for column in columns)
+    kept = [values for values, taken in zip(alone, bulk, strict=True) if taken]
+    assert columns_as_rows(columns, len(kept)) == kept
 
 
 def test_well_formed_inserts_are_decoded_in_bulk_not_declined() -> None:
     rows: list[list[Value]] = [["1", None, "été ✓"], [None, None, None], ["", "x" * 300, "\x00"]]
     messages = [message(row) for row in rows]
-    got = tuple_columns(messages, 3)
-    assert got is not None
-    assert columns_as_rows(got, 3) == reference(messages)
+    found = tuple_columns(messages, 3)
+    assert found is not None
+    columns, bulk = found
+    assert bulk.all()
+    assert columns_as_rows(columns, 3) == reference(messages)
 
 
 def test_a_table_batch_merges_encoded_and_decoded_rows_in_their_order() -> None:
@@ -146,9 +167,9 @@ def test_a_malformed_encoded_insert_raises_the_decoders_error_from_its_batch() -
         table.batch(rows)
 
 
-def test_an_update_that_left_a_value_out_is_decoded_one_by_one_and_names_it() -> None:
-    """An update's 'u' marker (a TOASTed value it left unchanged) is declined by bulk decoding; the
-    batch then decodes each kept message and names the column, as a decoded update's row does."""
+def test_an_update_that_left_a_value_out_is_decoded_alone_and_names_it() -> None:
+    """An update's 'u' marker (a TOASTed value it left unchanged) is left out by bulk decoding; the
+    batch decodes that message alone and names the column, as a decoded update's row does."""
     relation = pg.Relation(
         RELATION, "public", "t", "d", (pg.Column("id", 20, -1, True), pg.Column("doc", 25, -1, False))
     )
@@ -157,6 +178,10 @@ def test_an_update_that_left_a_value_out_is_decoded_one_by_one_and_names_it() ->
     left_out = bytearray(b"U" + message(["8", None])[1:])
     left_out[-1:] = b"u"  # the second column: unchanged
     deleted = b"D" + message(["9", None])[1:5] + b"K" + message(["9", None])[6:]
+    # Only that message is left out of bulk decoding, not its batch.
+    found = tuple_columns([untouched, bytes(left_out), deleted], 2)
+    assert found is not None
+    assert found[1].tolist() == [True, False, True]
     rows = Rows()
     rows.values.extend([untouched, bytes(left_out), deleted, ("10", "text")])
     rows.operations.extend([UPDATE, UPDATE, DELETE, INSERT])
