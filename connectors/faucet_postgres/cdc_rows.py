@@ -80,11 +80,8 @@ class Table:
         declines the whole batch, every message is."""
         kept = np.fromiter(map(isinstance, values, repeat(bytes)), dtype=np.bool_, count=len(values))
         encoded = cast(list[bytes], list(compress(values, kept)))
-        found = tuple_columns(encoded, self.width) if encoded else ([], np.ones(0, dtype=np.bool_))
-        if found is None:
-            values, unchanged = self._one_by_one(values, unchanged)
-            kept, found = np.zeros(len(values), dtype=np.bool_), ([], np.ones(0, dtype=np.bool_))
-        columns, bulk = found
+        found = tuple_columns(encoded, self.width) if encoded else None
+        columns, bulk = ([], np.zeros(len(encoded), dtype=np.bool_)) if found is None else found
         if not bool(bulk.all()):
             values, unchanged = list(values), list(unchanged)
             for index in np.flatnonzero(kept)[~bulk].tolist():
@@ -104,18 +101,6 @@ class Table:
             for bulk_column, one in zip(columns, decoded, strict=True)
         ]
         return merged, unchanged
-
-    def _one_by_one(
-        self, values: Sequence[RowValues], unchanged: list[list[str] | None]
-    ) -> tuple[list[RowValues], list[list[str] | None]]:
-        rows: list[RowValues] = []
-        names: list[list[str] | None] = []
-        for row, missing in zip(values, unchanged, strict=True):
-            if type(row) is bytes:
-                row, missing = self._decoded(row)
-            rows.append(row)
-            names.append(missing)
-        return rows, names
 
     def _decoded(self, message: bytes) -> tuple[Sequence[str | None], list[str] | None]:
         """A change message kept encoded, decoded: its row's values and unchanged columns, by the

@@ -45,7 +45,6 @@ from faucet_dagster.protocol import (
     Page,
     conform_values,
 )
-from faucet_dagster.protocol.lattice import lands_as_is
 from faucet_sql.config import SqlSourceConfig
 from faucet_sql.database import ROW_VALUE_DIALECTS, Converter, Database, arrow_type, converter, db_error
 
@@ -70,7 +69,7 @@ class _ReadPlan:
     plain_rows: bool
     """The selected columns are the output columns, and neither SQLAlchemy nor a converter changes
     their values: pages are read as the DBAPI's tuples, and each column converted by Arrow in one call
-    where that lands its values exactly (:meth:`SqlSource._as_is`)."""
+    where that lands its values exactly (:meth:`SqlSource._typed`, :func:`conform_values`)."""
     unique_order: bool
     """The key is the table's primary key (so ``(cursor, key)`` is unique); a configured key may not
     be, and pages are then cut between positions only (:meth:`SqlSource._whole_positions`)."""
@@ -239,7 +238,7 @@ class SqlSource(KeysetSource):
             values = list(map(itemgetter(names.index(field.name)), rows))
             if convert is not None:
                 values = convert(values)
-            array = self._as_is(values, field.type) if plan.plain_rows else None
+            array = self._typed(values, field.type) if plan.plain_rows else None
             if array is None:
                 array, unfit = conform_values(values, field.type, field.name)
                 if unfit:
@@ -252,12 +251,13 @@ class SqlSource(KeysetSource):
             arrays.append(array)
         return pa.RecordBatch.from_arrays(arrays, schema=plan.schema), last, fetched
 
-    def _as_is(self, values: list[Any], kind: pa.DataType) -> pa.Array | None:
-        """``values`` of a column as one Arrow array converted in one call, when that call lands them
-        exactly; None when the values need :func:`conform_values` (which also names a value that does
-        not fit). SQLite keeps any value in any column (a REAL in an INTEGER one), and the one call
-        would truncate 1.5 to 1: there only values of the column's own kind take it."""
-        if self.db.dialect == "sqlite" and not lands_as_is(values, kind):
+    def _typed(self, values: list[Any], kind: pa.DataType) -> pa.Array | None:
+        """``values`` of a column converted in one Arrow call, trusting the DBAPI's types; None when
+        the lattice must conform them (:func:`conform_values`, which names a value that does not fit).
+        SQLite keeps any value in any column (a REAL in an INTEGER one), and the one call would
+        truncate 1.5 to 1: there the lattice always decides (it takes the one call itself when every
+        value is of the column's own kind)."""
+        if self.db.dialect == "sqlite":
             return None
         try:
             return pa.array(values, kind)
